@@ -1,0 +1,3 @@
+from kvdiff.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""The chunked-generation engine and the reference continuous path."""

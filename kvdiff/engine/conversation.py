@@ -1,0 +1,59 @@
+"""Conversations: validated chat messages, and how they are built from CLI-style input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvdiff.errors import InputError
+
+ROLES = ("system", "user", "assistant")
+Messages = list[dict[str, str]]
+
+
+def validate_messages(messages) -> Messages:
+    """Check a conversation: a non-empty list of {role, content} with known roles."""
+    if not isinstance(messages, list) or not messages:
+        raise InputError("a conversation must be a non-empty list of {role, content} messages")
+    out: Messages = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or set(message) - {"role", "content"}:
+            raise InputError(f"message {i} must be an object with keys 'role' and 'content' only")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise InputError(f"message {i} has unknown role {role!r}: use one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise InputError(f"message {i} content must be a string")
+        out.append({"role": role, "content": content})
+    if out[-1]["role"] != "user":
+        raise InputError("the last message must be from the user: kvdiff generates the reply")
+    if not any(m["content"].strip() for m in out):
+        raise InputError("the conversation is empty: give a non-empty prompt")
+    return out
+
+
+def build_messages(prompt: str | None, system: str | None = None, messages_file: Path | None = None) -> Messages:
+    """A conversation from `--prompt`/`--system`, or from a JSON `--messages` file."""
+    if messages_file is not None:
+        if prompt is not None or system is not None:
+            raise InputError("give either --messages or --prompt/--system, not both")
+        try:
+            raw = Path(messages_file).read_bytes()
+        except OSError as exc:
+            raise InputError(f"cannot read messages file {messages_file}: {exc.strerror}") from None
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise InputError(f"messages file {messages_file} is not UTF-8 text") from None
+        except json.JSONDecodeError as exc:
+            raise InputError(f"messages file {messages_file} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+        if isinstance(data, dict) and "messages" in data:
+            data = data["messages"]
+        return validate_messages(data)
+    if prompt is None:
+        raise InputError("no prompt: give --prompt TEXT (and optionally --system TEXT) or --messages FILE")
+    messages: Messages = []
+    if system is not None:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": prompt})
+    return validate_messages(messages)

