@@ -1,0 +1,1 @@
+"""Probe points, capture sinks, and HDF5 traces."""

@@ -1,0 +1,37 @@
+"""Probe point names: the same on every path (reference, engine, a user's model).
+
+Named after what they hold, in dataflow order within a decoder layer, as TransformerLens does.
+Row layout of every capture is (tokens, ...) indexed by 0-based global position.
+"""
+
+from __future__ import annotations
+
+# Per decoder layer, in dataflow order.
+LAYER_POINTS: tuple[str, ...] = (
+    "resid_pre",   # (T, hidden)   input of the decoder layer
+    "attn_norm",   # (T, hidden)   input_layernorm output
+    "q",           # (T, n_heads, head_dim)     query after q-norm (if any) and RoPE, as attention reads it
+    "k_pre_rope",  # (T, n_kv_heads, head_dim)  key after k-norm (if any), before RoPE
+    "k",           # (T, n_kv_heads, head_dim)  key after RoPE, as stored in the cache / read by attention
+    "v",           # (T, n_kv_heads, head_dim)
+    "attn_out",    # (T, hidden)   o_proj output
+    "resid_mid",   # (T, hidden)   resid_pre + attn_out
+    "mlp_norm",    # (T, hidden)   post_attention_layernorm output
+    "mlp_out",     # (T, hidden)   MLP output
+    "resid_post",  # (T, hidden)   output of the decoder layer
+)
+
+# After the last layer.
+FINAL_POINTS: tuple[str, ...] = ("final_norm", "logits")
+
+ALL_POINTS: tuple[str, ...] = LAYER_POINTS + FINAL_POINTS
+
+# Norm modules whose per-token statistics are recorded: per layer, and once after the last layer.
+LAYER_NORMS: tuple[str, ...] = ("attn_norm", "mlp_norm")
+FINAL_NORMS: tuple[str, ...] = ("final_norm",)
+
+# Per-token norm statistics, computed in float64.
+NORM_STATS: tuple[str, ...] = ("input_rms", "mean", "variance", "max_abs", "output_rms")
+
+# Dataflow rank of a point inside a layer; final points come after every layer point.
+POINT_ORDER: dict[str, int] = {name: i for i, name in enumerate(ALL_POINTS)}

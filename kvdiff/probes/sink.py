@@ -1,0 +1,44 @@
+"""The capture sink: what every instrumented path (reference hooks, the engine) calls.
+
+A path calls `begin_forward` before each model forward, `capture` at each probe point for the
+rows it computes (or, for `k`/`v`, the rows attention reads), and `end_forward` after it.
+Implementations copy tensors at capture time and check integrity at `end_forward`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where the K/V rows at some global positions came from (engine paths)."""
+
+    chunk: str                    # chunk name: "system", "user", "user#2", "generation", "chunk3", "decode"
+    prefill_id: int               # which engine forward computed them (0-based, per engine run)
+    encoded_positions: Sequence[int]  # positions RoPE encoded them at
+    reused: bool                  # read from the cache rather than computed in this request
+
+
+class ProbeSink(Protocol):
+    def begin_forward(self, positions: Sequence[int]) -> None:
+        """A forward over rows at these global positions starts."""
+
+    def capture(self, point: str, layer: int | None, rows: torch.Tensor, positions: Sequence[int]) -> None:
+        """Rows (T, ...) of probe `point` at `layer` (None for final points) at global `positions`."""
+
+    def capture_norm(self, norm: str, layer: int | None, norm_input: torch.Tensor, norm_output: torch.Tensor,
+                     positions: Sequence[int]) -> None:
+        """A norm module's input and output rows; the sink computes the fp64 statistics."""
+
+    def provenance(self, positions: Sequence[int], source: Provenance) -> None:
+        """Record where the K/V at these positions came from."""
+
+    def capture_step(self, step: int, position: int, logits_row: torch.Tensor, token_id: int) -> None:
+        """A generated step: the logits row that chose `token_id` (the sink keeps top-k and margin)."""
+
+    def end_forward(self) -> None:
+        """The forward is over: every declared probe must have fired once per layer."""
