@@ -24,6 +24,9 @@ class Provenance:
 
 
 class ProbeSink(Protocol):
+    def wants(self, point: str, layer: int | None) -> bool:
+        """Whether this sink records `point` at `layer`; paths skip work for points it does not want."""
+
     def begin_forward(self, positions: Sequence[int]) -> None:
         """A forward over rows at these global positions starts."""
 
