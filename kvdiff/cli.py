@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from contextlib import contextmanager
 import sys
 import traceback
 from pathlib import Path
@@ -24,7 +25,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-_state = {"verbose": 0}
+_state = {"verbose": 0, "quiet": False}
 
 
 def _configure_logging(verbose: int, quiet: bool) -> None:
@@ -79,6 +80,7 @@ def main_options(
 ) -> None:
     """kvdiff compares a chunked / cached generation path against the plain one."""
     _state["verbose"] = verbose
+    _state["quiet"] = quiet
     _configure_logging(verbose, quiet)
 
 
@@ -110,11 +112,79 @@ def generate(
     typer.echo(out.text)
 
 
+_STRATEGY_HELP = "none, prefix, isolated-local, isolated-global, rerotate or blend."
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+@contextmanager
+def _progress():
+    """A transient spinner naming the current stage (on stderr; silent with -q)."""
+    if _state["quiet"]:
+        yield lambda what: None
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=_console(stderr=True), transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+        yield lambda what: bar.update(task, description=what)
+
+
+def _show_report(report: dict, point: Optional[str]) -> None:
+    from kvdiff.reports.terminal import render_terminal
+
+    if not _state["quiet"]:
+        kwargs = {"point": point} if point else {}
+        render_terminal(report, _console(), **kwargs)
+
+
 @app.command()
 @command
-def compare() -> None:
-    """Run the reference and the chunked engine with probes, and report where they part."""
-    _not_yet("compare", 6)
+def compare(
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The user message."),
+    system: Optional[str] = typer.Option(None, "--system", "-s", help="An optional system message."),
+    messages: Optional[Path] = typer.Option(None, "--messages", help="A JSON file of {role, content} messages."),
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Model name, folder or .gguf file."),
+    strategy: str = typer.Option("prefix", "--strategy", help="Chunk strategy: " + _STRATEGY_HELP),
+    numerics: str = typer.Option("exact", "--numerics", help="exact (batch-invariant) or fast (cascade attention)."),
+    recompute_ratio: float = typer.Option(0.15, "--recompute-ratio", help="Share of chunk tokens blend recomputes."),
+    chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Cut the prompt into fixed N-token chunks."),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", "-n", help="Tokens to generate."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or auto."),
+    capture: Optional[str] = typer.Option(None, "--capture", help="Probe points to record, comma-separated (default all)."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Layers to record, e.g. 0-3,29 (default all)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (new or empty); default ./kvdiff-runs/<time>-<strategy>."),
+    html: Optional[Path] = typer.Option(None, "--html", help="Also write the HTML report here."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write report.json here."),
+    point: Optional[str] = typer.Option(None, "--point", help="Probe point of the terminal heatmap."),
+) -> None:
+    """Run the reference and the chunked engine with probes, and report where they part.
+
+    Exit 0 when the tokens are identical, 1 when they differ.
+
+    Example: kvdiff compare --system "You are a helpful assistant. Always answer in French." --prompt "What is the capital of France?" --strategy isolated-local
+    """
+    from kvdiff.compare import compare as run_compare
+    from kvdiff.engine.conversation import build_messages
+
+    conversation = build_messages(prompt, system, messages)
+    with _progress() as progress:
+        result = run_compare(
+            conversation, model=model, strategy=strategy, numerics=numerics, recompute_ratio=recompute_ratio,
+            chunk_size=chunk_size, max_new_tokens=max_new_tokens, dtype=dtype, device=device, capture=capture,
+            layers=layers, out=out, html=html, json_path=json_out, progress=progress,
+        )
+    _show_report(result.report, point)
+    log.info("artefacts in %s", result.out_dir)
+    if not _state["quiet"]:
+        typer.echo(f"report: {result.report_html}")
+    raise typer.Exit(result.exit_code)
 
 
 @app.command()
@@ -126,9 +196,31 @@ def diff() -> None:
 
 @app.command()
 @command
-def report() -> None:
-    """Re-render the reports of a compare run folder."""
-    _not_yet("report", 6)
+def report(
+    run_dir: Path = typer.Argument(..., help="A compare run folder holding report.json."),
+    point: Optional[str] = typer.Option(None, "--point", help="Probe point of the terminal heatmap."),
+) -> None:
+    """Re-render the terminal and HTML reports of a compare run folder from its report.json.
+
+    Example: kvdiff report kvdiff-runs/20261121-120000-isolated-local
+    """
+    import json
+
+    from kvdiff.errors import InputError
+    from kvdiff.reports.html import write_html
+
+    path = run_dir / "report.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{run_dir} holds no report.json: give a folder written by `kvdiff compare`") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path} is not a kvdiff report ({exc})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path} is not a kvdiff report")
+    _show_report(data, point)
+    write_html(data, run_dir / "report.html")
+    raise typer.Exit(0 if data.get("tokens_identical") else 1)
 
 
 @app.command()
@@ -140,16 +232,75 @@ def inspect() -> None:
 
 @app.command()
 @command
-def gate() -> None:
-    """Run a file of cases as a CI gate: every case must give byte-identical tokens."""
-    _not_yet("gate", 6)
+def gate(
+    cases_file: Path = typer.Argument(..., help="A TOML file of [[case]] tables."),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML here."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for the failing cases' reports."),
+) -> None:
+    """Run a file of cases as a CI gate: every case must give byte-identical tokens.
+
+    Exit 0 when all pass, 1 when any case fails or errors.
+
+    Example: kvdiff gate tests/gate/default.toml --junit gate.xml --out gate-reports
+    """
+    from rich.markup import escape
+    from rich.table import Table
+
+    from kvdiff.compare import prepare_out_dir
+    from kvdiff.gate.cases import load_cases
+    from kvdiff.gate.runner import run_cases, write_junit
+
+    cases = load_cases(cases_file)
+    out_dir = prepare_out_dir(out, "gate")
+    with _progress() as progress:
+        def announce(outcome):
+            progress(f"{outcome.name}: {outcome.status}")
+
+        outcomes = run_cases(cases, out_dir, on_case=announce)
+    if junit is not None:
+        write_junit(outcomes, junit)
+    table = Table(title=f"kvdiff gate: {cases_file}")
+    for column in ("case", "result", "seconds", "detail"):
+        table.add_column(column)
+    colours = {"passed": "green", "failed": "red", "error": "yellow"}
+    for o in outcomes:
+        detail = o.message + (f" (report: {o.report_dir})" if o.report_dir else "")
+        table.add_row(escape(o.name), f"[{colours[o.status]}]{o.status}[/]", f"{o.seconds:.1f}", escape(detail))
+    if not _state["quiet"]:
+        _console().print(table)
+    raise typer.Exit(0 if all(o.status == "passed" for o in outcomes) else 1)
+
+
+BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @app.command()
 @command
-def bench() -> None:
-    """Run the project's benchmarks and print the figures."""
-    _not_yet("bench", 3)
+def bench(
+    names: Optional[list[str]] = typer.Argument(None, help="Benchmarks to run (default: all), e.g. engine capture diff."),
+) -> None:
+    """Run the project's benchmarks (benchmarks/bench_*.py in the source checkout) and print the figures.
+
+    Example: kvdiff bench engine
+    """
+    import subprocess
+
+    from kvdiff.errors import InputError
+
+    if not BENCHMARKS_DIR.is_dir():
+        raise InputError(f"no benchmarks folder at {BENCHMARKS_DIR}: run `kvdiff bench` from a source checkout")
+    available = {p.stem.removeprefix("bench_"): p for p in sorted(BENCHMARKS_DIR.glob("bench_*.py"))}
+    chosen = names or list(available)
+    unknown = [n for n in chosen if n not in available]
+    if unknown:
+        raise InputError(f"unknown benchmark(s) {', '.join(unknown)}: available are {', '.join(available)}")
+    failed = []
+    for name in chosen:
+        log.info("running benchmark %s", name)
+        if subprocess.run([sys.executable, str(available[name])], check=False).returncode != 0:
+            failed.append(name)
+    if failed:
+        raise KvdiffError(f"benchmark(s) {', '.join(failed)} failed: see their output above")
 
 
 def main() -> None:

@@ -1,0 +1,183 @@
+"""`kvdiff compare`: reference and chunked engine, both probed, diffed, reported into one folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from kvdiff.engine.conversation import Messages, validate_messages
+from kvdiff.errors import InputError
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("none", "prefix", "isolated-local", "isolated-global", "rerotate", "blend")
+NUMERICS = ("exact", "fast")
+RUNS_ROOT = Path("kvdiff-runs")
+ARTEFACTS = ("reference.h5", "candidate.h5", "report.json", "report.html")
+
+
+@dataclass
+class CompareResult:
+    """What a compare run produced: the divergence and where its artefacts are."""
+
+    divergence: object  # kvdiff.analysis.Divergence
+    report: dict
+    out_dir: Path
+    reference_trace: Path
+    candidate_trace: Path
+    report_json: Path
+    report_html: Path
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.divergence.tokens_identical else 1
+
+    @property
+    def summary(self) -> str:
+        """One line: verdict, first token flip, first divergence, diagnoses."""
+        r = self.report
+        if r["tokens_identical"]:
+            return "tokens identical"
+        parts = []
+        flip = r.get("first_token_divergence")
+        if flip:
+            parts.append(f"tokens differ at step {flip['step']} ({flip['reference_token']} vs {flip['candidate_token']})")
+        first = r.get("first_divergence")
+        if first:
+            parts.append(f"first divergence at layer {first['layer']} position {first['position']} {first['tensor']}")
+        kinds = sorted({d["kind"] for d in r.get("diagnoses", [])})
+        if kinds:
+            parts.append("diagnoses: " + ", ".join(kinds))
+        return "; ".join(parts) or "tokens differ"
+
+
+def check_options(strategy: str, numerics: str, max_new_tokens: int, recompute_ratio: float,
+                  chunk_size: int | None) -> None:
+    """Reject bad options before any model is loaded."""
+    if strategy not in STRATEGIES:
+        raise InputError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+    if numerics not in NUMERICS:
+        raise InputError(f"unknown numerics {numerics!r}: use exact or fast")
+    if not 1 <= max_new_tokens <= 100_000:
+        raise InputError(f"max_new_tokens must be between 1 and 100000, got {max_new_tokens}")
+    if not 0.0 <= recompute_ratio <= 1.0:
+        raise InputError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
+    if chunk_size is not None and chunk_size < 1:
+        raise InputError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+
+
+def prepare_out_dir(out: Path | str | None, strategy: str) -> Path:
+    """A fresh folder for one run: `out` if new or empty, else a new one under ./kvdiff-runs/."""
+    if out is not None:
+        out = Path(out)
+        if out.exists():
+            if not out.is_dir():
+                raise InputError(f"--out {out} exists and is not a folder")
+            if any(out.iterdir()):
+                raise InputError(f"--out {out} already holds files (an earlier run?): choose a new folder or empty it")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"cannot create output folder {out}: {exc.strerror}") from None
+        if not os.access(out, os.W_OK):
+            raise InputError(f"output folder {out} is not writable")
+        return out
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        candidate = RUNS_ROOT / f"{stamp}-{strategy}" if n == 0 else RUNS_ROOT / f"{stamp}-{strategy}-{n}"
+        try:
+            candidate.mkdir(parents=True, exist_ok=False)
+            return candidate
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise InputError(f"cannot create output folder {candidate}: {exc.strerror}") from None
+    raise InputError(f"too many runs in {RUNS_ROOT} this second: pass --out DIR")
+
+
+def write_json_atomically(data: dict, path: Path) -> None:
+    """Write strict JSON (no NaN) under a temporary name, then rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, allow_nan=False, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def compare(
+    messages: Messages,
+    *,
+    model: str = "smollm2-135m",
+    strategy: str = "prefix",
+    numerics: str = "exact",
+    recompute_ratio: float = 0.15,
+    chunk_size: int | None = None,
+    max_new_tokens: int = 16,
+    dtype: str = "float32",
+    device: str = "cpu",
+    capture: str | None = None,
+    layers: str | None = None,
+    out: Path | str | None = None,
+    html: Path | str | None = None,
+    json_path: Path | str | None = None,
+    model_cache: dict | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> CompareResult:
+    """Run the reference and the chunked engine on `messages`, probe both, diff, and report.
+
+    Writes reference.h5, candidate.h5, report.json and report.html into `out` (default: a new
+    folder under ./kvdiff-runs/). `html`/`json_path` write extra copies of the reports.
+    """
+    import kvdiff
+    from kvdiff.analysis import diff
+    from kvdiff.engine import Engine
+    from kvdiff.engine.numerics import exact_numerics
+    from kvdiff.probes.recorder import TraceRecorder
+    from kvdiff.reports.html import write_html
+
+    step = progress or (lambda what: log.info("%s", what))
+    messages = validate_messages(messages)
+    check_options(strategy, numerics, max_new_tokens, recompute_ratio, chunk_size)
+    out_dir = prepare_out_dir(out, strategy)
+
+    step("loading model")
+    key = (model, dtype, device)
+    if model_cache is not None and key in model_cache:
+        loaded, tokenizer = model_cache[key]
+    else:
+        loaded, tokenizer = kvdiff.load_model(model, dtype=dtype, device=device)
+        if model_cache is not None:
+            model_cache[key] = (loaded, tokenizer)
+
+    reference_path = out_dir / "reference.h5"
+    candidate_path = out_dir / "candidate.h5"
+    numerics_ctx = exact_numerics(loaded) if numerics == "exact" else nullcontext()
+    step("recording the reference")
+    with numerics_ctx:
+        kvdiff.record(loaded, tokenizer, messages, reference_path, max_new_tokens=max_new_tokens,
+                      capture=capture, layers=layers, strategy="reference", numerics=numerics)
+
+    step(f"running the engine ({strategy}, {numerics})")
+    engine = Engine(loaded, tokenizer, strategy=strategy, numerics=numerics,
+                    chunk_size=chunk_size, recompute_ratio=recompute_ratio)
+    recorder = TraceRecorder.for_model(loaded, tokenizer, messages, candidate_path, strategy=strategy,
+                                       numerics=numerics, capture=capture, layers=layers)
+    (output,) = engine.generate([messages], max_new_tokens=max_new_tokens, sinks={0: recorder})
+    recorder.finish(output.token_ids, output.text, output.chunks)
+
+    step("diffing")
+    divergence = diff(reference_path, candidate_path, tokenizer=tokenizer)
+    report = divergence.to_json()
+    report_json = out_dir / "report.json"
+    report_html = out_dir / "report.html"
+    write_json_atomically(report, report_json)
+    write_html(report, report_html)
+    if json_path is not None:
+        write_json_atomically(report, Path(json_path))
+    if html is not None:
+        write_html(report, Path(html))
+    return CompareResult(divergence, report, out_dir, reference_path, candidate_path, report_json, report_html)

@@ -1,0 +1,96 @@
+"""Run gate cases like `kvdiff compare`, collect outcomes, write JUnit XML."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from kvdiff.errors import KvdiffError
+from kvdiff.gate.cases import GateCase
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CaseOutcome:
+    """What one gate case gave: passed, failed (tokens differ) or error (it could not run)."""
+
+    name: str
+    status: str  # "passed" | "failed" | "error"
+    seconds: float
+    message: str
+    report_dir: Path | None = None
+
+
+def _safe_dirname(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "case"
+
+
+def run_cases(cases: list[GateCase], out_dir: Path, compare_fn: Callable | None = None,
+              on_case: Callable[[CaseOutcome], None] | None = None) -> list[CaseOutcome]:
+    """Run every case; a case that crashes is an error outcome and the others still run.
+
+    Each case runs into its own folder under `out_dir`; folders of passing cases are removed,
+    so what is left is one report folder per failing case.
+    """
+    from kvdiff.compare import compare
+
+    compare_fn = compare_fn or compare
+    models: dict = {}
+    outcomes: list[CaseOutcome] = []
+    for case in cases:
+        case_dir = out_dir / _safe_dirname(case.name)
+        start = time.perf_counter()
+        try:
+            result = compare_fn(case.messages, out=case_dir, model_cache=models, **case.options)
+        except KvdiffError as exc:
+            outcome = CaseOutcome(case.name, "error", time.perf_counter() - start, str(exc))
+        except Exception as exc:  # a crashing case is reported; the rest of the gate still runs
+            log.debug("case %s crashed:\n%s", case.name, traceback.format_exc())
+            outcome = CaseOutcome(case.name, "error", time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
+        else:
+            elapsed = time.perf_counter() - start
+            if result.divergence.tokens_identical:
+                outcome = CaseOutcome(case.name, "passed", elapsed, "tokens identical")
+                _remove_tree(case_dir)
+            else:
+                outcome = CaseOutcome(case.name, "failed", elapsed, result.summary, case_dir)
+        outcomes.append(outcome)
+        if on_case is not None:
+            on_case(outcome)
+    return outcomes
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def write_junit(outcomes: list[CaseOutcome], path: Path, suite: str = "kvdiff-gate") -> None:
+    """Write JUnit XML: one testcase per gate case, <failure> or <error> where it did not pass."""
+    root = ET.Element(
+        "testsuite",
+        name=suite,
+        tests=str(len(outcomes)),
+        failures=str(sum(o.status == "failed" for o in outcomes)),
+        errors=str(sum(o.status == "error" for o in outcomes)),
+        time=f"{sum(o.seconds for o in outcomes):.3f}",
+    )
+    for o in outcomes:
+        case = ET.SubElement(root, "testcase", classname=suite, name=o.name, time=f"{o.seconds:.3f}")
+        if o.status == "failed":
+            failure = ET.SubElement(case, "failure", message=o.message.splitlines()[0] if o.message else "")
+            failure.text = o.message + (f"\nreport: {o.report_dir}" if o.report_dir else "")
+        elif o.status == "error":
+            ET.SubElement(case, "error", message=o.message).text = o.message
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    ET.ElementTree(root).write(tmp, encoding="utf-8", xml_declaration=True)
+    tmp.replace(path)
