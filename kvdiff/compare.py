@@ -89,8 +89,9 @@ def prepare_out_dir(out: Path | str | None, strategy: str) -> Path:
             raise InputError(f"output folder {out} is not writable")
         return out
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    root = Path.cwd() / RUNS_ROOT
     for n in range(1000):
-        candidate = RUNS_ROOT / f"{stamp}-{strategy}" if n == 0 else RUNS_ROOT / f"{stamp}-{strategy}-{n}"
+        candidate = root / f"{stamp}-{strategy}" if n == 0 else root / f"{stamp}-{strategy}-{n}"
         try:
             candidate.mkdir(parents=True, exist_ok=False)
             return candidate
