@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from rich.text import Text
 
-from kvdiff.reports.view import TIERS, ReportView
+from kvdiff.reports.view import TIERS, ReportView, printable
 
 GLYPHS: dict[str | None, str] = {
     "bitwise": "·", "noise": "░", "divergent": "█", "incomparable": "/", None: " ",
@@ -107,7 +107,7 @@ def _header(segs: list[Segment], counts: list[int], positions: Sequence[int], pa
     names, starts = Text(" " * pad), Text(" " * pad)
     for k, (seg, count) in enumerate(zip(segs, counts)):
         sep = "│" if k else ""
-        names.append(sep + seg.name[:count].ljust(count), style="cyan")
+        names.append(sep + printable(seg.name)[:count].ljust(count), style="cyan")
         starts.append(sep + str(positions[seg.columns[0]])[:count].ljust(count), style="grey50")
     return Text("\n").join([names, starts])
 

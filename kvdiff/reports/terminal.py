@@ -7,7 +7,6 @@ text attributes either (bold, reverse), so it emits no ANSI codes at all; marker
 
 from __future__ import annotations
 
-import unicodedata
 from typing import Any
 
 from rich import box
@@ -18,14 +17,7 @@ from rich.text import Text
 
 from kvdiff.errors import InputError
 from kvdiff.reports.heatmap_text import heatmap_text
-from kvdiff.reports.view import ReportView, load_view
-
-
-def printable(text: str) -> str:
-    """`text` with control characters (other than newline and tab) shown as escapes."""
-    return "".join(
-        c if c in "\n\t" or unicodedata.category(c) != "Cc" else repr(c)[1:-1] for c in text
-    )
+from kvdiff.reports.view import ReportView, load_view, printable
 
 
 def _fmt(value: Any) -> str:
@@ -48,10 +40,10 @@ class _Report:
         return "" if self.plain else style
 
     def table(self, *columns: str, title: str) -> Table:
-        table = Table(title=title, box=box.SIMPLE_HEAD, header_style=self.attr("bold"),
+        table = Table(title=Text(title), box=box.SIMPLE_HEAD, header_style=self.attr("bold"),
                       title_style=self.attr("bold"), title_justify="left")
         for column in columns:
-            table.add_column(column, overflow="fold")
+            table.add_column(Text(printable(column)), overflow="fold")
         return table
 
     def verdict(self) -> Panel:
@@ -137,7 +129,7 @@ class _Report:
             evidence = printable(str(diagnosis.get("evidence", "")))
             if extras:
                 evidence += "\n" + ", ".join(f"{k}={_fmt(v)}" for k, v in extras.items())
-            kind = Text(str(diagnosis.get("kind")), style=self.attr("bold") + " yellow")
+            kind = Text(printable(str(diagnosis.get("kind"))), style=self.attr("bold") + " yellow")
             kind.append(f"\nchunk {printable(str(diagnosis.get('chunk', '?')))}, "
                         f"positions {_fmt(diagnosis.get('positions', '?'))}")
             table.add_row(kind, Text(evidence))
@@ -150,7 +142,7 @@ class _Report:
             encoded = Text(_fmt(chunk.encoded) if chunk.encoded else "?")
             if chunk.encoded and chunk.encoded != span:
                 encoded.append(" ≠ positions", style="red")
-            table.add_row(printable(chunk.name), _fmt(span), chunk.hash[:8],
+            table.add_row(Text(printable(chunk.name)), _fmt(span), Text(chunk.hash[:8]),
                           Text(chunk.cache, style="green" if chunk.cache == "hit" else "yellow"),
                           encoded)
         return table

@@ -6,6 +6,7 @@ contract is optional and reads as empty (no heatmaps, no chunks, no firsts).
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,13 @@ class ReportView:
             if candidate in self.heatmaps:
                 return candidate
         return points[0] if points else None
+
+
+def printable(text: str) -> str:
+    """`text` with control characters (other than newline and tab) shown as escapes."""
+    return "".join(
+        c if c in "\n\t" or unicodedata.category(c) != "Cc" else repr(c)[1:-1] for c in text
+    )
 
 
 def _tokens(section: Any) -> list[str]:
