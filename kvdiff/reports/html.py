@@ -4,6 +4,7 @@ The report's data is embedded as JSON in a `<script type="application/json">` bl
 `>`, `&` escaped, and every non-ASCII character, U+2028/2029 included, as a \\u escape) and the
 page script builds the DOM from it with textContent only.
 
+The page script is kvdiff/reports/heatmap.js then report.js, as one inline `<script>`.
 Content-Security-Policy: `default-src 'none'` with the one inline script and the one inline
 style allowed by their sha256 hashes. Hashes rather than 'unsafe-inline': if some model text
 ever escaped its JSON block, an injected script or style would still not run; rather than a
@@ -64,7 +65,8 @@ def render_html(report: dict[str, Any]) -> str:
     view = load_view(report)
     payload = {"report": _portable(report), "points": view.points(),
                "default_point": view.default_point()}
-    style, script = _asset("report.css"), _asset("report.js")
+    style = _asset("report.css")
+    script = _asset("heatmap.js") + "\n" + _asset("report.js")
     if "</" in script or "</" in style:
         raise KvdiffError("kvdiff/reports assets must not contain '</' (it would end their element)")
     csp = (f"default-src 'none'; script-src {_csp_hash(script)}; style-src {_csp_hash(style)}; "
