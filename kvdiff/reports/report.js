@@ -1,0 +1,181 @@
+// kvdiff HTML report. Builds the page from the JSON in #kvdiff-data with textContent only.
+// Runs from <head>, so that errors (script, promise, CSP) anywhere in the page are recorded in
+// the html element's data-errors attribute; the page itself is built on DOMContentLoaded.
+(function () {
+  "use strict";
+  const errors = [];
+  function note(message) {
+    errors.push(String(message));
+    document.documentElement.setAttribute("data-errors", errors.join(" | "));
+  }
+  window.addEventListener("error", (e) => note(e.message || "error"));
+  window.addEventListener("unhandledrejection", (e) => note(e.reason));
+  document.addEventListener("securitypolicyviolation", (e) =>
+    note("CSP violation: " + e.violatedDirective + " " + e.blockedURI));
+
+  let data, R, prompt, refTokens, candTokens, chunks, flip, heatmap;
+
+  function el(tag, cls, text) {
+    const node = document.createElement(tag);
+    if (cls) node.className = cls;
+    if (text !== undefined && text !== null) node.textContent = String(text);
+    return node;
+  }
+  // Non-finite floats arrive as the strings "Infinity", "-Infinity" and "NaN".
+  function num(x) { return x === "Infinity" || x === "-Infinity" || x === "NaN" ? Number(x) : x; }
+  function fmt(x) {
+    if (x === null || x === undefined) return "–";
+    const v = num(x);
+    if (typeof v === "object") return JSON.stringify(v);
+    if (typeof v !== "number") return String(v);
+    if (Number.isInteger(v)) return String(v);
+    return Math.abs(v) < 1e-3 ? v.toExponential(2) : String(Number(v.toPrecision(3)));
+  }
+  function span(p) { return Array.isArray(p) ? p[0] + "–" + p[1] : fmt(p); }
+  function visible(token) { return String(token).replace(/\n/g, "↵").replace(/\t/g, "→"); }
+  function chunkIndexAt(pos) {
+    return chunks.findIndex((c) => c.positions && c.positions[0] <= pos && pos <= c.positions[1]);
+  }
+  function chunkAt(pos) {
+    const i = chunkIndexAt(pos);
+    return i >= 0 ? String(chunks[i].name) : (pos >= prompt.length ? "generated" : "?");
+  }
+  function tokenAt(pos) {
+    if (pos < prompt.length) return prompt[pos];
+    const step = pos - prompt.length;
+    return step < refTokens.length ? refTokens[step] : "";
+  }
+  function verdict() {
+    const head = document.getElementById("verdict");
+    head.className = R.tokens_identical ? "identical" : "divergent";
+    head.append(el("h1", "", String(R.verdict).toUpperCase() + (R.tokens_identical
+      ? " — tokens identical" : flip ? " — tokens differ from step " + flip.step : " — tokens differ")));
+    const cand = R.candidate || {};
+    const meta = (R.metadata && R.metadata.reference) || {};
+    head.append(el("p", "", "candidate strategy " + fmt(cand.strategy) + ", numerics " +
+      fmt(cand.numerics) + (meta.model_name ? " · model " + meta.model_name : "")));
+    const bit = R.first_bit_difference;
+    head.append(el("p", "", bit ? "first bit difference: " + bit.tensor + " at layer " + bit.layer +
+      ", position " + bit.position : "bitwise identical through every probe"));
+  }
+
+  function pointSelector() {
+    const select = document.getElementById("point");
+    for (const p of data.points) select.append(el("option", "", p));
+    select.value = data.default_point;
+    select.addEventListener("change", () => heatmap.draw(select.value));
+  }
+
+  function strip(label, tokens, step) {
+    const row = el("div", "strip");
+    row.append(el("span", "label", label));
+    tokens.forEach((t, i) => {
+      const cls = "tok" + (step === null ? "" : i === step ? " flip" : i > step ? " after" : "");
+      const node = el("span", cls, visible(t));
+      node.title = "step " + i + " · position " + (prompt.length + i);
+      row.append(node);
+    });
+    return row;
+  }
+
+  function generated() {
+    const box = document.getElementById("generated"), step = flip ? flip.step : null;
+    box.append(strip("reference", refTokens, step));
+    box.append(strip("candidate", candTokens, step));
+    if (flip) box.append(el("p", "none", "first token flip at step " + flip.step + ": " +
+      JSON.stringify(String(flip.reference_token)) + " → " + JSON.stringify(String(flip.candidate_token)) +
+      " (top-1 margins " + fmt(flip.reference_margin) + " / " + fmt(flip.candidate_margin) + ")"));
+  }
+
+  function table(id, head, rows) {
+    const t = document.getElementById(id), tr = el("tr");
+    head.forEach((h) => tr.append(el("th", "", h)));
+    t.append(tr);
+    rows.forEach((cells) => {
+      const row = el("tr");
+      cells.forEach((c, i) => row.append(el("td", i > 0 ? "mono" : "", c)));
+      t.append(row);
+    });
+  }
+
+  function firsts() {
+    const rows = [["first bit difference", R.first_bit_difference], ["first tolerance breach", R.first_divergence]]
+      .map(([label, ev]) => ev ? [label, ev.tensor, ev.layer, ev.position + " " + JSON.stringify(String(tokenAt(ev.position))),
+        ev.chunk, ev.tier || "", fmt(ev.max_abs), fmt(ev.rel)] : [label, "none", "", "", "", "", "", ""]);
+    table("firsts", ["event", "tensor", "layer", "position", "chunk", "tier", "max_abs", "rel"], rows);
+  }
+
+  function diagnoses() {
+    const box = document.getElementById("diagnoses"), list = R.diagnoses || [];
+    if (!list.length) box.append(el("p", "none", "no diagnosis"));
+    for (const d of list) {
+      const card = el("div", "diag");
+      card.append(el("h3", "", d.kind));
+      card.append(el("p", "meta", "chunk " + fmt(d.chunk) + " · positions " + span(d.positions)));
+      card.append(el("p", "", d.evidence));
+      const extra = Object.keys(d).filter((k) => !["kind", "chunk", "positions", "evidence"].includes(k));
+      if (extra.length) card.append(el("p", "meta", extra.map((k) => k + " = " + span(d[k])).join(" · ")));
+      box.append(card);
+    }
+  }
+
+  function timeline() {
+    const box = document.getElementById("timeline");
+    chunks.forEach((c, i) => {
+      const seg = el("div", "seg c" + (i % 6)), pos = c.positions || [0, 0];
+      seg.style.flexGrow = String(pos[1] - pos[0] + 1);
+      seg.append(el("b", "", c.name));
+      seg.append(el("span", "", span(pos) + " · " + c.cache + " · " + String(c.hash || "").slice(0, 8)));
+      const enc = c.encoded_positions, moved = enc && (enc[0] !== pos[0] || enc[1] !== pos[1]);
+      seg.append(el("div", moved ? "bad" : "", "encoded at " + span(enc)));
+      box.append(seg);
+    });
+    if (refTokens.length) {
+      const seg = el("div", "seg cgen");
+      seg.style.flexGrow = String(refTokens.length);
+      seg.append(el("b", "", "generated"), el("span", "", prompt.length + "–" + (prompt.length + refTokens.length - 1)));
+      box.append(seg);
+    }
+    const strip = document.getElementById("prompt");
+    prompt.forEach((t, p) => {
+      const i = chunkIndexAt(p), node = el("span", "tok " + (i >= 0 ? "c" + (i % 6) : "cgen"), visible(t));
+      node.title = "position " + p + " · chunk " + chunkAt(p);
+      strip.append(node);
+    });
+  }
+
+  function metadata() {
+    const meta = R.metadata || {}, ref = meta.reference || {}, cand = meta.candidate || {};
+    const keys = [...new Set([...Object.keys(ref), ...Object.keys(cand)])];
+    table("metadata", ["", "reference", "candidate"], keys.map((k) => [k, fmt(ref[k]), fmt(cand[k])]));
+  }
+
+  function main() {
+    data = JSON.parse(document.getElementById("kvdiff-data").textContent);
+    R = data.report;
+    prompt = (R.prompt && R.prompt.tokens) || [];
+    refTokens = (R.reference && R.reference.tokens) || [];
+    candTokens = (R.candidate && R.candidate.tokens) || [];
+    chunks = R.chunks || [];
+    flip = R.first_token_divergence || null;
+    verdict();
+    if (data.default_point) {
+      heatmap = kvdiffHeatmap({ report: R, el, fmt, num, chunkAt, tokenAt,
+        canvas: document.getElementById("heatmap"), tooltip: document.getElementById("tooltip"),
+        wrap: document.getElementById("heatmap-wrap"), legendBox: document.getElementById("legend") });
+      pointSelector();
+      heatmap.draw(data.default_point);
+      document.body.setAttribute("data-nonblank-pixels", String(heatmap.nonBlankPixels()));
+    } else {
+      document.getElementById("heatmap-wrap").replaceChildren(el("p", "none", "no heatmap in this report"));
+    }
+    generated();
+    firsts();
+    diagnoses();
+    timeline();
+    metadata();
+    document.body.setAttribute("data-ready", "1");
+  }
+
+  document.addEventListener("DOMContentLoaded", main);
+})();

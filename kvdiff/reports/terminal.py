@@ -1,0 +1,174 @@
+"""The rich terminal report: verdict, outputs side by side, heatmap, firsts, diagnoses, chunks.
+
+Everything goes through the given Console. With NO_COLOR (console.no_color) the report uses no
+text attributes either (bold, reverse), so it emits no ANSI codes at all; markers such as
+`»token«` and the heatmap glyphs carry the meaning without colour.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich import box
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from kvdiff.errors import InputError
+from kvdiff.reports.heatmap_text import heatmap_text
+from kvdiff.reports.view import ReportView, load_view, printable
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return f"{value[0]}–{value[1]}"
+    return str(value)
+
+
+class _Report:
+    """Renders one view; `plain` drops text attributes (NO_COLOR)."""
+
+    def __init__(self, view: ReportView, console: Console) -> None:
+        self.view = view
+        self.console = console
+        self.plain = console.no_color
+
+    def attr(self, style: str) -> str:
+        return "" if self.plain else style
+
+    def table(self, *columns: str, title: str) -> Table:
+        table = Table(title=Text(title), box=box.SIMPLE_HEAD, header_style=self.attr("bold"),
+                      title_style=self.attr("bold"), title_justify="left")
+        for column in columns:
+            table.add_column(Text(printable(column)), overflow="fold")
+        return table
+
+    def verdict(self) -> Panel:
+        view = self.view
+        candidate = view.section("candidate")
+        flip = view.first("first_token_divergence")
+        ok = view.tokens_identical
+        head = Text(view.verdict.upper(), style=self.attr("bold") + (" green" if ok else " red"))
+        head.append(" — tokens identical" if ok else
+                    f" — tokens differ from step {flip['step']}" if flip else " — tokens differ")
+        body = Text(f"candidate: strategy {candidate.get('strategy', '?')}, "
+                    f"numerics {candidate.get('numerics', '?')}")
+        model = view.section("metadata").get("reference", {}).get("model_name")
+        if model:
+            body.append(f"   model: {printable(str(model))}")
+        bit = view.first("first_bit_difference")
+        body.append("\nbitwise identical through every probe" if bit is None else
+                    f"\nfirst bit difference: layer {bit.get('layer')}, position {bit.get('position')}")
+        return Panel(Group(head, body), title="kvdiff", title_align="left",
+                     border_style="green" if ok else "red")
+
+    def tokens(self, tokens: list[str], step: int | None, fallback: str) -> Text:
+        if not tokens:
+            return Text(printable(fallback))
+        text = Text()
+        for i, token in enumerate(tokens):
+            if i == step:
+                text.append(f"»{printable(token)}«", style=self.attr("bold reverse") + " red")
+            else:
+                text.append(printable(token), style="grey50" if step is not None and i > step else "")
+        return text
+
+    def outputs(self) -> Table:
+        view = self.view
+        flip = view.first("first_token_divergence")
+        step = int(flip["step"]) if flip and "step" in flip else None
+        candidate = view.section("candidate")
+        table = self.table("reference", f"candidate ({candidate.get('strategy', '?')})",
+                           title="outputs" + (f" (»…« first divergent token, step {step})"
+                                              if step is not None else ""))
+        table.columns[0].ratio = table.columns[1].ratio = 1
+        table.expand = True
+        table.add_row(self.tokens(view.reference_tokens, step, view.section("reference").get("text", "")),
+                      self.tokens(view.candidate_tokens, step, candidate.get("text", "")))
+        return table
+
+    def where(self, position: Any) -> str:
+        if not isinstance(position, int):
+            return "?"
+        return f"{position} {printable(repr(self.view.token_at(position)))}"
+
+    def firsts(self) -> Table:
+        table = self.table("event", "details", title="firsts")
+        for label, key in (("first bit difference", "first_bit_difference"),
+                           ("first tolerance breach", "first_divergence")):
+            event = self.view.first(key)
+            if event is None:
+                table.add_row(label, "none")
+                continue
+            tier = f"{event['tier']}, " if "tier" in event else ""
+            table.add_row(label, Text(
+                f"{event.get('tensor')} at layer {event.get('layer')}, position "
+                f"{self.where(event.get('position'))}, chunk {printable(str(event.get('chunk')))}\n"
+                f"{tier}max_abs {_fmt(event.get('max_abs'))}, rel {_fmt(event.get('rel'))}"))
+        flip = self.view.first("first_token_divergence")
+        if flip is None:
+            table.add_row("first token flip", "none")
+        else:
+            table.add_row("first token flip", Text(printable(
+                f"step {flip.get('step')}: {flip.get('reference_token')!r} -> "
+                f"{flip.get('candidate_token')!r}\n"
+                f"top-1 margins: reference {_fmt(flip.get('reference_margin'))}, "
+                f"candidate {_fmt(flip.get('candidate_margin'))}")))
+        return table
+
+    def diagnoses(self) -> Table:
+        table = self.table("diagnosis", "evidence", title="diagnoses")
+        if not self.view.diagnoses:
+            table.add_row("none", "")
+        for diagnosis in self.view.diagnoses:
+            extras = {k: v for k, v in diagnosis.items()
+                      if k not in ("kind", "chunk", "positions", "evidence")}
+            evidence = printable(str(diagnosis.get("evidence", "")))
+            if extras:
+                evidence += "\n" + ", ".join(f"{k}={_fmt(v)}" for k, v in extras.items())
+            kind = Text(printable(str(diagnosis.get("kind"))), style=self.attr("bold") + " yellow")
+            kind.append(f"\nchunk {printable(str(diagnosis.get('chunk', '?')))}, "
+                        f"positions {_fmt(diagnosis.get('positions', '?'))}")
+            table.add_row(kind, Text(evidence))
+        return table
+
+    def chunk_table(self) -> Table:
+        table = self.table("chunk", "positions", "hash", "cache", "encoded at", title="chunks")
+        for chunk in self.view.chunks:
+            span = (chunk.first, chunk.last)
+            encoded = Text(_fmt(chunk.encoded) if chunk.encoded else "?")
+            if chunk.encoded and chunk.encoded != span:
+                encoded.append(" ≠ positions", style="red")
+            table.add_row(Text(printable(chunk.name)), _fmt(span), Text(chunk.hash[:8]),
+                          Text(chunk.cache, style="green" if chunk.cache == "hit" else "yellow"),
+                          encoded)
+        return table
+
+    def heatmap(self, point: str) -> Group:
+        title = Text(f"heatmap: {point} (rel, layers x positions; chunk boundaries │)",
+                     style=self.attr("bold"))
+        return Group(title, heatmap_text(self.view, point, self.console.width))
+
+
+def render_terminal(report: dict[str, Any], console: Console, point: str | None = None) -> None:
+    """Print the report of a run to `console`; `point` picks the heatmap's probe point.
+
+    By default the heatmap shows the point of the first tolerance breach, else `k`.
+    """
+    view = load_view(report)
+    chosen = point or view.default_point()
+    if point is not None and point not in view.heatmaps:
+        known = ", ".join(view.points()) or "none"
+        raise InputError(f"no heatmap for probe point {point!r} in this report (have: {known})")
+    parts = _Report(view, console)
+    console.print(parts.verdict())
+    console.print(parts.outputs())
+    if chosen is not None:
+        console.print(parts.heatmap(chosen))
+    console.print(parts.firsts())
+    console.print(parts.diagnoses())
+    if view.chunks:
+        console.print(parts.chunk_table())

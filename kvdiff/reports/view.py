@@ -1,0 +1,143 @@
+"""A checked, read-only view of a report.json dict, shared by the terminal and HTML renderers.
+
+Only `schema_version`, `verdict` and `tokens_identical` are required; every other key of the
+contract is optional and reads as empty (no heatmaps, no chunks, no firsts).
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdiff.errors import InputError
+from kvdiff.probes.points import ALL_POINTS, POINT_ORDER
+
+SCHEMA_VERSION = 1
+TIERS: tuple[str, ...] = ("bitwise", "noise", "divergent", "incomparable")
+GENERATED = "generated"  # label of positions past the last prompt chunk
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One prompt chunk: global positions [first, last] and where its KV was encoded."""
+
+    name: str
+    first: int
+    last: int
+    hash: str
+    cache: str
+    encoded: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class ReportView:
+    """The report's parts the renderers use, with defaults for absent optional keys."""
+
+    raw: dict[str, Any]
+    verdict: str
+    tokens_identical: bool
+    prompt_tokens: list[str]
+    reference_tokens: list[str]
+    candidate_tokens: list[str]
+    chunks: list[Chunk]
+    heatmaps: dict[str, dict[str, Any]]
+    final: dict[str, dict[str, Any]]
+    diagnoses: list[dict[str, Any]] = field(default_factory=list)
+
+    def section(self, key: str) -> dict[str, Any]:
+        """A dict-valued top-level key ({} when absent or null)."""
+        value = self.raw.get(key)
+        return value if isinstance(value, dict) else {}
+
+    def first(self, key: str) -> dict[str, Any] | None:
+        """`first_token_divergence`, `first_bit_difference` or `first_divergence`, or None."""
+        value = self.raw.get(key)
+        return value if isinstance(value, dict) else None
+
+    def chunk_at(self, position: int) -> str:
+        """Name of the chunk holding `position` ("generated" past the prompt)."""
+        for chunk in self.chunks:
+            if chunk.first <= position <= chunk.last:
+                return chunk.name
+        return GENERATED if position >= len(self.prompt_tokens) else "?"
+
+    def token_at(self, position: int) -> str:
+        """Text of the reference sequence's token at `position` ("" when unknown)."""
+        if position < len(self.prompt_tokens):
+            return self.prompt_tokens[position]
+        step = position - len(self.prompt_tokens)
+        return self.reference_tokens[step] if 0 <= step < len(self.reference_tokens) else ""
+
+    def points(self) -> list[str]:
+        """Probe points with a heatmap, in dataflow order (unknown names last)."""
+        return sorted(self.heatmaps, key=lambda p: (POINT_ORDER.get(p, len(ALL_POINTS)), p))
+
+    def default_point(self) -> str | None:
+        """The point that shows the first tolerance breach, else `k`, else the earliest one."""
+        points = self.points()
+        breach = self.first("first_divergence")
+        for candidate in ((breach or {}).get("tensor"), "k"):
+            if candidate in self.heatmaps:
+                return candidate
+        return points[0] if points else None
+
+
+def printable(text: str) -> str:
+    """`text` with control characters (other than newline and tab) shown as escapes."""
+    return "".join(
+        c if c in "\n\t" or unicodedata.category(c) != "Cc" else repr(c)[1:-1] for c in text
+    )
+
+
+def _tokens(section: Any) -> list[str]:
+    tokens = section.get("tokens") if isinstance(section, dict) else None
+    return [str(t) for t in tokens] if isinstance(tokens, list) else []
+
+
+def _span(value: Any) -> tuple[int, int] | None:
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return int(value[0]), int(value[1])
+    return None
+
+
+def _chunk(entry: dict[str, Any]) -> Chunk:
+    first, last = _span(entry.get("positions")) or (0, -1)
+    return Chunk(
+        name=str(entry.get("name", "?")),
+        first=first,
+        last=last,
+        hash=str(entry.get("hash") or ""),
+        cache=str(entry.get("cache") or "?"),
+        encoded=_span(entry.get("encoded_positions")),
+    )
+
+
+def load_view(report: Any) -> ReportView:
+    """Check `report` (schema_version 1) and wrap it; InputError with one line otherwise."""
+    if not isinstance(report, dict):
+        raise InputError(f"report must be a JSON object, got {type(report).__name__}")
+    version = report.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise InputError(
+            f"report schema_version {version!r} is not supported (expected {SCHEMA_VERSION}); "
+            "re-create it with this kvdiff version"
+        )
+    for key in ("verdict", "tokens_identical"):
+        if key not in report:
+            raise InputError(f"report has no {key!r}: is it a kvdiff report.json?")
+    heatmaps = report.get("heatmaps")
+    final = report.get("final")
+    diagnoses = report.get("diagnoses")
+    return ReportView(
+        raw=report,
+        verdict=str(report["verdict"]),
+        tokens_identical=bool(report["tokens_identical"]),
+        prompt_tokens=_tokens(report.get("prompt")),
+        reference_tokens=_tokens(report.get("reference")),
+        candidate_tokens=_tokens(report.get("candidate")),
+        chunks=[_chunk(c) for c in report.get("chunks") or [] if isinstance(c, dict)],
+        heatmaps=heatmaps if isinstance(heatmaps, dict) else {},
+        final=final if isinstance(final, dict) else {},
+        diagnoses=[d for d in diagnoses or [] if isinstance(d, dict)],
+    )

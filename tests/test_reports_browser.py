@@ -1,0 +1,52 @@
+"""The HTML report in headless Chromium: it draws, logs no error, and can be screenshotted."""
+
+from __future__ import annotations
+
+import pytest
+from chromium import CHROMIUM, load, screenshot
+from report_samples import LAYERS, POSITIONS, hostile_report, seeds_report
+
+from kvdiff.reports.html import render_html, write_html
+
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason="/usr/bin/chromium absent: run scripts/setup.sh (apt-get install chromium) to enable",
+)
+
+
+def test_report_draws_without_errors(tmp_path):
+    page = write_html(seeds_report(), tmp_path / "report.html")
+    loaded = load(page)
+    assert "data-errors" not in loaded.html_attrs and loaded.console_errors == []
+    assert loaded.body_attrs["data-ready"] == "1" and loaded.body_attrs["data-point"] == "k"
+    assert int(loaded.body_attrs["data-cells-drawn"]) == (LAYERS + 2) * len(POSITIONS)
+    assert int(loaded.body_attrs["data-nonblank-pixels"]) > 10_000
+    png = screenshot(page, tmp_path / "report.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_hostile_text_stays_text_in_the_browser(tmp_path):
+    page = write_html(hostile_report("</script><img src=x onerror=alert(1)>"), tmp_path / "h.html")
+    loaded = load(page)
+    assert "data-errors" not in loaded.html_attrs and loaded.console_errors == []
+    assert "<img" not in loaded.dom and "&lt;img src=x onerror=alert(1)&gt;" in loaded.dom
+
+
+def test_harness_sees_script_errors_and_csp_refusals(tmp_path):
+    """Negative control: a broken data block and an injected inline script are both reported."""
+    page = render_html(seeds_report())
+    broken = tmp_path / "broken.html"
+    broken.write_text(page.replace('{"report"', '{"report""', 1), encoding="utf-8")
+    loaded = load(broken)
+    assert "SyntaxError" in loaded.html_attrs["data-errors"] and loaded.console_errors
+    injected = tmp_path / "injected.html"
+    injected.write_text(page.replace("<main>", "<main><script>document.title='x'</script>", 1),
+                        encoding="utf-8")
+    assert "CSP violation: script-src" in load(injected).html_attrs["data-errors"]
+
+
+def test_report_without_heatmaps_loads(tmp_path):
+    minimal = {"schema_version": 1, "verdict": "identical", "tokens_identical": True}
+    loaded = load(write_html(minimal, tmp_path / "minimal.html"))
+    assert "data-errors" not in loaded.html_attrs and loaded.console_errors == []
+    assert loaded.body_attrs["data-ready"] == "1" and "no heatmap in this report" in loaded.dom
