@@ -1,9 +1,9 @@
-"""Render the README's example images: the terminal report (text and SVG) and the HTML report.
+"""Render the README's example images: the terminal report (text) and the HTML report.
 
     python scripts/render_examples.py [RUN/report.json]
 
 Without an argument it renders the synthetic seeds-like report of tests/report_samples.py.
-Writes docs/images/terminal-report.txt, docs/images/terminal-report.svg and, when
+Writes docs/images/terminal-report.txt and, when
 /usr/bin/chromium exists, docs/images/report.png (a 1400x1500 screenshot of the HTML report).
 """
 
@@ -34,8 +34,7 @@ def main(argv: list[str]) -> int:
                       color_system="truecolor")
     render_terminal(report, console)
     (IMAGES / "terminal-report.txt").write_text(console.export_text(clear=False), encoding="utf-8")
-    console.save_svg(str(IMAGES / "terminal-report.svg"), title="kvdiff compare")
-    written = ["terminal-report.txt", "terminal-report.svg"]
+    written = ["terminal-report.txt"]
     if CHROMIUM.exists():
         with tempfile.TemporaryDirectory() as tmp:
             page = write_html(report, Path(tmp) / "report.html")
