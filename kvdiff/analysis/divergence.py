@@ -27,6 +27,10 @@ def _clean(values: np.ndarray) -> list:
         [None if not math.isfinite(v) else float(v) for v in values.tolist()]
 
 
+def _finite(v: float | None) -> float | None:
+    return None if v is None or not math.isfinite(v) else float(v)
+
+
 def _tier_labels(tiers: np.ndarray) -> list:
     labels = {int(t): t.label for t in Tier}
     return [_tier_labels(t) for t in tiers] if tiers.ndim > 1 else [labels.get(int(t)) for t in tiers]
@@ -91,8 +95,8 @@ class Divergence:
             return None
         out = {"step": td.step, "position": td.position, "reference_token": td.reference_token,
                "candidate_token": td.candidate_token, "reference_token_id": td.reference_token_id,
-               "candidate_token_id": td.candidate_token_id, "reference_margin": td.reference_margin,
-               "candidate_margin": td.candidate_margin, "layer": None, "tensor": "logits",
+               "candidate_token_id": td.candidate_token_id, "reference_margin": _finite(td.reference_margin),
+               "candidate_margin": _finite(td.candidate_margin), "layer": None, "tensor": "logits",
                "chunk": self.chunk_of.get(td.position)}
         out.update({k: (loc.to_json()[k] if loc else None) for k in ("tier", "max_abs", "rel", "cosine")})
         return out

@@ -3,7 +3,8 @@
 It is the analyzer's test bench: every probe point is computed as a real model computes it, and
 the faults a chunked engine can make are switches on one run: RoPE at other positions
 (`encoded`), attention that starts late (`context_start`), a stale K/V slot (`stale`), a norm
-with the wrong epsilon (`norm_eps`). Greedy generation recomputes the whole sequence each step.
+with the wrong epsilon (`norm_eps`), rounding-size noise (`jitter`). Greedy generation recomputes
+the whole sequence each step.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Faults:
     context_start: dict[int, int] = field(default_factory=dict)  # position -> first position it attends to
     stale: dict[int, int] = field(default_factory=dict)          # position -> position whose K/V it holds
     norm_eps: dict[int, float] = field(default_factory=dict)     # layer -> eps its attn_norm uses
+    jitter: float = 0.0                                          # attn_out scaled by 1 + jitter (rounding-size noise)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,7 +94,7 @@ class SyntheticModel:
             kk, vv = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
             scores = torch.einsum("thd,shd->hts", q, kk) * self.attn_scale
             p = scores.masked_fill(~allowed[None], float("-inf")).softmax(-1)
-            a = c["attn_out"] = torch.einsum("hts,shd->thd", p, vv).reshape(T, H * d) @ L["wo"].T
+            a = c["attn_out"] = (torch.einsum("hts,shd->thd", p, vv).reshape(T, H * d) @ L["wo"].T) * (1 + faults.jitter)
             x = c["resid_mid"] = x + a
             h2 = c["mlp_norm"] = rms_norm(x, L["n2"], self.eps)
             m = c["mlp_out"] = torch.nn.functional.silu(h2 @ L["up"].T) @ L["down"].T
@@ -105,14 +107,22 @@ class SyntheticModel:
         return out
 
     def generate(self, prompt: list[int], steps: int, faults: Faults) -> tuple[list[int], dict, list[tuple]]:
-        """Greedy tokens, the captures of the last forward, and per-step (position, logits row)."""
+        """Greedy tokens, the captures of the last forward, and per-step (position, logits row).
+
+        Runs on one thread: these matrices are tiny, and thread start-up dominates on a busy CPU.
+        """
         ids, rows = list(prompt), []
-        for _ in range(steps):
-            cap = self.forward(ids, faults)
-            logits = cap["final"]["logits"][-1]
-            rows.append((len(ids) - 1, logits))
-            ids.append(int(logits.argmax()))
-        return ids[len(prompt):], self.forward(ids[:-1], faults), rows
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for _ in range(steps):
+                cap = self.forward(ids, faults)
+                logits = cap["final"]["logits"][-1]
+                rows.append((len(ids) - 1, logits))
+                ids.append(int(logits.argmax()))
+            return ids[len(prompt):], self.forward(ids[:-1], faults), rows
+        finally:
+            torch.set_num_threads(threads)
 
 
 def _norm_stats(x: torch.Tensor, y: torch.Tensor) -> dict[str, np.ndarray]:
