@@ -2,7 +2,8 @@
 
 For head_dim d, element pairs (i, i + d/2) form complex numbers z_i; RoPE at position p
 multiplies z_i by exp(j * p * theta_i). The frequencies theta_i are measured from the
-reference's own keys (the rotation between consecutive positions), so no rope base or scaling
+reference's own keys (the rotation between consecutive positions, refined by a least-squares fit
+of the phase over every position), so no rope base or scaling
 scheme has to be known. A key's encoded position is then the integer p that best explains the
 rotation from k_pre_rope to k over every pair and head (a matched filter over all frequencies,
 which is unambiguous far beyond any context length).
@@ -34,7 +35,11 @@ def estimate_thetas(k_pre: np.ndarray, k: np.ndarray, positions: np.ndarray) -> 
     if consecutive.size == 0:
         return None
     step = (unit[consecutive + 1] * np.conj(unit[consecutive])).sum(axis=0)
-    return np.mod(np.angle(step), 2 * np.pi)
+    coarse = np.mod(np.angle(step), 2 * np.pi)
+    # Refine with every position: the residual phase grows linearly with p (least squares).
+    p = positions.astype(np.float64)[:, None]
+    residual = np.angle(unit * np.exp(-1j * p * coarse[None, :]))
+    return coarse + (p * residual).sum(axis=0) / max(float((p * p).sum()), 1.0)
 
 
 def estimate_positions(k_pre: np.ndarray, k: np.ndarray, thetas: np.ndarray, max_position: int,
