@@ -68,6 +68,13 @@ class Comparison:
     bytes_compared: int = 0
 
 
+def _take(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """rows[index], without a copy when the index is every row in order."""
+    if index.size == rows.shape[0] and (index.size == 0 or (index[0] == 0 and index[-1] == index.size - 1)):
+        return rows
+    return rows[index]
+
+
 def compare(ref: TraceReader, cand: TraceReader, alignment: Alignment, tolerances: Tolerances) -> Comparison:
     """Stream both traces layer by layer and fill the point maps and norm checks."""
     layers = [i for i in ref.meta.layers if i in set(cand.meta.layers)]
@@ -91,7 +98,7 @@ def compare(ref: TraceReader, cand: TraceReader, alignment: Alignment, tolerance
         if layer == layers[-1] and "resid_post" in a and "resid_post" in b:
             last_resid = (a["resid_post"][ri], b["resid_post"][ci])
         for point in shared:
-            x, y = a.pop(point)[ri], b.pop(point)[ci]
+            x, y = _take(a.pop(point), ri), _take(b.pop(point), ci)
             out.bytes_compared += x.nbytes + y.nbytes
             metrics = row_metrics(x, y)
             out.points[point].fill(row, metrics, metrics.tiers(tolerances.for_point(point)), comparable)
@@ -105,7 +112,7 @@ def compare(ref: TraceReader, cand: TraceReader, alignment: Alignment, tolerance
                 (last_resid[1], b["final_norm"][ci]), ref.norm_stats(None).get("final_norm"),
                 cand.norm_stats(None).get("final_norm"), alignment, tolerances))
         for point, pmap in out.final.items():
-            x, y = a.pop(point)[ri], b.pop(point)[ci]
+            x, y = _take(a.pop(point), ri), _take(b.pop(point), ci)
             out.bytes_compared += x.nbytes + y.nbytes
             metrics = row_metrics(x, y)
             pmap.fill(0, metrics, metrics.tiers(tolerances.for_point(point)), comparable)
