@@ -12,4 +12,13 @@ __version__ = "0.1.0"
 from kvdiff.engine.loading import load_model  # noqa: E402
 from kvdiff.errors import InputError, KvdiffError  # noqa: E402
 
-__all__ = ["__version__", "load_model", "KvdiffError", "InputError"]
+__all__ = ["__version__", "load_model", "diff", "KvdiffError", "InputError"]
+
+
+def __getattr__(name: str):
+    """Lazy exports: `kvdiff.diff` imports the analyzer on first use."""
+    if name == "diff":
+        from kvdiff.analysis import diff
+
+        return diff
+    raise AttributeError(f"module 'kvdiff' has no attribute {name!r}")

@@ -189,9 +189,39 @@ def compare(
 
 @app.command()
 @command
-def diff() -> None:
-    """Diff two trace files (reference, candidate)."""
-    _not_yet("diff", 5)
+def diff(
+    reference: Path = typer.Argument(..., help="The reference trace (.h5)."),
+    candidate: Path = typer.Argument(..., help="The candidate trace (.h5)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write report.json (schema 1) to this file."),
+    tolerance: list[str] = typer.Option([], "--tolerance", help="POINT=ATOL[,RTOL], repeatable."),
+    baseline: Optional[Path] = typer.Option(None, "--baseline", help="Engine trace with strategy none, for attribution."),
+) -> None:
+    """Diff two trace files: exit 0 if the tokens are identical, 1 if they differ.
+
+    Example: kvdiff diff run/reference.h5 run/candidate.h5 --json report.json --tolerance logits=1e-4,1e-3
+    """
+    import json
+
+    from kvdiff.analysis import diff as run_diff, parse_tolerance
+
+    tolerances = dict(parse_tolerance(spec) for spec in tolerance)
+    div = run_diff(reference, candidate, baseline=baseline, tolerances=tolerances)
+    report = div.to_json()
+    if json_out is not None:
+        json_out.write_text(json.dumps(report, indent=1, allow_nan=False))
+    typer.echo(f"tokens: {'identical' if div.tokens_identical else 'differ'}")
+    for label, key in (("first bit difference", "first_bit_difference"), ("first divergence", "first_divergence")):
+        loc = report[key]
+        typer.echo(f"{label}: " + ("none" if loc is None else
+                   f"layer {loc['layer']} position {loc['position']} {loc['tensor']} (chunk {loc['chunk']}, rel {loc['rel']})"))
+    td = report["first_token_divergence"]
+    if td is not None:
+        typer.echo(f"first token divergence: step {td['step']}: {td['reference_token']!r} vs {td['candidate_token']!r}")
+    for d in report["diagnoses"]:
+        typer.echo(f"- {d['kind']} ({d['chunk']}, positions {d['positions']}): {d['evidence']}")
+    if report["attribution"] is not None:
+        typer.echo(f"attribution: {report['attribution']['source']}: {report['attribution']['evidence']}")
+    raise typer.Exit(0 if div.tokens_identical else 1)
 
 
 @app.command()

@@ -12,6 +12,12 @@ from typing import Protocol, Sequence
 
 import torch
 
+from kvdiff.errors import KvdiffError
+
+
+class ProbeIntegrityError(KvdiffError):
+    """A probe fired zero or several times in a forward, or rows do not fit the trace."""
+
 
 @dataclass(frozen=True)
 class Provenance:

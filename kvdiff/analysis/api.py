@@ -1,0 +1,103 @@
+"""`kvdiff.diff`: align -> compare -> search -> diagnose (-> attribute), over two or three traces."""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import ExitStack
+from typing import Callable, Mapping
+
+import numpy as np
+
+from kvdiff.analysis.align import align
+from kvdiff.analysis.attribution import attribute
+from kvdiff.analysis.chunks import ChunkLookup
+from kvdiff.analysis.compare import Comparison, compare
+from kvdiff.analysis.diagnose_cache import diagnose_cache_content
+from kvdiff.analysis.diagnose_context import diagnose_missing_context
+from kvdiff.analysis.diagnose_norms import diagnose_norms
+from kvdiff.analysis.diagnose_position import diagnose_position_mismatch
+from kvdiff.analysis.diagnose_tokens import diagnose_noise, diagnose_non_finite, diagnose_tokenization
+from kvdiff.analysis.diagnosis import DiagnosisInputs
+from kvdiff.analysis.divergence import Divergence
+from kvdiff.analysis.search import first_bit_difference, first_non_finite, first_tolerance_breach, location
+from kvdiff.analysis.tolerance import Tolerance, Tolerances
+from kvdiff.errors import InputError
+from kvdiff.probes.trace import TraceReader, open_trace
+
+log = logging.getLogger(__name__)
+
+TracePath = str | os.PathLike
+
+
+def _token_text(tokenizer) -> Callable[[int], str]:
+    if tokenizer is None:
+        return str
+    return lambda i: tokenizer.decode([int(i)])
+
+
+def _check_shapes(ref: TraceReader, cand: TraceReader) -> None:
+    for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim"):
+        a, b = getattr(ref.meta, name), getattr(cand.meta, name)
+        if a != b:
+            raise InputError(f"{cand.path} and {ref.path} come from different models ({name} {b} vs {a}): "
+                             f"diff traces of the same model")
+
+
+def _compare(ref: TraceReader, cand: TraceReader, tolerances: Mapping[str, Tolerance] | None,
+             text: Callable[[int], str]) -> Comparison:
+    _check_shapes(ref, cand)
+    alignment = align(ref.meta, cand.meta, ref.positions, cand.positions, ref.steps, cand.steps, text)
+    tols = Tolerances.for_dtypes(ref.meta.dtype, cand.meta.dtype, overrides=tolerances)
+    return compare(ref, cand, alignment, tols)
+
+
+def _diff_open(ref: TraceReader, cand: TraceReader, baseline: TraceReader | None,
+               tolerances: Mapping[str, Tolerance] | None, tokenizer) -> Divergence:
+    text = _token_text(tokenizer)
+    cmp = _compare(ref, cand, tolerances, text)
+    chunks = ChunkLookup.of(cand)
+    first_bit = first_bit_difference(cmp, chunks)
+    first_div = first_tolerance_breach(cmp, chunks)
+    inputs = DiagnosisInputs(ref, cand, cmp, chunks, text)
+    diagnoses = (diagnose_tokenization(inputs) + diagnose_non_finite(inputs, first_non_finite(cmp, chunks))
+                 + diagnose_cache_content(inputs) + diagnose_position_mismatch(inputs)
+                 + diagnose_missing_context(inputs) + diagnose_norms(inputs)
+                 + diagnose_noise(inputs, first_bit, first_div))
+    diagnoses.sort(key=lambda d: d.positions[0] if d.positions else -1)
+    td = cmp.alignment.first_token_divergence
+    token_loc = None
+    if td is not None and "logits" in cmp.final:
+        col = np.flatnonzero(cmp.alignment.positions == td.position)
+        token_loc = location(cmp, chunks, cmp.final["logits"], 0, int(col[0])) if col.size else None
+    div = Divergence(
+        reference=ref.meta, candidate=cand.meta, comparison=cmp, tokens_identical=cmp.alignment.tokens_identical,
+        first_bit_difference=first_bit, first_divergence=first_div, first_token_divergence=td,
+        first_token_location=token_loc, diagnoses=diagnoses, chunks=list(cand.meta.chunks),
+        token_strings={"prompt": [text(i) for i in ref.meta.input_ids],
+                       "reference": [text(i) for i in ref.meta.generated_ids],
+                       "candidate": [text(i) for i in cand.meta.generated_ids]},
+        chunk_of={int(p): chunks.chunk_of(int(p)) for p in cmp.alignment.positions})
+    if baseline is not None:
+        base = _compare(ref, baseline, tolerances, text)
+        base_chunks = ChunkLookup.of(baseline)
+        threshold, cand_loc = ("tolerance breach", first_div) if first_div is not None else ("bit difference", first_bit)
+        base_bit = first_bit_difference(base, base_chunks)
+        base_loc = first_tolerance_breach(base, base_chunks) if first_div is not None else base_bit
+        div.attribution = attribute(cand_loc, div.tokens_identical, base_loc, base_bit,
+                                    base.alignment.tokens_identical, len(cmp.layers), threshold)
+    log.info("diff: tokens %s, first divergence %s, %d diagnoses, %.1f MB compared",
+             "identical" if div.tokens_identical else "differ", first_div, len(diagnoses), cmp.bytes_compared / 1e6)
+    return div
+
+
+def diff(reference: TracePath, candidate: TracePath, *, baseline: TracePath | None = None,
+         tolerances: Mapping[str, Tolerance] | None = None, tokenizer=None) -> Divergence:
+    """Diff a candidate trace against a reference trace (and optionally an engine baseline trace
+    with strategy none, for attribution). `tolerances` overrides the dtype defaults per point;
+    `tokenizer` turns token ids into strings in the verdict and the report."""
+    with ExitStack() as stack:
+        ref = stack.enter_context(open_trace(reference))
+        cand = stack.enter_context(open_trace(candidate))
+        base = stack.enter_context(open_trace(baseline)) if baseline is not None else None
+        return _diff_open(ref, cand, base, tolerances, tokenizer)

@@ -1,0 +1,64 @@
+"""cache_content_mismatch: first-layer K or V differ before RoPE while their input matches.
+
+In the first layer, k_pre_rope and v are a function of the token's normed embedding alone; if
+that input matches and they do not, the candidate read K/V that belong elsewhere (a wrong slot
+or block, a stale entry). The rows are matched against every reference row to name the source.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
+
+
+def _sources(ref: np.ndarray, cand: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each candidate row, the reference position whose row is nearest, and the relative distance."""
+    r = ref.reshape(ref.shape[0], -1).astype(np.float64)
+    c = cand.reshape(cand.shape[0], -1).astype(np.float64)
+    dist = (c * c).sum(1)[:, None] - 2 * c @ r.T + (r * r).sum(1)[None, :]
+    best = dist.argmin(axis=1)
+    scale = np.maximum((c * c).sum(1), 1e-300)
+    return positions[best], np.sqrt(np.maximum(dist[np.arange(c.shape[0]), best], 0) / scale)
+
+
+def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
+    kp_bad, v_bad = inputs.divergent("k_pre_rope", 0), inputs.divergent("v", 0)
+    if kp_bad is None and v_bad is None:
+        return []
+    bad = (kp_bad if kp_bad is not None else False) | (v_bad if v_bad is not None else False)
+    same_input = inputs.ok("attn_norm", 0)
+    same_input = inputs.ok("resid_pre", 0) if same_input is None else same_input
+    if same_input is not None:
+        bad = bad & same_input
+    positions = inputs.comparison.alignment.positions
+    cached = np.array([inputs.chunks.cached(int(p)) is not False for p in positions])
+    cols = np.flatnonzero(bad & cached & inputs.comparison.alignment.comparable)
+    if not cols.size:
+        return []
+    layer = inputs.first_layer
+    a, b = inputs.layer_rows(layer)
+    point = "v" if v_bad is not None and v_bad[cols].any() else "k_pre_rope"
+    src, dist = _sources(a[point], b[point][cols], positions)
+    out = []
+    for chunk, group in group_by_chunk(inputs, positions[cols]):
+        sel = np.isin(positions[cols], group)
+        gcols = cols[sel]
+        lo, hi = int(group[0]), int(group[-1])
+        parts = []
+        for name in ("k_pre_rope", "v"):
+            if inputs.divergent(name, 0) is not None and inputs.divergent(name, 0)[gcols].any():
+                max_abs, rel = inputs.worst(name, 0, gcols)
+                parts.append(f"{name} differs (max_abs {fmt(max_abs)}, rel {fmt(rel)})")
+        where = "whose K/V came from the cache" if any(inputs.chunks.cached(int(p)) for p in group) else \
+            "(the trace does not say which positions were cached)"
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)} {where}: {' and '.join(parts)} although the "
+                    f"layer input matches, and before RoPE these depend on the token alone")
+        exact = dist[sel] <= 1e-6
+        moved = src[sel] != group
+        if (exact & moved).any():
+            pairs = ", ".join(f"{p}<-{s}" for p, s in zip(group[exact & moved][:6], src[sel][exact & moved][:6]))
+            evidence += f"; the candidate's {point} rows equal the reference's at other positions ({pairs}): a wrong slot or stale entry"
+        out.append(Diagnosis("cache_content_mismatch", chunk, (lo, hi), evidence, {
+            "layer": layer, "source_positions": [int(s) if d <= 1e-6 else None for s, d in zip(src[sel], dist[sel])]}))
+    return out

@@ -1,0 +1,98 @@
+"""missing_context: q, k and v equal at a position but attn_out differs, so the attended set differs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvdiff.analysis.attention import attention_mass
+from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
+from kvdiff.analysis.metrics import row_metrics
+from kvdiff.analysis.rope import estimate_positions, rotate
+from kvdiff.analysis.tolerance import Tier
+
+
+def _q_shift(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> np.ndarray:
+    """Per column: the RoPE shift that maps the reference q onto the candidate q, or -1<<62 if none does."""
+    none = np.full(cols.size, -(1 << 62), dtype=np.int64)
+    if inputs.thetas is None or not cols.size:
+        return none
+    a, b = inputs.layer_rows(layer)
+    horizon = int(inputs.comparison.alignment.positions.max()) + 1
+    shift, _ = estimate_positions(a["q"][cols], b["q"][cols], inputs.thetas, horizon, -horizon)
+    back = rotate(b["q"][cols], -shift.astype(np.float64), inputs.thetas)
+    tol = inputs.comparison.tolerances.for_point("q")
+    ok = row_metrics(a["q"][cols], back).tiers(tol) <= Tier.NOISE
+    return np.where(ok, shift, none)
+
+
+def _content_ok(inputs: DiagnosisInputs, row: int) -> np.ndarray | None:
+    v_ok = inputs.ok("v", row)
+    k_ok = inputs.ok("k_pre_rope", row)
+    k_ok = inputs.ok("k", row) if k_ok is None else k_ok
+    return None if v_ok is None or k_ok is None else v_ok & k_ok
+
+
+def _flagged(inputs: DiagnosisInputs) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """The first layer row with positions whose q/k/v match (q up to RoPE) and whose context K/V
+    match, but whose attn_out breaches tolerance; with those columns and their q shifts."""
+    cmp = inputs.comparison
+    comparable = cmp.alignment.comparable
+    for row, layer in enumerate(cmp.layers):
+        content, attn_bad, q_ok = _content_ok(inputs, row), inputs.divergent("attn_out", row), inputs.ok("q", row)
+        if content is None or attn_bad is None or q_ok is None:
+            return None
+        context_ok = np.logical_and.accumulate(content | ~comparable)
+        cols = np.flatnonzero(attn_bad & content & context_ok & comparable)
+        if not cols.size:
+            continue
+        shift = np.zeros(cols.size, dtype=np.int64)
+        rotated = ~q_ok[cols]
+        shift[rotated] = _q_shift(inputs, layer, cols[rotated])
+        keep = shift > -(1 << 62)
+        if keep.any():
+            return row, cols[keep], shift[keep]
+    return None
+
+
+def _run_start(attn_bad: np.ndarray, col: int) -> int:
+    """First column of the run of attn_out-divergent columns that ends at or passes `col`."""
+    while col > 0 and attn_bad[col - 1]:
+        col -= 1
+    return col
+
+
+def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
+    found = _flagged(inputs)
+    if found is None:
+        return []
+    row, cols, shifts = found
+    cmp = inputs.comparison
+    layer, positions = cmp.layers[row], cmp.alignment.positions
+    ref_rows, _ = inputs.layer_rows(layer)
+    out = []
+    for chunk, group in group_by_chunk(inputs, positions[cols]):
+        in_group = np.isin(positions[cols], group)
+        gcols = cols[in_group]
+        data_start = int(positions[_run_start(inputs.divergent("attn_out", row), int(gcols[0]))])
+        span = inputs.chunks.span(int(group[0]))
+        start = span[0] if span is not None else data_start
+        if start <= int(positions[0]):
+            continue
+        unattended = (int(positions[0]), start - 1)
+        mass = attention_mass(ref_rows["q"], ref_rows["k"], positions, gcols, unattended,
+                              inputs.reference.meta.attn_scale)
+        _, attn_rel = inputs.worst("attn_out", row, gcols)
+        lo, hi = int(group[0]), int(group[-1])
+        qnote = "" if not shifts[in_group].any() else f" (after undoing a RoPE shift of {int(shifts[in_group][0]):+d})"
+        source = f"the candidate's chunk {chunk!r} starts at {start}" if span is not None else \
+            f"attn_out matches up to position {data_start - 1} and differs from {data_start} on"
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)}: q{qnote}, k and v match the reference, and so do "
+                    f"K/V at every earlier position, but attn_out differs (rel {fmt(attn_rel)}); {source}, so positions "
+                    f"{span_text(*unattended)} were not attended; the reference puts {fmt(100 * float(mass.mean()))}% "
+                    f"of its attention mass on them (mean over heads and positions; min {fmt(100 * float(mass.min()))}%)")
+        if span is not None and data_start != start:
+            evidence += f"; attn_out itself first differs at position {data_start}"
+        out.append(Diagnosis("missing_context", chunk, (lo, hi), evidence, {
+            "unattended": list(unattended), "layer": layer,
+            "reference_attention_mass": float(mass.mean()), "reference_attention_mass_min": float(mass.min())}))
+    return out

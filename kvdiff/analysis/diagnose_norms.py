@@ -1,0 +1,68 @@
+"""norm_consistency: do differing norm statistics come from differing inputs or from the norm itself?"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, span_text
+from kvdiff.analysis.norms import NormCheck
+from kvdiff.analysis.tolerance import Tier
+
+
+def _where(check: NormCheck) -> str:
+    return f"{check.norm}" if check.layer is None else f"layer {check.layer} {check.norm}"
+
+
+def _inconsistent(checks: list[NormCheck], which: str, comparable: np.ndarray) -> tuple[NormCheck, int] | None:
+    for c in checks:
+        ok = getattr(c, f"{which}_consistent")
+        if ok is not None and (~ok & comparable).any():
+            return c, int(np.flatnonzero(~ok & comparable)[0])
+    return None
+
+
+def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
+    cmp = inputs.comparison
+    checks, comparable, positions = cmp.norms, cmp.alignment.comparable, cmp.alignment.positions
+    if not checks:
+        return []
+    differ = [(c, (c.stats_differ if c.stats_differ is not None else c.output_tier == Tier.DIVERGENT) & comparable)
+              for c in checks]
+    n_differ = sum(int(d.sum()) for _, d in differ)
+    from_inputs = sum(int((d & (c.input_tier == Tier.DIVERGENT)).sum()) for c, d in differ)
+    bad_ref = _inconsistent(checks, "ref", comparable)
+    bad_cand = _inconsistent(checks, "cand", comparable)
+    if n_differ == 0 and bad_cand is None and bad_ref is None:
+        return []
+    recomputed = [c for c in checks if c.cand_recompute_rel is not None]
+    parts = []
+    if recomputed:
+        worst = max(float(np.nanmax(np.where(comparable, c.cand_recompute_rel, 0.0))) for c in recomputed)
+        parts.append(f"recomputing {len(recomputed)} norms of the candidate from their recorded inputs and weights "
+                     f"gives max rel {fmt(worst)}")
+    for name, bad in (("reference", bad_ref), ("candidate", bad_cand)):
+        if bad is not None:
+            c, col = bad
+            parts.append(f"the {name}'s {_where(c)} does NOT match its recomputation at position {int(positions[col])}: "
+                         f"the norm itself (weight, eps or kernel) is wrong there")
+    if n_differ:
+        first_c, first_d = next((c, d) for c, d in differ if d.any())
+        cols = np.flatnonzero(first_d)
+        parts.append(f"norm statistics differ at {n_differ} (norm, position) pairs, first at {_where(first_c)} "
+                     f"position {int(positions[cols[0]])}; {from_inputs} of {n_differ} have a differing input "
+                     f"(RMSNorm is per token with no running statistics, so those follow from their inputs)")
+        if from_inputs < n_differ:
+            parts.append(f"{n_differ - from_inputs} differ with matching inputs: the norm itself differs there")
+    source = "norm" if bad_cand is not None or bad_ref is not None or from_inputs < n_differ else "inputs"
+    spots = np.flatnonzero(np.logical_or.reduce([d for _, d in differ]))
+    if bad_cand is not None:
+        spots = np.union1d(spots, [bad_cand[1]])
+    span = (int(positions[spots[0]]), int(positions[spots[-1]])) if spots.size else None
+    chunk = inputs.chunks.chunk_of(span[0]) if span else None
+    evidence = "; ".join(parts) + f". Verdict: differences come from the {'norm itself' if source == 'norm' else 'inputs'}."
+    if span:
+        evidence = f"positions {span_text(*span)}: " + evidence
+    return [Diagnosis("norm_consistency", chunk, span, evidence, {
+        "source": source, "stat_differences": n_differ, "explained_by_inputs": from_inputs,
+        "candidate_inconsistent": None if bad_cand is None else {"layer": bad_cand[0].layer, "norm": bad_cand[0].norm,
+                                                                 "position": int(positions[bad_cand[1]])}})]

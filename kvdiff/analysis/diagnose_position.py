@@ -1,0 +1,60 @@
+"""position_mismatch: keys equal before RoPE but not after, so RoPE used other positions."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
+from kvdiff.analysis.rope import estimate_positions
+
+
+def _encoded(inputs: DiagnosisInputs, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Encoded position and fit quality of the candidate's first-layer keys at columns `cols`."""
+    if inputs.thetas is None:
+        return None
+    _, b = inputs.layer_rows(inputs.first_layer)
+    horizon = 2 * int(inputs.comparison.alignment.positions.max()) + 64
+    return estimate_positions(b["k_pre_rope"][cols], b["k"][cols], inputs.thetas, horizon)
+
+
+def diagnose_position_mismatch(inputs: DiagnosisInputs) -> list[Diagnosis]:
+    """One diagnosis per candidate chunk whose first-layer k_pre_rope matches but k does not."""
+    kp_ok, k_bad = inputs.ok("k_pre_rope", 0), inputs.divergent("k", 0)
+    if kp_ok is None or k_bad is None:
+        return []
+    positions = inputs.comparison.alignment.positions
+    cols = np.flatnonzero(kp_ok & k_bad)
+    if not cols.size:
+        return []
+    fit = _encoded(inputs, cols)
+    layer = inputs.first_layer
+    out = []
+    for chunk, group in group_by_chunk(inputs, positions[cols]):
+        gcols = cols[np.isin(positions[cols], group)]
+        kp_abs, _ = inputs.worst("k_pre_rope", 0, gcols)
+        _, k_rel = inputs.worst("k", 0, gcols)
+        lo, hi = int(group[0]), int(group[-1])
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)}: k_pre_rope matches the reference "
+                    f"(max_abs {fmt(kp_abs)}) while k after RoPE differs (rel {fmt(k_rel)}), so the keys hold "
+                    f"the same content rotated to other positions")
+        details: dict = {"expected_positions": [lo, hi], "layer": layer}
+        if fit is not None:
+            enc, quality = fit[0][np.isin(positions[cols], group)], fit[1][np.isin(positions[cols], group)]
+            offsets = enc - group
+            values, counts = np.unique(offsets, return_counts=True)
+            offset = int(values[counts.argmax()])
+            details.update(offset=offset, encoded_positions=[int(enc.min()), int(enc.max())],
+                           fit_quality=float(quality.min()))
+            evidence += (f"; the rotation angles fit encoded positions {span_text(int(enc[0]), int(enc[-1]))} "
+                         f"(fit quality {fmt(float(quality.min()))}), expected {span_text(lo, hi)}: offset {offset:+d}")
+            if values.size > 1:
+                evidence += f" ({values.size} different offsets, {int(counts.max())} of {group.size} positions at {offset:+d})"
+        else:
+            details["offset"] = None
+            evidence += "; RoPE frequencies could not be measured (the reference needs two consecutive positions)"
+        reported = [inputs.chunks.encoded_position(int(p)) for p in group]
+        if all(r is not None for r in reported):
+            details["provenance_encoded_positions"] = [min(reported), max(reported)]
+            evidence += f"; the candidate's provenance says it encoded them at {span_text(reported[0], reported[-1])}"
+        out.append(Diagnosis("position_mismatch", chunk, (lo, hi), evidence, details))
+    return out

@@ -1,0 +1,80 @@
+"""tokenization_mismatch, numerical_noise (all within tolerance, or a benign near-tie) and non_finite."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, span_text
+from kvdiff.analysis.search import Location, all_maps
+from kvdiff.analysis.tolerance import Tier
+
+
+def diagnose_tokenization(inputs: DiagnosisInputs) -> list[Diagnosis]:
+    i = inputs.comparison.alignment.first_input_difference
+    if i is None:
+        return []
+    a, b = inputs.reference.meta.input_ids, inputs.candidate.meta.input_ids
+    n = min(a.size, b.size)
+    differing = np.flatnonzero(a[:n] != b[:n])
+    last = int(differing[-1]) if differing.size else n - 1
+    show = lambda ids, j: repr(inputs.token_text(int(ids[j]))) + f" (id {int(ids[j])})" if j < ids.size else "nothing"
+    evidence = (f"input ids differ from position {i}: reference {show(a, i)}, candidate {show(b, i)}; "
+                f"{differing.size} of {n} shared positions differ, lengths {a.size} vs {b.size}; "
+                f"every position from {i} on has different inputs and is not compared")
+    return [Diagnosis("tokenization_mismatch", inputs.chunks.chunk_of(i), (i, max(i, last)), evidence, {
+        "reference_token": inputs.token_text(int(a[i])) if i < a.size else None,
+        "candidate_token": inputs.token_text(int(b[i])) if i < b.size else None})]
+
+
+def _near_tie(inputs: DiagnosisInputs, first_divergence: Location | None) -> Diagnosis | None:
+    td = inputs.comparison.alignment.first_token_divergence
+    if td is None or first_divergence is not None or td.reference_margin is None:
+        return None
+    logits = inputs.comparison.final.get("logits")
+    tol = inputs.comparison.tolerances.for_point("logits")
+    steps = inputs.reference.steps
+    top = np.abs(steps.topk_values[steps.step == td.step]).max(initial=0.0)
+    threshold = 2 * tol.bound(float(top))
+    margins = [m for m in (td.reference_margin, td.candidate_margin) if m is not None]
+    if min(margins) > threshold:
+        return None
+    col = np.flatnonzero(inputs.comparison.alignment.positions == td.position)
+    diff = f", logits max_abs there {fmt(float(logits.max_abs[0, col[0]]))}" if logits is not None and col.size else ""
+    evidence = (f"step {td.step}: tokens {td.reference_token!r} vs {td.candidate_token!r} flip on a near-tie: top-1/top-2 "
+                f"margins {fmt(td.reference_margin)} (reference) and "
+                f"{'n/a' if td.candidate_margin is None else fmt(td.candidate_margin)} (candidate) are within "
+                f"{fmt(threshold)}, twice the logits tolerance{diff}; every earlier tensor is within tolerance")
+    return Diagnosis("numerical_noise", inputs.chunks.chunk_of(td.position), (td.position, td.position), evidence,
+                     {"step": td.step, "near_tie_threshold": threshold})
+
+
+def diagnose_noise(inputs: DiagnosisInputs, first_bit: Location | None, first_divergence: Location | None) -> list[Diagnosis]:
+    tie = _near_tie(inputs, first_divergence)
+    if tie is not None:
+        return [tie]
+    if first_bit is None or first_divergence is not None or not inputs.comparison.alignment.tokens_identical:
+        return []
+    maps = all_maps(inputs.comparison)
+    noisy = sum(int((m.tier == Tier.NOISE).sum()) for m in maps)
+    compared = sum(int(((m.tier == Tier.NOISE) | (m.tier == Tier.BITWISE)).sum()) for m in maps)
+    worst = max(maps, key=lambda m: np.nanmax(np.where(m.tier == Tier.NOISE, m.rel, -1.0)))
+    r, c = np.unravel_index(np.nanargmax(np.where(worst.tier == Tier.NOISE, worst.rel, -1.0)), worst.rel.shape)
+    where = "final" if worst.layers[r] is None else f"layer {worst.layers[r]}"
+    evidence = (f"all {compared} compared rows are within tolerance and the tokens are identical; {noisy} differ in "
+                f"their bits, first at {'final' if first_bit.layer is None else f'layer {first_bit.layer}'} position "
+                f"{first_bit.position} {first_bit.tensor}; largest rel {fmt(float(worst.rel[r, c]))} at {where} "
+                f"position {int(worst.positions[c])} {worst.point}")
+    return [Diagnosis("numerical_noise", first_bit.chunk, (first_bit.position, int(inputs.comparison.alignment.positions[-1])),
+                      evidence, {})]
+
+
+def diagnose_non_finite(inputs: DiagnosisInputs, first: Location | None) -> list[Diagnosis]:
+    if first is None:
+        return []
+    pmap = (inputs.comparison.final if first.layer is None else inputs.comparison.points)[first.tensor]
+    row, col = pmap.layers.index(first.layer), int(np.flatnonzero(pmap.positions == first.position)[0])
+    who = [name for name, ok in (("reference", pmap.ref_finite[row, col]), ("candidate", pmap.cand_finite[row, col])) if not ok]
+    where = "final" if first.layer is None else f"layer {first.layer}"
+    evidence = f"NaN or Inf first appears at {where} position {first.position} {first.tensor} in the {' and '.join(who)}"
+    return [Diagnosis("non_finite", first.chunk, (first.position, first.position), evidence,
+                      {"layer": first.layer, "tensor": first.tensor, "traces": who})]

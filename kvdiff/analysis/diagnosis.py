@@ -1,0 +1,100 @@
+"""The Diagnosis record and what every diagnosis rule reads (stage 4 input)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from kvdiff.analysis.chunks import ChunkLookup
+from kvdiff.analysis.compare import Comparison, PointMap
+from kvdiff.analysis.rope import estimate_thetas
+from kvdiff.analysis.tolerance import Tier
+from kvdiff.probes.trace import TraceReader
+
+KINDS = ("tokenization_mismatch", "position_mismatch", "missing_context", "cache_content_mismatch",
+         "norm_consistency", "numerical_noise", "non_finite")
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """One finding: what, where (chunk, first and last global position), and why, in words and numbers."""
+
+    kind: str
+    chunk: str | None
+    positions: tuple[int, int] | None
+    evidence: str
+    details: dict[str, Any] = field(default_factory=dict)   # kind-specific fields (offset, unattended, ...)
+
+    def to_json(self) -> dict:
+        out = {"kind": self.kind, "chunk": self.chunk,
+               "positions": list(self.positions) if self.positions else None, "evidence": self.evidence}
+        out.update(self.details)
+        return out
+
+
+@dataclass
+class DiagnosisInputs:
+    """The traces (re-read for a layer when a rule needs raw rows), the comparison and the chunks."""
+
+    reference: TraceReader
+    candidate: TraceReader
+    comparison: Comparison
+    chunks: ChunkLookup
+    token_text: Callable[[int], str]
+    _rows: dict = field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def first_layer(self) -> int | None:
+        return self.comparison.layers[0] if self.comparison.layers else None
+
+    def layer_rows(self, layer: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Reference and candidate rows of `layer` at the aligned positions (the last two layers kept)."""
+        if layer not in self._rows:
+            if len(self._rows) >= 2:
+                self._rows.pop(next(iter(self._rows)))
+            ri, ci = self.comparison.alignment.ref_index, self.comparison.alignment.cand_index
+            a, b = self.reference.layer(layer), self.candidate.layer(layer)
+            self._rows[layer] = ({k: v[ri] for k, v in a.items()}, {k: v[ci] for k, v in b.items()})
+        return self._rows[layer]
+
+    @functools.cached_property
+    def thetas(self) -> np.ndarray | None:
+        """RoPE frequencies measured on the reference's first layer keys."""
+        if self.first_layer is None or not {"k", "k_pre_rope"} <= set(self.comparison.points):
+            return None
+        a, _ = self.layer_rows(self.first_layer)
+        return estimate_thetas(a["k_pre_rope"], a["k"], self.comparison.alignment.positions)
+
+    def ok(self, point: str, row: int) -> np.ndarray | None:
+        """Bool per aligned position: `point` at layer row `row` is bitwise or noise (None if not recorded)."""
+        pmap = self.comparison.points.get(point)
+        return None if pmap is None else (pmap.tier[row] == Tier.BITWISE) | (pmap.tier[row] == Tier.NOISE)
+
+    def divergent(self, point: str, row: int) -> np.ndarray | None:
+        pmap = self.comparison.points.get(point)
+        return None if pmap is None else pmap.tier[row] == Tier.DIVERGENT
+
+    def worst(self, point: str, row: int, cols: np.ndarray) -> tuple[float, float]:
+        """Largest max_abs and rel of `point` over columns `cols` of layer row `row`."""
+        pmap: PointMap = self.comparison.points[point]
+        return float(np.nanmax(pmap.max_abs[row, cols])), float(np.nanmax(pmap.rel[row, cols]))
+
+
+def group_by_chunk(inputs: DiagnosisInputs, positions: np.ndarray) -> list[tuple[str | None, np.ndarray]]:
+    """Split sorted global positions by the candidate chunk that holds them, in order."""
+    groups: dict[str | None, list[int]] = {}
+    for p in positions.tolist():
+        groups.setdefault(inputs.chunks.chunk_of(p), []).append(p)
+    return sorted(((name, np.array(ps)) for name, ps in groups.items()), key=lambda g: g[1][0])
+
+
+def span_text(first: int, last: int) -> str:
+    return f"{first}" if first == last else f"{first}-{last}"
+
+
+def fmt(x: float) -> str:
+    """A number for evidence text: 3 significant digits."""
+    return f"{x:.3g}"

@@ -1,0 +1,83 @@
+"""Stage 3: the first place where the traces part, in dataflow order.
+
+Order: position first (a token's computation only reads earlier positions), then layer (final
+points after every layer), then the probe point's rank inside the layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from kvdiff.analysis.chunks import ChunkLookup
+from kvdiff.analysis.compare import Comparison, PointMap
+from kvdiff.analysis.tolerance import Tier
+from kvdiff.probes.points import POINT_ORDER
+
+
+@dataclass(frozen=True)
+class Location:
+    """A (layer, position, point) with its tier and metrics; layer None for final points."""
+
+    layer: int | None
+    position: int
+    tensor: str
+    chunk: str | None
+    tier: str
+    max_abs: float | None
+    rel: float | None
+    cosine: float | None
+
+    def to_json(self) -> dict:
+        return {"layer": self.layer, "position": self.position, "tensor": self.tensor, "chunk": self.chunk,
+                "tier": self.tier, "max_abs": _num(self.max_abs), "rel": _num(self.rel), "cosine": _num(self.cosine)}
+
+
+def _num(v: float | None) -> float | None:
+    return None if v is None or not np.isfinite(v) else float(v)
+
+
+def all_maps(comparison: Comparison) -> list[PointMap]:
+    return list(comparison.points.values()) + list(comparison.final.values())
+
+
+def location(comparison: Comparison, chunks: ChunkLookup, pmap: PointMap, row: int, col: int) -> Location:
+    """The Location of one cell of a point map."""
+    return Location(
+        layer=pmap.layers[row], position=int(pmap.positions[col]), tensor=pmap.point,
+        chunk=chunks.chunk_of(int(pmap.positions[col])), tier=Tier(int(pmap.tier[row, col])).label,
+        max_abs=_num(pmap.max_abs[row, col]), rel=_num(pmap.rel[row, col]), cosine=_num(pmap.cosine[row, col]))
+
+
+def first_where(comparison: Comparison, chunks: ChunkLookup,
+                hit: Callable[[PointMap], np.ndarray]) -> Location | None:
+    """The first cell, in dataflow order, where `hit(map)` (a bool (L, P) array) holds."""
+    layer_rank = {layer: i for i, layer in enumerate(comparison.layers)}
+    best: tuple | None = None
+    for pmap in all_maps(comparison):
+        mask = hit(pmap)
+        cols = np.flatnonzero(mask.any(axis=0))
+        if not cols.size:
+            continue
+        col = int(cols[0])
+        row = int(np.flatnonzero(mask[:, col])[0])
+        layer = pmap.layers[row]
+        key = (int(pmap.positions[col]), len(layer_rank) if layer is None else layer_rank[layer], POINT_ORDER[pmap.point])
+        if best is None or key < best[0]:
+            best = (key, pmap, row, col)
+    return None if best is None else location(comparison, chunks, best[1], best[2], best[3])
+
+
+def first_bit_difference(comparison: Comparison, chunks: ChunkLookup) -> Location | None:
+    return first_where(comparison, chunks, lambda m: (m.tier == Tier.NOISE) | (m.tier == Tier.DIVERGENT))
+
+
+def first_tolerance_breach(comparison: Comparison, chunks: ChunkLookup) -> Location | None:
+    return first_where(comparison, chunks, lambda m: m.tier == Tier.DIVERGENT)
+
+
+def first_non_finite(comparison: Comparison, chunks: ChunkLookup) -> Location | None:
+    return first_where(comparison, chunks, lambda m: (m.tier != Tier.INCOMPARABLE) & (m.tier >= 0)
+                       & ~(m.ref_finite & m.cand_finite))

@@ -1,0 +1,99 @@
+"""Tolerances per probe point and the three tiers a compared row falls into.
+
+Defaults come from torch.testing's per-dtype (atol, rtol), applied to the row's scale rather than
+element by element: a row is noise when ``max_abs <= atol + rtol * max(|ref row|)``. Hidden states
+grow large and their rounding errors come from reductions over the whole row (dot products, sums
+of squares), so an element near zero in a row of norm 100 carries an error of ~eps*100; a
+per-element ``allclose`` flags that as divergent although it is the same computation rounded
+differently. Scaling by the row's largest magnitude keeps the tolerance meaningful at every depth.
+
+torch.testing's float32 rtol (1.3e-6, ~11 ulps) is meant for one operation. Measured on
+SmolLM2-135M in float32 (one-token decode vs batched prefill of the same 32 tokens), reordered
+reductions reach 4.5e-6 of the row scale after 30 layers and the element-wise check fails 31 of
+32 rows, so the float32 default rtol is 1.3e-5. bfloat16 and float16 keep torch.testing's values:
+their rounding step (2^-8, 2^-11) dwarfs accumulation-order effects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Mapping
+
+from kvdiff.errors import InputError
+from kvdiff.probes.points import ALL_POINTS
+
+
+class Tier(IntEnum):
+    """How far apart two rows are; stored as small ints in the maps (-1: not compared)."""
+
+    BITWISE = 0
+    NOISE = 1
+    DIVERGENT = 2
+    INCOMPARABLE = 3
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+NOT_COMPARED = -1
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """A row is within tolerance when max_abs <= atol + rtol * (largest |reference| in the row)."""
+
+    atol: float
+    rtol: float
+
+    def bound(self, scale):
+        """The largest allowed max-abs difference for rows whose reference scale is `scale`."""
+        return self.atol + self.rtol * scale
+
+
+# torch.testing.assert_close defaults per dtype (float32's rtol widened 10x, see above).
+DTYPE_DEFAULTS: dict[str, Tolerance] = {
+    "float32": Tolerance(atol=1e-5, rtol=1.3e-5),
+    "bfloat16": Tolerance(atol=1e-5, rtol=1.6e-2),
+    "float16": Tolerance(atol=1e-5, rtol=1e-3),
+}
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """The tolerance for each probe point: a dtype default and per-point overrides."""
+
+    default: Tolerance
+    per_point: Mapping[str, Tolerance]
+
+    def for_point(self, point: str) -> Tolerance:
+        return self.per_point.get(point, self.default)
+
+    @classmethod
+    def for_dtypes(cls, *dtypes: str, overrides: Mapping[str, Tolerance] | None = None) -> "Tolerances":
+        """Defaults of the loosest of the traces' dtypes, with `overrides` per point."""
+        known = [DTYPE_DEFAULTS[d] for d in dtypes if d in DTYPE_DEFAULTS] or [DTYPE_DEFAULTS["float32"]]
+        default = max(known, key=lambda t: (t.rtol, t.atol))
+        for point in overrides or {}:
+            if point not in ALL_POINTS:
+                raise InputError(f"unknown probe point {point!r} in tolerances; use one of {', '.join(ALL_POINTS)}")
+        return cls(default=default, per_point=dict(overrides or {}))
+
+
+def parse_tolerance(spec: str) -> tuple[str, Tolerance]:
+    """Parse ``POINT=ATOL[,RTOL]`` (RTOL defaults to 0) as given on the command line."""
+    point, sep, values = spec.partition("=")
+    parts = values.split(",")
+    try:
+        if not sep or not point or len(parts) > 2:
+            raise ValueError
+        atol = float(parts[0])
+        rtol = float(parts[1]) if len(parts) == 2 else 0.0
+        if atol < 0 or rtol < 0:
+            raise ValueError
+    except ValueError:
+        raise InputError(f"bad tolerance {spec!r}; write POINT=ATOL[,RTOL], e.g. logits=1e-4,1e-3") from None
+    if point not in ALL_POINTS:
+        raise InputError(f"unknown probe point {point!r} in tolerance {spec!r}; use one of {', '.join(ALL_POINTS)}")
+    return point, Tolerance(atol, rtol)

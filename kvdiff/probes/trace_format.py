@@ -1,0 +1,138 @@
+"""The HDF5 trace format: schema constants, the typed metadata, and lossless dtype coding.
+
+Layout (docs/trace-format.md is the full description):
+
+    /                        attrs: format, schema_version, complete (set last), metadata
+    /input_ids /generated_ids /positions
+    /layers/<i>/<point>                      rows indexed by global position
+    /layers/<i>/norm_stats/<norm>/<stat>     float64, rows indexed by global position
+    /final/<point>, /final/norm_stats/...    the same for final_norm and logits
+    /norms/<i>/<norm>, /norms/final/<norm>   norm weights, attr eps
+    /steps/<field>                           one row per generated step
+    /provenance/<field>                      one row per position with known provenance
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+FORMAT_NAME = "kvdiff-trace"
+SCHEMA_VERSION = 1
+DTYPE_ATTR = "kvdiff_dtype"          # the torch dtype a dataset's rows had when captured
+FINAL_GROUP = "final"
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One row of the chunk table: a chunk's span of global positions and how it was cached."""
+
+    name: str
+    positions: tuple[int, int]              # first, last (inclusive) global position
+    hash: str
+    cache: str                              # "hit" | "miss"
+    encoded_positions: tuple[int, int]      # first, last position RoPE encoded the chunk at
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "positions": list(self.positions), "hash": self.hash,
+                "cache": self.cache, "encoded_positions": list(self.encoded_positions)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ChunkRecord":
+        return cls(str(d["name"]), tuple(int(p) for p in d["positions"]), str(d["hash"]),
+                   str(d["cache"]), tuple(int(p) for p in d["encoded_positions"]))
+
+
+@dataclass
+class TraceMeta:
+    """Everything a trace says about the run that produced it."""
+
+    kvdiff_version: str
+    model_name: str
+    model_fingerprint: str
+    tokenizer_fingerprint: str
+    dtype: str                              # "float32" | "bfloat16" | "float16"
+    device: str
+    torch_version: str
+    transformers_version: str
+    strategy: str                           # "reference" for the continuous path
+    numerics: str                           # "fast" | "exact"
+    messages: list[dict]
+    input_ids: np.ndarray
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    attn_scale: float
+    points: tuple[str, ...]                 # recorded probe point names
+    layers: tuple[int, ...]                 # recorded layer ids
+    chunks: list[ChunkRecord] = field(default_factory=list)
+    generated_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    text: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    # Scalar attributes stored one per HDF5 attribute, in this order.
+    SCALARS = ("kvdiff_version", "model_name", "model_fingerprint", "tokenizer_fingerprint", "dtype",
+               "device", "torch_version", "transformers_version", "strategy", "numerics", "text",
+               "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size",
+               "attn_scale")
+
+
+@dataclass(frozen=True)
+class StepRecords:
+    """Per generated step: the chosen token, the top-k of its logits row and the top-1/top-2 margin."""
+
+    step: np.ndarray          # (G,) int64
+    position: np.ndarray      # (G,) int64: global position whose logits chose the token
+    token_id: np.ndarray      # (G,) int64
+    topk_ids: np.ndarray      # (G, k) int64
+    topk_values: np.ndarray   # (G, k) float32 (logits upcast; exact for fp32/bf16/fp16)
+    margin: np.ndarray        # (G,) float64: top-1 minus top-2 logit
+
+
+@dataclass(frozen=True)
+class ProvenanceRecords:
+    """Per recorded position (aligned with TraceReader.positions): where its K/V came from."""
+
+    chunk: list[str]            # "" where the path reported no provenance
+    prefill_id: np.ndarray      # int64, -1 where unknown
+    encoded_position: np.ndarray  # int64, -1 where unknown
+    reused: np.ndarray          # bool
+
+
+def point_group(layer: int | None) -> str:
+    """HDF5 group holding the rows of `layer`'s points (None: the final points)."""
+    return FINAL_GROUP if layer is None else f"layers/{layer}"
+
+
+def norm_weight_path(layer: int | None, norm: str) -> str:
+    return f"norms/{FINAL_GROUP if layer is None else layer}/{norm}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32 and so on."""
+    return str(dtype).removeprefix("torch.")
+
+
+def to_storage(rows: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A numpy array holding the tensor's exact bits, and the torch dtype name to restore them.
+
+    bfloat16 has no numpy/HDF5 type: its 16-bit patterns are stored as uint16.
+    """
+    rows = rows.detach()
+    if rows.device.type != "cpu":
+        rows = rows.cpu()
+    if rows.dtype == torch.bfloat16:
+        return rows.view(torch.int16).numpy().view(np.uint16), "bfloat16"
+    return rows.numpy(), dtype_name(rows.dtype)
+
+
+def from_storage(stored: np.ndarray, dtype: str) -> np.ndarray:
+    """Rows as numpy: bfloat16 upcast to float32 bit-faithfully, other dtypes as stored."""
+    if dtype == "bfloat16":
+        return (stored.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return stored

@@ -1,0 +1,190 @@
+"""TraceReader: lazy, validated access to a finished HDF5 trace.
+
+Opening checks the file is a complete kvdiff trace of a schema this kvdiff reads; each layer's
+arrays are read only when asked for, so a large trace never loads whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from kvdiff.errors import TraceError
+from kvdiff.probes.trace_format import (
+    DTYPE_ATTR, FINAL_GROUP, FORMAT_NAME, SCHEMA_VERSION, ChunkRecord, ProvenanceRecords, StepRecords,
+    TraceMeta, from_storage, norm_weight_path, point_group,
+)
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """One dataset of a trace, for `kvdiff inspect`."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str            # the captured dtype (bfloat16 for uint16-coded rows)
+    stored_bytes: int     # bytes on disk (after compression)
+
+
+def _open_file(path: Path) -> h5py.File:
+    if not path.exists():
+        raise TraceError(f"trace {path} not found: check the path, or record it first")
+    if not path.is_file():
+        raise TraceError(f"trace {path} is not a file")
+    if not h5py.is_hdf5(path):
+        raise TraceError(f"{path} is not an HDF5 file, so not a kvdiff trace")
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        why = "truncated" if "truncated" in str(exc) else "corrupt"
+        raise TraceError(f"trace {path} is {why}: HDF5 cannot open it; record it again") from None
+
+
+def _validate(path: Path, f: h5py.File) -> None:
+    if f.attrs.get("format") != FORMAT_NAME:
+        raise TraceError(f"{path} is an HDF5 file but not a kvdiff trace (no format={FORMAT_NAME!r})")
+    version = int(f.attrs.get("schema_version", -1))
+    if version > SCHEMA_VERSION:
+        raise TraceError(f"trace {path} has schema {version}, newer than this kvdiff reads "
+                         f"({SCHEMA_VERSION}): upgrade kvdiff")
+    if version < 1:
+        raise TraceError(f"trace {path} has an invalid schema version {version}")
+    if not bool(f.attrs.get("complete", False)):
+        raise TraceError(f"trace {path} is incomplete: its writer did not finish (killed or failed); record it again")
+
+
+def _read_meta(f: h5py.File) -> TraceMeta:
+    a = f.attrs
+    ints = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")
+    scalars = {}
+    for name in TraceMeta.SCALARS:
+        value = a[name]
+        scalars[name] = int(value) if name in ints else float(value) if name == "attn_scale" else str(value)
+    return TraceMeta(
+        **scalars,
+        messages=json.loads(a["messages_json"]),
+        chunks=[ChunkRecord.from_json(c) for c in json.loads(a["chunks_json"])],
+        input_ids=f["input_ids"][()],
+        generated_ids=f["generated_ids"][()],
+        points=tuple(json.loads(a["points"])),
+        layers=tuple(int(i) for i in a["layers"]),
+        schema_version=int(a["schema_version"]),
+    )
+
+
+class TraceReader:
+    """A finished trace. Open with `open_trace(path)`; arrays are aligned with `positions`."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._file = _open_file(self.path)
+        try:
+            _validate(self.path, self._file)
+            self.meta = _read_meta(self._file)
+            self.positions: np.ndarray = self._file["positions"][()]
+        except (KeyError, OSError) as exc:
+            self._file.close()
+            raise TraceError(f"trace {self.path} is damaged ({exc}); record it again") from None
+        except TraceError:
+            self._file.close()
+            raise
+
+    def _rows(self, ds: h5py.Dataset) -> np.ndarray:
+        """The dataset's rows at `positions` (row index = global position)."""
+        pos = self.positions
+        if pos.size == 0:
+            return np.zeros((0, *ds.shape[1:]), dtype=ds.dtype)
+        lo, hi = int(pos[0]), int(pos[-1]) + 1
+        block = ds[lo:hi]
+        data = block if hi - lo == pos.size else block[pos - lo]
+        return from_storage(data, ds.attrs.get(DTYPE_ATTR, str(ds.dtype)))
+
+    def _group_points(self, group: str) -> dict[str, np.ndarray]:
+        if group not in self._file:
+            raise TraceError(f"trace {self.path} holds no {group!r}: recorded layers are {list(self.meta.layers)}")
+        g = self._file[group]
+        return {name: self._rows(g[name]) for name in g if isinstance(g[name], h5py.Dataset)}
+
+    def layer(self, i: int) -> dict[str, np.ndarray]:
+        """Probe point -> (n_positions, ...) array for layer `i` (only that layer is read)."""
+        return self._group_points(point_group(int(i)))
+
+    def final(self) -> dict[str, np.ndarray]:
+        """final_norm and logits (those recorded)."""
+        return self._group_points(FINAL_GROUP)
+
+    def norm_stats(self, layer: int | None) -> dict[str, dict[str, np.ndarray]]:
+        """Norm name -> statistic name -> float64 (n_positions,) for `layer` (None: final norm)."""
+        name = f"{point_group(layer)}/norm_stats"
+        if name not in self._file:
+            return {}
+        g = self._file[name]
+        return {norm: {stat: self._rows(g[norm][stat]) for stat in g[norm]} for norm in g}
+
+    def norm_weight(self, layer: int | None, norm: str) -> tuple[np.ndarray, float]:
+        """A norm module's weight and epsilon (norm: attn_norm, mlp_norm, final_norm, q_norm, k_norm)."""
+        name = norm_weight_path(layer, norm)
+        if name not in self._file:
+            raise TraceError(f"trace {self.path} holds no weight for norm {norm!r} of layer {layer}")
+        ds = self._file[name]
+        return ds[()], float(ds.attrs["eps"])
+
+    @property
+    def steps(self) -> StepRecords:
+        g = self._file["steps"]
+        return StepRecords(**{name: g[name][()] for name in
+                              ("step", "position", "token_id", "topk_ids", "topk_values", "margin")})
+
+    @property
+    def provenance(self) -> ProvenanceRecords | None:
+        """Per-position provenance (engine paths), or None when the path reported none."""
+        if "provenance" not in self._file:
+            return None
+        g = self._file["provenance"]
+        index = {int(p): i for i, p in enumerate(g["positions"][()])}
+        chunk, prefill, encoded, reused = (g["chunk"].asstr()[()], g["prefill_id"][()],
+                                           g["encoded_position"][()], g["reused"][()])
+        rows = [index.get(int(p)) for p in self.positions]
+        return ProvenanceRecords(
+            chunk=[str(chunk[r]) if r is not None else "" for r in rows],
+            prefill_id=np.array([prefill[r] if r is not None else -1 for r in rows], dtype=np.int64),
+            encoded_position=np.array([encoded[r] if r is not None else -1 for r in rows], dtype=np.int64),
+            reused=np.array([bool(reused[r]) if r is not None else False for r in rows], dtype=bool),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the trace file on disk."""
+        return self.path.stat().st_size
+
+    def datasets(self) -> list[DatasetInfo]:
+        """Every dataset with its shape, captured dtype and bytes on disk."""
+        out: list[DatasetInfo] = []
+
+        def visit(name: str, obj) -> None:
+            if isinstance(obj, h5py.Dataset):
+                out.append(DatasetInfo(name, obj.shape, str(obj.attrs.get(DTYPE_ATTR, obj.dtype)),
+                                       obj.id.get_storage_size()))
+
+        self._file.visititems(visit)
+        return out
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "TraceReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_trace(path: str | os.PathLike) -> TraceReader:
+    """Open a finished trace; TraceError with one line if it is missing, foreign, incomplete,
+    truncated or of a newer schema."""
+    return TraceReader(path)

@@ -1,0 +1,149 @@
+"""The HDF5 trace writer and reader: round trips, atomic completion, refusals."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from kvdiff.errors import TraceError
+from kvdiff.probes.sink import ProbeIntegrityError
+from kvdiff.probes.trace import ChunkRecord, TraceMeta, TraceWriter, open_trace
+
+
+def make_meta(dtype: str = "float32") -> TraceMeta:
+    return TraceMeta(
+        kvdiff_version="0.1.0", model_name="unit", model_fingerprint="cfg:0/w:0", tokenizer_fingerprint="tok",
+        dtype=dtype, device="cpu", torch_version=torch.__version__, transformers_version="5", strategy="reference",
+        numerics="fast", messages=[{"role": "user", "content": "hi"}], input_ids=np.arange(6, dtype=np.int64),
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32, vocab_size=50,
+        attn_scale=8 ** -0.5, points=("resid_pre", "k"), layers=(0, 1),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_round_trip_bit_for_bit(tmp_path, dtype):
+    path = tmp_path / "t.h5"
+    g = torch.Generator().manual_seed(0)
+    rows = {(layer, p): (torch.randn(8, 32, generator=g) * 100).to(dtype) for layer in (0, 1) for p in ("resid_pre",)}
+    keys = {layer: (torch.randn(8, 2, 8, generator=g) * 1e-3).to(dtype) for layer in (0, 1)}
+    chunks = [ChunkRecord("system", (0, 3), "ab", "miss", (0, 3)), ChunkRecord("user", (4, 5), "cd", "hit", (4, 5))]
+    with TraceWriter(path, make_meta(str(dtype).removeprefix("torch."))) as w:
+        for layer in (0, 1):
+            w.write_rows(f"layers/{layer}", "resid_pre", range(6), rows[(layer, "resid_pre")][:6])
+            w.write_rows(f"layers/{layer}", "k", range(6), keys[layer][:6])
+        for step, pos in enumerate((6, 7)):  # decode rows arrive one at a time
+            for layer in (0, 1):
+                w.write_rows(f"layers/{layer}", "resid_pre", [pos], rows[(layer, "resid_pre")][pos:pos + 1])
+                w.write_rows(f"layers/{layer}", "k", [pos], keys[layer][pos:pos + 1])
+            w.append_step(step, pos - 1, 7 + step, np.array([7 + step, 3]), np.array([2.5, 1.0]), 1.5)
+        w.write_provenance([4, 5], "user", 1, [4, 5], True)
+        w.close(generated_ids=[7, 8], text="ok", chunks=chunks)
+    with open_trace(path) as tr:
+        assert tr.meta.chunks == chunks and tr.meta.text == "ok" and tr.meta.dtype == str(dtype)[6:]
+        assert tr.positions.tolist() == list(range(8))
+        for layer in (0, 1):
+            got = tr.layer(layer)
+            for name, want in (("resid_pre", rows[(layer, "resid_pre")]), ("k", keys[layer])):
+                want32 = want.float().numpy() if dtype == torch.bfloat16 else want.numpy()
+                assert got[name].dtype == want32.dtype
+                assert np.array_equal(got[name].view(np.uint8), want32.view(np.uint8))
+        assert tr.steps.token_id.tolist() == [7, 8] and tr.steps.topk_ids.shape == (2, 2)
+        prov = tr.provenance
+        assert prov.chunk == ["", "", "", "", "user", "user", "", ""] and prov.reused[4] and not prov.reused[0]
+
+
+def test_sparse_positions_read_back_aligned(tmp_path):
+    path = tmp_path / "t.h5"
+    rows = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    with TraceWriter(path, make_meta()) as w:
+        w.write_rows("final", "logits", [9, 2, 5], rows[[9, 2, 5]])
+    with open_trace(path) as tr:
+        assert tr.positions.tolist() == [2, 5, 9]
+        assert np.array_equal(tr.final()["logits"], rows[[2, 5, 9]].numpy())
+        assert tr.provenance is None
+
+
+def test_a_point_missing_positions_is_an_integrity_error_and_leaves_no_file(tmp_path):
+    path = tmp_path / "t.h5"
+    w = TraceWriter(path, make_meta())
+    w.write_rows("layers/0", "resid_pre", range(4), torch.zeros(4, 32))
+    w.write_rows("layers/0", "k", range(3), torch.zeros(3, 2, 8))
+    with pytest.raises(ProbeIntegrityError, match=r"layers/0/k holds no rows for positions 3"):
+        w.close()
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_an_exception_inside_the_writer_context_leaves_no_file(tmp_path):
+    with pytest.raises(RuntimeError):
+        with TraceWriter(tmp_path / "t.h5", make_meta()) as w:
+            w.write_rows("layers/0", "resid_pre", range(4), torch.zeros(4, 32))
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _complete_trace(path) -> None:
+    with TraceWriter(path, make_meta()) as w:
+        w.write_rows("layers/0", "resid_pre", range(200), torch.randn(200, 32))
+
+
+def test_reader_refuses_bad_files_with_one_line(tmp_path):
+    good = tmp_path / "good.h5"
+    _complete_trace(good)
+    (tmp_path / "text.h5").write_text("hello")
+    with h5py.File(tmp_path / "foreign.h5", "w") as f:
+        f["x"] = np.zeros(3)
+    newer = tmp_path / "newer.h5"
+    _complete_trace(newer)
+    with h5py.File(newer, "a") as f:
+        f.attrs["schema_version"] = 99
+    incomplete = tmp_path / "incomplete.h5"
+    _complete_trace(incomplete)
+    with h5py.File(incomplete, "a") as f:
+        f.attrs["complete"] = False
+    truncated = tmp_path / "truncated.h5"
+    data = good.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    cases = {"missing.h5": "not found", "text.h5": "not an HDF5 file", "foreign.h5": "not a kvdiff trace",
+             "newer.h5": "schema 99, newer", "incomplete.h5": "incomplete", "truncated.h5": "truncated"}
+    for name, message in cases.items():
+        with pytest.raises(TraceError, match=message) as info:
+            open_trace(tmp_path / name)
+        assert "\n" not in str(info.value)
+
+
+_KILLED_WRITER = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_trace import make_meta
+    from kvdiff.probes.trace import TraceWriter
+    w = TraceWriter({path!r}, make_meta())
+    pos = 0
+    while True:
+        w.write_rows("layers/0", "resid_pre", range(pos, pos + 64), torch.randn(64, 32))
+        w._file.flush()
+        pos += 64
+        if pos == 640:
+            print("ready", flush=True)
+""")
+
+
+def test_a_killed_writer_never_leaves_a_complete_trace(tmp_path):
+    path = tmp_path / "killed.h5"
+    script = _KILLED_WRITER.format(tests=os.path.dirname(__file__), path=str(path))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not path.exists()
+    leftovers = list(tmp_path.iterdir())
+    assert len(leftovers) == 1 and leftovers[0].name.endswith(".partial")
+    with pytest.raises(TraceError, match="incomplete|truncated|corrupt"):
+        open_trace(leftovers[0])
