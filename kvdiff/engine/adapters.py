@@ -1,0 +1,125 @@
+"""Per-architecture adapters: the model's own modules, exposed for the engine to run.
+
+The engine runs embedding, norms, projections, MLP and rotary of the transformers model
+itself; only attention, positions, KV cache and scheduling are its own. An adapter knows
+where each module lives and the few per-family differences (Qwen2 q/k/v bias is inside the
+projections; Qwen3 normalises q and k per head before RoPE).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvdiff.errors import UnsupportedModelError
+
+
+@dataclass
+class LayerModules:
+    """The modules of one decoder layer."""
+
+    input_layernorm: nn.Module
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    o_proj: nn.Linear
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on rows x (T, heads, D) with cos/sin (T, D): the same arithmetic as transformers."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class Adapter:
+    """Llama-style decoder (Llama, Mistral, Qwen2): modules and shapes."""
+
+    families: tuple[str, ...] = ("llama", "mistral", "qwen2")
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        config = model.config
+        inner = model.model
+        self.config = config
+        self.embed_tokens: nn.Embedding = inner.embed_tokens
+        self.final_norm: nn.Module = inner.norm
+        self.rotary_emb: nn.Module = inner.rotary_emb
+        self.lm_head: nn.Linear = model.lm_head
+        self.layers = [self._layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
+        attn = inner.layers[0].self_attn
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = float(attn.scaling)
+        self.hidden_size = config.hidden_size
+        self.max_positions = int(config.max_position_embeddings)
+        # Sequences never longer than a sliding window attend exactly as with full attention.
+        window = sliding_window(config)
+        self.max_length = min(self.max_positions, window) if window else self.max_positions
+
+    def _layer(self, layer: nn.Module) -> LayerModules:
+        attn = layer.self_attn
+        return LayerModules(
+            input_layernorm=layer.input_layernorm,
+            q_proj=attn.q_proj, k_proj=attn.k_proj, v_proj=attn.v_proj, o_proj=attn.o_proj,
+            q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
+            post_attention_layernorm=layer.post_attention_layernorm,
+            mlp=layer.mlp,
+        )
+
+    def qkv(self, layer: LayerModules, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (T, H, D), k before RoPE (T, KVH, D), v (T, KVH, D) from normed rows h (T, hidden)."""
+        T = h.shape[0]
+        q = layer.q_proj(h).view(T, self.num_heads, self.head_dim)
+        k = layer.k_proj(h).view(T, self.num_kv_heads, self.head_dim)
+        v = layer.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def rope(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, D) at `positions` (T,), from the model's own rotary embedding."""
+        cos, sin = self.rotary_emb(like, positions.unsqueeze(0))
+        return cos[0], sin[0]
+
+
+class Qwen3Adapter(Adapter):
+    """Qwen3: q and k are RMS-normalised per head (q_norm, k_norm) before RoPE."""
+
+    families = ("qwen3",)
+
+    def qkv(self, layer, h):
+        q, k, v = super().qkv(layer, h)
+        return layer.q_norm(q), layer.k_norm(k), v
+
+
+ADAPTERS: dict[str, type[Adapter]] = {family: cls for cls in (Adapter, Qwen3Adapter) for family in cls.families}
+
+
+def sliding_window(config) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        return None
+    if window is not None and window < config.max_position_embeddings:
+        return int(window)
+    return None
+
+
+def get_adapter(model: nn.Module) -> Adapter:
+    """The adapter of `model`'s architecture; UnsupportedModelError names the supported ones."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    cls = ADAPTERS.get(model_type)
+    if cls is None:
+        raise UnsupportedModelError(
+            f"architecture {model_type!r} has no engine adapter: supported are {', '.join(sorted(ADAPTERS))}")
+    return cls(model)

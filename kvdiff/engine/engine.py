@@ -1,0 +1,254 @@
+"""The chunked-generation engine: chunking, registry, paged KV, strategies, batched decoding."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Mapping, Sequence
+
+import torch
+
+from kvdiff.engine.adapters import get_adapter
+from kvdiff.engine.chunks import split_conversation
+from kvdiff.engine.conversation import Messages
+from kvdiff.engine.kv_cache import BLOCK_SIZE, BlockPool, BlockTable
+from kvdiff.engine.numerics import exact_numerics
+from kvdiff.engine.outputs import RequestOutput
+from kvdiff.engine.reference import stop_token_ids
+from kvdiff.engine.registry import ChunkRegistry, RegistryStats, model_fingerprint
+from kvdiff.engine.runner import ModelRunner, RowGroup
+from kvdiff.engine.scheduler import Planner, Request, Reused
+from kvdiff.engine.strategies import BLEND_SELECT_LAYER, DEFAULT_RECOMPUTE_RATIO, make_strategy, select_blend_tokens
+from kvdiff.errors import InputError
+from kvdiff.probes.sink import ProbeSink, Provenance
+
+log = logging.getLogger(__name__)
+
+NUMERICS = ("fast", "exact")
+DEFAULT_KV_BUDGET = 512 * 2**20
+
+
+class Engine:
+    """Chunked generation with a chunk registry over one transformers model.
+
+    Greedy by default; `temperature > 0` samples (seeded by `seed`) with optional top-k / top-p.
+    """
+
+    def __init__(self, model, tokenizer, strategy: str = "prefix", numerics: str = "fast",
+                 chunk_size: int | None = None, recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
+                 kv_budget_bytes: int = DEFAULT_KV_BUDGET, allow_boundary_mismatch: bool = False,
+                 seed: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 block_size: int = BLOCK_SIZE):
+        if numerics not in NUMERICS:
+            raise InputError(f"unknown numerics {numerics!r}: use one of {', '.join(NUMERICS)}")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+            raise InputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.strategy = make_strategy(strategy, recompute_ratio)
+        self.numerics = numerics
+        self.chunk_size = chunk_size
+        self.allow_boundary_mismatch = allow_boundary_mismatch
+        self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
+        self.generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+        self.adapter = get_adapter(model)
+        a = self.adapter
+        dtype = a.embed_tokens.weight.dtype
+        device = a.embed_tokens.weight.device
+        per_block = BlockPool.bytes_per_block(len(a.layers), a.num_kv_heads, a.head_dim, dtype, block_size)
+        self.pool = BlockPool(len(a.layers), a.num_kv_heads, a.head_dim, kv_budget_bytes // per_block,
+                              dtype, device, block_size)
+        self.registry = ChunkRegistry(self.pool, per_block, kv_budget_bytes)
+        self.runner = ModelRunner(a, self.pool, exact=numerics == "exact")
+        self.fingerprint = model_fingerprint(model)
+        self.stops = stop_token_ids(model, tokenizer)
+        self._forwards = 0
+
+    @property
+    def stats(self) -> RegistryStats:
+        """Chunk registry counters (hits, misses, reused and stored tokens, evictions, collisions)."""
+        return self.registry.stats
+
+    def _forward(self, groups: list[RowGroup], num_layers: int | None = None) -> list[torch.Tensor | None]:
+        self._forwards += 1
+        return self.runner.forward(groups, num_layers)
+
+    def generate(self, conversations: Sequence[Messages], max_new_tokens: int = 32,
+                 sinks: Mapping[int, ProbeSink] | None = None) -> list[RequestOutput]:
+        """Generate a reply for each conversation; several at once, sharing cached chunks."""
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        sinks = dict(sinks or {})
+        if any(i not in range(len(conversations)) for i in sinks):
+            raise InputError(f"sinks keys must be request indices 0..{len(conversations) - 1}")
+        prompts = [split_conversation(self.tokenizer, c, self.chunk_size, self.allow_boundary_mismatch)
+                   for c in conversations]
+        for i, p in enumerate(prompts):
+            if len(p) + max_new_tokens > self.adapter.max_length:
+                raise InputError(f"request {i}: prompt of {len(p)} tokens plus max_new_tokens {max_new_tokens} "
+                                 f"exceeds the model context of {self.adapter.max_length}: shorten the prompt "
+                                 "or lower max_new_tokens")
+        numerics = exact_numerics(self.model) if self.numerics == "exact" else contextlib.nullcontext()
+        requests = [Request(i, p, BlockTable(self.pool), sinks.get(i)) for i, p in enumerate(prompts)]
+        planner = Planner(self.registry, self.strategy, self.fingerprint)
+        start = time.perf_counter()
+        try:
+            with numerics, torch.inference_mode():
+                self._prefill(requests, planner)
+                planner.fresh = []
+                self._decode(requests, max_new_tokens, start)
+        finally:
+            for entry in planner.fresh:
+                self.registry.discard(entry)
+            for r in requests:
+                for entry in r.entries:
+                    self.registry.release(entry)
+                r.table.release()
+        return [RequestOutput(r.generated, self.tokenizer.decode(r.generated, skip_special_tokens=True),
+                              r.stats, r.reports, r.prompt.prompt_ids, r.prompt.skipped) for r in requests]
+
+    def _prefill(self, requests: list[Request], planner: Planner) -> None:
+        s = self.strategy
+        for r in requests:
+            r.stats.prompt_tokens = len(r.prompt)
+        if not s.caches:
+            logits = self._forward([g for r in requests for g in planner.plan_whole(r, self._forwards)])
+        elif s.chains_prefix:
+            fid = self._forwards
+            groups = [g for r in requests for g in planner.plan_prefix(r, fid)]
+            logits = [lg for lg in self._forward(groups)]
+        else:
+            fid = self._forwards
+            chunk_groups = [g for r in requests for g in planner.plan_isolated(r, fid)]
+            if chunk_groups:
+                self._forward(chunk_groups)
+            placed = [p for r in requests for p in r.placed]
+            if placed:
+                dev = self.pool.device
+                delta = torch.cat([torch.arange(p.chunk.start - p.encoded_start, p.chunk.end - p.encoded_start,
+                                                device=dev) for p in placed])
+                self.runner.place(torch.cat([p.src for p in placed]), torch.cat([p.dst for p in placed]), delta)
+            fid = self._forwards
+            groups = [planner.final_group(r, fid) for r in requests]
+            if s.recompute_ratio > 0:
+                groups = self._blend(requests, groups)
+            logits = self._forward(groups)
+        rows = iter(lg for lg in logits if lg is not None)
+        for r in requests:
+            r.logits = next(rows)
+        self._emit_reused(requests)
+
+    def _blend(self, requests: list[Request], finals: list[RowGroup]) -> list[RowGroup]:
+        """CacheBlend: recompute the reused tokens whose K at layer 1 deviates most, with full context."""
+        scratch = [BlockTable(self.pool) for _ in requests]
+        try:
+            probes = []
+            for r, t, final in zip(requests, scratch, finals):
+                n = final.positions[0]
+                seg = t.add_own(n)
+                probes.append(RowGroup(list(r.prompt.prompt_ids[:n]), list(range(n)), list(range(n)),
+                                       seg.slots, seg.slots, list(t.segments)))
+            self._forward([g for g in probes if g.token_ids], num_layers=BLEND_SELECT_LAYER + 1)
+            groups = []
+            for r, t, final in zip(requests, scratch, finals):
+                n = final.positions[0]
+                own = torch.cat([p.dst for p in r.placed]) if r.placed else t.all_slots()[:0]
+                fresh = self.pool.k[BLEND_SELECT_LAYER].index_select(0, t.all_slots()[:n]) if n else own
+                cached = self.pool.k[BLEND_SELECT_LAYER].index_select(0, own)
+                chosen = select_blend_tokens(fresh, cached, self.strategy.recompute_ratio).tolist()
+                chosen_set = set(chosen)
+                tokens = [r.prompt.prompt_ids[p] for p in chosen] + final.token_ids
+                slots = torch.cat([own[chosen], final.write_slots]) if chosen else final.write_slots
+                positions = chosen + final.positions
+                prov = [([p], Provenance(_chunk_at(r, p), final.provenance[0][1].prefill_id, [p], False))
+                        for p in chosen] + final.provenance
+                groups.append(RowGroup(tokens, positions, list(positions), slots, slots, final.segments, 0,
+                                       True, r.sink, prov))
+                r.stats.prefilled_tokens += len(chosen)
+                r.reused = [_drop(u, chosen_set) for u in r.reused]
+            return groups
+        finally:
+            for t in scratch:
+                t.release()
+
+    def _emit_reused(self, requests: list[Request]) -> None:
+        """One k/v-only bracket per request with a sink, for KV it reads but did not compute."""
+        for r in requests:
+            reused = [u for u in r.reused if u.positions]
+            if r.sink is None or not reused:
+                continue
+            positions = [p for u in reused for p in u.positions]
+            slots = torch.cat([u.slots for u in reused])
+            r.sink.begin_forward(positions)
+            for u in reused:
+                r.sink.provenance(u.positions, u.provenance)
+            for layer in range(len(self.adapter.layers)):
+                if r.sink.wants("k", layer) or r.sink.wants("v", layer):
+                    k, v = self.pool.read(layer, slots)
+                    if r.sink.wants("k", layer):
+                        r.sink.capture("k", layer, k, positions)
+                    if r.sink.wants("v", layer):
+                        r.sink.capture("v", layer, v, positions)
+            r.sink.end_forward()
+
+    def _sample(self, logits: torch.Tensor) -> int:
+        if self.temperature <= 0:
+            return int(logits.argmax())
+        scores = logits.float().cpu() / self.temperature
+        if self.top_k > 0:
+            kth = torch.topk(scores, min(self.top_k, scores.numel())).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, -1)
+        if self.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            cut = torch.cumsum(sorted_p, 0) - sorted_p >= self.top_p
+            probs[order[cut]] = 0.0
+            probs = probs / probs.sum()
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def _decode(self, requests: list[Request], max_new_tokens: int, start: float) -> None:
+        step = 0
+        while True:
+            active = []
+            for r in requests:
+                if r.done:
+                    continue
+                token = self._sample(r.logits)
+                if r.sink is not None:
+                    r.sink.capture_step(step, r.table.length - 1, r.logits, token)
+                r.generated.append(token)
+                now = time.perf_counter() - start
+                if step == 0:
+                    r.stats.ttft_s = now
+                r.stats.total_s = now
+                r.stats.generated_tokens = len(r.generated)
+                if token in self.stops or len(r.generated) >= max_new_tokens:
+                    r.done = True
+                else:
+                    active.append(r)
+            if not active:
+                return
+            fid = self._forwards
+            groups = []
+            for r in active:
+                pos = r.table.length          # decode continues from the true sequence length
+                seg = r.table.add_own(1)
+                groups.append(RowGroup([r.generated[-1]], [pos], [pos], seg.slots, seg.slots,
+                                       list(r.table.segments), 0, True, r.sink,
+                                       [([pos], Provenance("decode", fid, [pos], False))]))
+            for r, lg in zip(active, self._forward(groups)):
+                r.logits = lg
+            step += 1
+
+
+def _chunk_at(req: Request, position: int) -> str:
+    return next(c.name for c in req.prompt.chunks if c.start <= position < c.end)
+
+
+def _drop(reused: Reused, positions: set[int]) -> Reused:
+    keep = [i for i, p in enumerate(reused.positions) if p not in positions]
+    idx = torch.tensor(keep, dtype=torch.long, device=reused.slots.device)
+    prov = reused.provenance
+    return Reused(reused.chunk, [reused.positions[i] for i in keep], reused.slots.index_select(0, idx),
+                  Provenance(prov.chunk, prov.prefill_id, [prov.encoded_positions[i] for i in keep], prov.reused))

@@ -1,0 +1,152 @@
+"""Paged KV cache: a preallocated pool of fixed-size blocks per layer, addressed by slot.
+
+A slot is `block * block_size + offset`. A chunk's KV lives in blocks owned by its registry
+entry and is shared by every request that reuses it; a request's own tokens (its final chunk
+under non-prefix strategies, re-rotated copies, decode tokens) live in its own blocks. A
+request's block table lists its segments in sequence order, so position p maps to one slot
+even when chunk boundaries do not fall on block boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvdiff.errors import KvdiffError
+
+log = logging.getLogger(__name__)
+
+BLOCK_SIZE = 16
+
+
+class OutOfBlocks(KvdiffError):
+    """The block pool has too few free blocks."""
+
+
+class BlockPool:
+    """Per-layer K and V pools of `num_blocks` blocks of `block_size` tokens."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 dtype: torch.dtype, device: torch.device, block_size: int = BLOCK_SIZE):
+        if num_blocks < 1:
+            raise KvdiffError("the KV budget holds no block: raise kv_budget_bytes")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self.device = device
+        # Called with the number of blocks missing before giving up (the registry evicts here).
+        self.reclaim: Callable[[int], None] = lambda missing: None
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        block_size: int = BLOCK_SIZE) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` free blocks, reclaiming cached ones if short; OutOfBlocks if impossible."""
+        if num_blocks > len(self._free):
+            self.reclaim(num_blocks - len(self._free))
+        if num_blocks > len(self._free):
+            raise OutOfBlocks(f"KV cache full: need {num_blocks} blocks, {len(self._free)} free; raise kv_budget_bytes")
+        return [self._free.pop() for _ in range(num_blocks)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    def slots(self, blocks: list[int], num_tokens: int, first: int = 0) -> torch.Tensor:
+        """Slots of tokens first..first+num_tokens-1 stored in `blocks` (in order)."""
+        idx = torch.arange(first, first + num_tokens)
+        table = torch.tensor(blocks, dtype=torch.long)
+        return (table[idx // self.block_size] * self.block_size + idx % self.block_size).to(self.device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(0, slots, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.v[layer].dtype))
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+
+
+@dataclass
+class Segment:
+    """A run of a request's sequence positions and the slots holding their KV."""
+
+    start: int                    # first sequence position
+    slots: torch.Tensor           # (n,) long
+    shared_key: str | None        # registry key when the slots belong to a shared entry
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.slots.shape[0])
+
+
+@dataclass
+class BlockTable:
+    """A request's view of its KV: segments in sequence order, and the blocks it owns."""
+
+    pool: BlockPool
+    segments: list[Segment] = field(default_factory=list)
+    own_blocks: list[int] = field(default_factory=list)
+    own_tokens: int = 0
+    scratch_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.segments[-1].end if self.segments else 0
+
+    def scratch(self, num_tokens: int) -> torch.Tensor:
+        """Slots in fresh blocks owned by the request but outside its sequence (freed on release)."""
+        blocks = self.pool.allocate(self.pool.blocks_for(num_tokens))
+        self.scratch_blocks.extend(blocks)
+        return self.pool.slots(blocks, num_tokens)
+
+    def add_shared(self, key: str | None, slots: torch.Tensor) -> Segment:
+        seg = Segment(self.length, slots, key)
+        self.segments.append(seg)
+        return seg
+
+    def add_own(self, num_tokens: int) -> Segment:
+        """Append `num_tokens` positions stored in the request's own blocks (allocated here)."""
+        need = self.pool.blocks_for(self.own_tokens + num_tokens) - len(self.own_blocks)
+        if need > 0:
+            self.own_blocks.extend(self.pool.allocate(need))
+        slots = self.pool.slots(self.own_blocks, num_tokens, self.own_tokens)
+        self.own_tokens += num_tokens
+        last = self.segments[-1] if self.segments else None
+        if last is not None and last.shared_key is None:
+            last.slots = torch.cat([last.slots, slots])
+            return Segment(self.length - num_tokens, slots, None)
+        seg = Segment(self.length, slots, None)
+        self.segments.append(seg)
+        return seg
+
+    def all_slots(self) -> torch.Tensor:
+        return torch.cat([s.slots for s in self.segments])
+
+    def slot_of(self, position: int) -> int:
+        for seg in self.segments:
+            if seg.start <= position < seg.end:
+                return int(seg.slots[position - seg.start])
+        raise IndexError(f"position {position} is past the sequence length {self.length}")
+
+    def release(self) -> None:
+        """Give the request's own blocks back to the pool."""
+        self.pool.free(self.own_blocks + self.scratch_blocks)
+        self.own_blocks = []
+        self.scratch_blocks = []
+        self.own_tokens = 0
+        self.segments = []

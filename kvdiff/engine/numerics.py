@@ -1,0 +1,182 @@
+"""Exact (batch-invariant) numerics: every row gets the same bits whatever rows it is computed with.
+
+Two pieces, shared by the engine and, through `exact_numerics(model)`, by the reference model:
+
+- `invariant_linear`: rows are padded to a fixed tile multiple before the matmul. On CPU a
+  matmul whose row count is a multiple of 4 gives each row the bits of any larger matmul
+  (measured with torch 2.13 on the default model's shapes; `tests/test_engine_numerics.py`
+  checks it); on CUDA rows go through fixed 64-row tiles as one batched matmul.
+- `exact_attention`: keys are processed in fixed 64-key tiles aligned to sequence position 0,
+  with an online softmax in tile order, so a query at position p reads the same tiles with the
+  same reduction order whether it is computed in a prefill, a chunked prefill or a decode step
+  (tiles past p are fully masked and leave the running state bit-for-bit unchanged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from kvdiff.errors import KvdiffError
+
+log = logging.getLogger(__name__)
+
+CPU_ROW_MULTIPLE = 4   # CPU: pad rows to a multiple of this; one plain matmul
+CUDA_ROW_TILE = 64     # CUDA: fixed row tiles, run as one batched matmul
+KEY_TILE = 64          # attention: keys in tiles of this many positions, aligned to position 0
+
+EXACT_ATTENTION = "kvdiff_exact"
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    rows = x.shape[0]
+    padded = -(-rows // multiple) * multiple
+    if padded == rows:
+        return x
+    out = x.new_zeros((padded,) + tuple(x.shape[1:]))
+    out[:rows] = x
+    return out
+
+
+def invariant_matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """`x @ weight_t` for 2-D `x` whose row results do not depend on the number of rows."""
+    rows = x.shape[0]
+    if x.device.type == "cuda":
+        tiles = _pad_rows(x, CUDA_ROW_TILE).view(-1, CUDA_ROW_TILE, x.shape[1])
+        out = torch.matmul(tiles, weight_t).view(-1, weight_t.shape[1])
+    else:
+        out = _pad_rows(x, CPU_ROW_MULTIPLE) @ weight_t
+    return out[:rows]
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`nn.functional.linear` with batch-invariant rows; the bias is added separately."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = invariant_matmul(flat, weight.t())
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Batch-invariant attention of one sequence.
+
+    q (T, H, D); k, v (L, KVH, D) with key j at sequence position j; visible (T, L) bool.
+    Returns (T, H, D) in q's dtype. Computed in float32.
+    """
+    T, H, D = q.shape
+    L, KVH, _ = k.shape
+    groups = H // KVH
+    multiple = CUDA_ROW_TILE if q.device.type == "cuda" else CPU_ROW_MULTIPLE
+    Tp = -(-T // multiple) * multiple
+    ntiles = -(-L // KEY_TILE)
+    Lp = ntiles * KEY_TILE
+    qf = q.new_zeros((Tp, H, D), dtype=torch.float32)
+    qf[:T] = q
+    qf = qf.view(Tp, KVH, groups, D).permute(1, 2, 0, 3).reshape(KVH, groups * Tp, D)
+    kf = k.new_zeros((KVH, Lp, D), dtype=torch.float32)
+    kf[:, :L] = k.permute(1, 0, 2)
+    vf = v.new_zeros((KVH, Lp, D), dtype=torch.float32)
+    vf[:, :L] = v.permute(1, 0, 2)
+    vis = torch.zeros((Tp, Lp), dtype=torch.bool, device=q.device)
+    vis[:T, :L] = visible
+    hidden = ~vis.unsqueeze(0).expand(groups, Tp, Lp).reshape(groups * Tp, Lp)
+
+    neg_inf = float("-inf")
+    m = torch.full((KVH, groups * Tp, 1), neg_inf, device=q.device)
+    l = torch.zeros((KVH, groups * Tp, 1), device=q.device)
+    acc = torch.zeros((KVH, groups * Tp, D), device=q.device)
+    for t in range(ntiles):
+        cols = slice(t * KEY_TILE, (t + 1) * KEY_TILE)
+        s = torch.bmm(qf, kf[:, cols].transpose(1, 2)) * scale
+        s = s.masked_fill(hidden[:, cols], neg_inf)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        m_safe = m_new.masked_fill(m_new == neg_inf, 0.0)
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(s - m_safe)
+        l = l * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + torch.bmm(p, vf[:, cols])
+        m = m_new
+    out = (acc / l).view(KVH, groups, Tp, D).permute(2, 0, 1, 3).reshape(Tp, H, D)
+    return out[:T].to(q.dtype)
+
+
+def _exact_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention-function signature around `exact_attention` (reference path)."""
+    if attention_mask is None:
+        raise KvdiffError("exact attention got no mask: register the kvdiff_exact mask function beside it")
+    B, H, T, D = query.shape
+    if scaling is None:
+        scaling = D ** -0.5
+    outs = []
+    for b in range(B):
+        mask = attention_mask[b, 0] if attention_mask.dim() == 4 else attention_mask[b]
+        if mask.dtype != torch.bool:
+            mask = mask == 0
+        outs.append(exact_attention(query[b].transpose(0, 1), key[b].transpose(0, 1),
+                                    value[b].transpose(0, 1), mask, scaling))
+    return torch.stack(outs), None
+
+
+def _exact_mask(*args, **kwargs):
+    """Boolean causal mask, never skipped (a custom attention function must get a mask)."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    kwargs.pop("dtype", None)
+    return sdpa_mask(*args, **kwargs)
+
+
+def register_exact_attention() -> None:
+    """Register kvdiff's exact attention and its mask function with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(EXACT_ATTENTION, _exact_attention_forward)
+    AttentionMaskInterface.register(EXACT_ATTENTION, _exact_mask)
+
+
+def _linear_forward(module: nn.Linear):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(x, module.weight, module.bias)
+    return forward
+
+
+@contextlib.contextmanager
+def exact_numerics(model: nn.Module) -> Iterator[nn.Module]:
+    """Run `model` with batch-invariant numerics inside the block; everything is restored on exit.
+
+    Patches every nn.Linear's forward on the instance, and switches the model's attention to
+    kvdiff's exact attention (with its mask function). Re-entrant: a nested use is a no-op.
+    """
+    if getattr(model, "_kvdiff_exact_depth", 0):
+        model._kvdiff_exact_depth += 1
+        try:
+            yield model
+        finally:
+            model._kvdiff_exact_depth -= 1
+        return
+    register_exact_attention()
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    saved_forward = [m.__dict__.get("forward") for m in linears]
+    previous = model.config._attn_implementation
+    for m in linears:
+        m.forward = _linear_forward(m)
+    model.set_attn_implementation(EXACT_ATTENTION)
+    model._kvdiff_exact_depth = 1
+    log.debug("exact numerics on for %d linear layers", len(linears))
+    try:
+        yield model
+    finally:
+        model._kvdiff_exact_depth = 0
+        model.set_attn_implementation(previous)
+        for m, fwd in zip(linears, saved_forward):
+            if fwd is None:
+                del m.forward
+            else:
+                m.forward = fwd

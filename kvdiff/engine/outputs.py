@@ -1,0 +1,42 @@
+"""What Engine.generate returns per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvdiff.engine.chunks import SkippedMessage
+
+
+@dataclass(frozen=True)
+class ChunkReport:
+    """One prompt chunk as the engine used it."""
+
+    name: str
+    positions: tuple[int, int]          # (first, last) global positions
+    hash: str                           # registry key (hex)
+    cache: str                          # "hit" | "miss"
+    encoded_positions: tuple[int, int]  # (first, last) positions its K is encoded at, as attention reads it
+
+
+@dataclass
+class RequestStats:
+    """Timings and token counts of one request."""
+
+    ttft_s: float = 0.0           # generate() start to this request's first token
+    total_s: float = 0.0          # generate() start to this request's last token
+    prompt_tokens: int = 0
+    reused_tokens: int = 0        # prompt tokens whose KV came from the cache
+    prefilled_tokens: int = 0     # prompt rows run through the model (>= 1 even on a full hit)
+    generated_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """One request's generation."""
+
+    token_ids: list[int]
+    text: str
+    stats: RequestStats
+    chunks: list[ChunkReport]
+    prompt_ids: list[int]
+    skipped: list[SkippedMessage] = field(default_factory=list)

@@ -1,0 +1,267 @@
+"""The model runner: one forward over row groups of several requests, with paged KV and probes.
+
+A row group is a run of rows of one request: their tokens, global and encoded positions, the
+slots their K/V are written to, and the key segments they attend to. Each layer first writes
+every group's K/V, then runs attention, so a group may read KV
+that another group computes in the same forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvdiff.engine.adapters import Adapter, apply_rope
+from kvdiff.engine.attention import merge_states, partial_attention, single_attention
+from kvdiff.engine.kv_cache import BlockPool, Segment
+from kvdiff.engine.numerics import exact_attention
+from kvdiff.engine.strategies import rerotate_keys
+from kvdiff.probes.sink import ProbeSink, Provenance
+
+
+@dataclass
+class RowGroup:
+    """Rows of one request computed in one forward."""
+
+    token_ids: list[int]
+    positions: list[int]          # global sequence positions (causal masking, probes)
+    encoded: list[int]            # positions RoPE encodes them at
+    write_slots: torch.Tensor     # (T,) slots for their K/V; -1: do not write (already cached)
+    read_slots: torch.Tensor      # (T,) slots attention reads at these positions
+    segments: list[Segment]       # keys they may attend to, in sequence order
+    lo: int = 0                   # lowest sequence position they may attend to
+    logits: bool = False          # return the logits of the last row
+    sink: ProbeSink | None = None
+    provenance: list[tuple[list[int], Provenance]] = field(default_factory=list)
+
+
+@dataclass
+class _Keys:
+    """Per-group key slots, positions and visibility, prepared once per forward."""
+
+    slots: torch.Tensor           # (L,)
+    visible: torch.Tensor         # (T, L) bool
+    shared: str | None            # key of a first segment shared with another group in this forward
+    shared_len: int
+
+
+class ModelRunner:
+    """Runs the model's modules through an Adapter with the engine's attention and KV cache."""
+
+    def __init__(self, adapter: Adapter, pool: BlockPool, exact: bool):
+        self.adapter = adapter
+        self.pool = pool
+        self.exact = exact
+
+    def _keys(self, groups: list[RowGroup]) -> list[_Keys]:
+        first_shared: dict[str, int] = {}
+        for g in groups:
+            if g.segments and g.segments[0].shared_key:
+                first_shared[g.segments[0].shared_key] = first_shared.get(g.segments[0].shared_key, 0) + 1
+        out = []
+        dev = self.pool.device
+        for g in groups:
+            slots = torch.cat([s.slots for s in g.segments])
+            kpos = torch.cat([torch.arange(s.start, s.end, device=dev) for s in g.segments])
+            qpos = torch.tensor(g.positions, device=dev)
+            visible = (kpos.unsqueeze(0) <= qpos.unsqueeze(1)) & (kpos.unsqueeze(0) >= g.lo)
+            key = g.segments[0].shared_key
+            cascade = not self.exact and key is not None and first_shared[key] > 1
+            out.append(_Keys(slots, visible, key if cascade else None,
+                             int(g.segments[0].slots.shape[0]) if cascade else 0))
+        return out
+
+    def _attention(self, layer: int, q: torch.Tensor, groups: list[RowGroup], spans: list[slice],
+                   keys: list[_Keys]) -> torch.Tensor:
+        scale = self.adapter.scaling
+        if self.exact:
+            outs = []
+            for span, kk in zip(spans, keys):
+                k, v = self.pool.read(layer, kk.slots)
+                outs.append(exact_attention(q[span], k, v, kk.visible, scale))
+            return torch.cat(outs)
+        return self._cascade(layer, q, spans, keys)
+
+    def _cascade(self, layer: int, q: torch.Tensor, spans: list[slice], keys: list[_Keys]) -> torch.Tensor:
+        """Shared first segments once for all groups that share them, the rest per group; LSE merge."""
+        H, D = q.shape[1], q.shape[2]
+        G = len(spans)
+        Tmax = max(s.stop - s.start for s in spans)
+        rest = [(kk.slots[kk.shared_len:], kk.visible[:, kk.shared_len:]) for kk in keys]
+        Lmax = max(int(r[0].shape[0]) for r in rest)
+        dev = q.device
+        qp = q.new_zeros((G, Tmax, H, D))
+        slots = torch.zeros((G, max(Lmax, 1)), dtype=torch.long, device=dev)
+        vis = torch.zeros((G, Tmax, max(Lmax, 1)), dtype=torch.bool, device=dev)
+        for i, (span, (sl, vi)) in enumerate(zip(spans, rest)):
+            T, L = span.stop - span.start, int(sl.shape[0])
+            qp[i, :T] = q[span]
+            slots[i, :L] = sl
+            vis[i, :T, :L] = vi
+        KVH = self.adapter.num_kv_heads
+        k = self.pool.k[layer].index_select(0, slots.view(-1)).view(G, -1, KVH, D)
+        v = self.pool.v[layer].index_select(0, slots.view(-1)).view(G, -1, KVH, D)
+        shared_keys = {kk.shared for kk in keys if kk.shared}
+        if not shared_keys:
+            o = single_attention(qp, k, v, vis, self.adapter.scaling).float()
+        else:
+            o, lse = partial_attention(qp, k, v, vis, self.adapter.scaling)
+            for key in shared_keys:
+                members = [i for i, kk in enumerate(keys) if kk.shared == key]
+                kk0 = keys[members[0]]
+                ks, vs = self.pool.read(layer, kk0.slots[: kk0.shared_len])
+                qs = torch.cat([q[spans[i]] for i in members]).unsqueeze(0)
+                visible = torch.cat([keys[i].visible[:, : kk0.shared_len] for i in members]).unsqueeze(0)
+                os_, lses = partial_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), visible, self.adapter.scaling)
+                row = 0
+                for i in members:
+                    T = spans[i].stop - spans[i].start
+                    o[i, :T], lse[i, :T] = merge_states(o[i, :T], lse[i, :T], os_[0, row: row + T],
+                                                        lses[0, row: row + T])
+                    row += T
+        return torch.cat([o[i, : s.stop - s.start] for i, s in enumerate(spans)]).to(q.dtype)
+
+    @torch.inference_mode()
+    def place(self, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor) -> None:
+        """Copy cached K/V rows from slots `src` to `dst` on every layer, K rotated by `delta` positions."""
+        k0 = self.pool.k[0]
+        cos, sin = self.adapter.rope(k0[:1], delta)
+        for i in range(len(self.adapter.layers)):
+            k, v = self.pool.read(i, src)
+            self.pool.write(i, dst, rerotate_keys(k, cos, sin), v)
+
+    @torch.inference_mode()
+    def forward(self, groups: list[RowGroup], num_layers: int | None = None) -> list[torch.Tensor | None]:
+        """Run the groups through the model; the float32 logits row of each group that asks for one."""
+        a = self.adapter
+        dev = self.pool.device
+        spans, start = [], 0
+        for g in groups:
+            spans.append(slice(start, start + len(g.token_ids)))
+            start += len(g.token_ids)
+        tokens = torch.tensor([t for g in groups for t in g.token_ids], device=dev)
+        positions = [p for g in groups for p in g.positions]
+        encoded = torch.tensor([p for g in groups for p in g.encoded], device=dev)
+        write = torch.cat([g.write_slots for g in groups])
+        read = torch.cat([g.read_slots for g in groups])
+        write_rows = (write >= 0).nonzero().squeeze(1)
+        write_slots = write[write_rows]
+        keys = self._keys(groups)
+        x = a.embed_tokens(tokens)
+        cos, sin = a.rope(x, encoded)
+        probes = _Probes(groups, spans, positions)
+        probes.begin()
+        layers = a.layers[: num_layers or len(a.layers)]
+        for i, layer in enumerate(layers):
+            probes.capture("resid_pre", i, x)
+            h = layer.input_layernorm(x)
+            probes.capture("attn_norm", i, h)
+            probes.norm("attn_norm", i, x, h)
+            q, k, v = a.qkv(layer, h)
+            probes.capture("k_pre_rope", i, k)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            if write_rows.numel():
+                self.pool.write(i, write_slots, k[write_rows], v[write_rows])
+            o = self._attention(i, q, groups, spans, keys)
+            probes.capture("q", i, q)
+            if probes.active and (probes.wants("k", i) or probes.wants("v", i)):
+                kr, vr = self.pool.read(i, read)
+                probes.capture("k", i, kr)
+                probes.capture("v", i, vr)
+            attn_out = layer.o_proj(o.reshape(o.shape[0], -1))
+            probes.capture("attn_out", i, attn_out)
+            x = x + attn_out
+            probes.capture("resid_mid", i, x)
+            h = layer.post_attention_layernorm(x)
+            probes.capture("mlp_norm", i, h)
+            probes.norm("mlp_norm", i, x, h)
+            m = layer.mlp(h)
+            probes.capture("mlp_out", i, m)
+            x = x + m
+            probes.capture("resid_post", i, x)
+        logits = self._final(x, groups, spans, probes) if num_layers is None else [None] * len(groups)
+        probes.end()
+        return logits
+
+    def _final(self, x: torch.Tensor, groups: list[RowGroup], spans: list[slice], probes: "_Probes"):
+        rows: set[int] = set()
+        for g, s in zip(groups, spans):
+            if g.logits:
+                rows.add(s.stop - 1)
+        rows |= probes.final_rows()
+        if not rows:
+            return [None] * len(groups)
+        order = sorted(rows)
+        index = {r: n for n, r in enumerate(order)}
+        idx = torch.tensor(order, device=x.device)
+        inp = x.index_select(0, idx)
+        normed = self.adapter.final_norm(inp)
+        logits = self.adapter.lm_head(normed).float()
+        probes.final(order, inp, normed, logits)
+        return [logits[index[s.stop - 1]] if g.logits else None for g, s in zip(groups, spans)]
+
+
+class _Probes:
+    """Routes captures of one forward to the sinks of the requests whose rows it computes.
+
+    All rows of one request in a forward are consecutive (the engine builds groups so) and
+    form one begin_forward/end_forward bracket.
+    """
+
+    def __init__(self, groups: list[RowGroup], spans: list[slice], positions: list[int]):
+        self.views: list[tuple[ProbeSink, slice, list[int], list[RowGroup]]] = []
+        for g, s in zip(groups, spans):
+            if g.sink is None:
+                continue
+            if self.views and self.views[-1][0] is g.sink and self.views[-1][1].stop == s.start:
+                sink, prev, _, gs = self.views[-1]
+                merged = slice(prev.start, s.stop)
+                self.views[-1] = (sink, merged, positions[merged], gs + [g])
+            else:
+                self.views.append((g.sink, s, positions[s], [g]))
+        self.active = bool(self.views)
+
+    def begin(self) -> None:
+        for sink, _, pos, gs in self.views:
+            sink.begin_forward(pos)
+            for g in gs:
+                for p, prov in g.provenance:
+                    sink.provenance(p, prov)
+
+    def wants(self, point: str, layer: int | None) -> bool:
+        return any(sink.wants(point, layer) for sink, _, _, _ in self.views)
+
+    def capture(self, point: str, layer: int, rows: torch.Tensor) -> None:
+        for sink, s, pos, _ in self.views:
+            if sink.wants(point, layer):
+                sink.capture(point, layer, rows[s], pos)
+
+    def norm(self, name: str, layer: int, inp: torch.Tensor, out: torch.Tensor) -> None:
+        for sink, s, pos, _ in self.views:
+            if sink.wants(name, layer):
+                sink.capture_norm(name, layer, inp[s], out[s], pos)
+
+    def final_rows(self) -> set[int]:
+        rows: set[int] = set()
+        for sink, s, _, _ in self.views:
+            if sink.wants("final_norm", None) or sink.wants("logits", None):
+                rows.update(range(s.start, s.stop))
+        return rows
+
+    def final(self, order: list[int], inp: torch.Tensor, normed: torch.Tensor, logits: torch.Tensor) -> None:
+        where = {r: n for n, r in enumerate(order)}
+        for sink, s, pos, _ in self.views:
+            if not (sink.wants("final_norm", None) or sink.wants("logits", None)):
+                continue
+            idx = torch.tensor([where[r] for r in range(s.start, s.stop)], device=inp.device)
+            if sink.wants("final_norm", None):
+                sink.capture("final_norm", None, normed.index_select(0, idx), pos)
+                sink.capture_norm("final_norm", None, inp.index_select(0, idx), normed.index_select(0, idx), pos)
+            if sink.wants("logits", None):
+                sink.capture("logits", None, logits.index_select(0, idx), pos)
+
+    def end(self) -> None:
+        for sink, _, _, _ in self.views:
+            sink.end_forward()
