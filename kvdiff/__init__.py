@@ -12,4 +12,13 @@ __version__ = "0.1.0"
 from kvdiff.engine.loading import load_model  # noqa: E402
 from kvdiff.errors import InputError, KvdiffError  # noqa: E402
 
-__all__ = ["__version__", "load_model", "KvdiffError", "InputError"]
+__all__ = ["__version__", "load_model", "record", "KvdiffError", "InputError"]
+
+
+def __getattr__(name: str):
+    """Lazy exports: `kvdiff.record` imports the probes only when first used."""
+    if name == "record":
+        from kvdiff.probes.record import record
+
+        return record
+    raise AttributeError(f"module 'kvdiff' has no attribute {name!r}")

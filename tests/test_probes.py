@@ -201,3 +201,19 @@ def test_default_model_trace_holds_every_point_for_all_30_layers_and_positions(d
             assert all(r.shape[0] == tr.positions.size and np.isfinite(r).all() for r in rows.values())
         assert set(tr.final()) == {"final_norm", "logits"}
         assert set(tr.norm_stats(None)) == {"final_norm"}
+
+
+def test_kvdiff_record_and_inspect_print_what_the_trace_holds(tiny_llama, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvdiff.cli import app
+
+    model, tokenizer = tiny_llama
+    path = kvdiff.record(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=2, compression="gzip")
+    result = CliRunner().invoke(app, ["inspect", str(path)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    for text in ("tiny-llama", "strategy reference", "3 layers", "resid_pre", "logits", "0-2", "float32"):
+        assert text in result.output
+    (tmp_path / "bad.h5").write_text("x")
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path / "bad.h5")])
+    assert result.exit_code == 2 and "not an HDF5 file" in result.output

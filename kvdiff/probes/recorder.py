@@ -26,10 +26,11 @@ def norm_statistics(norm_input: torch.Tensor, norm_output: torch.Tensor) -> dict
     max-abs of the input, RMS of the output."""
     x = norm_input.detach().reshape(-1, norm_input.shape[-1]).to("cpu", torch.float64)
     y = norm_output.detach().reshape(-1, norm_output.shape[-1]).to("cpu", torch.float64)
+    variance, mean = torch.var_mean(x, -1, correction=0)
     stats = {
         "input_rms": x.square().mean(-1).sqrt(),
-        "mean": x.mean(-1),
-        "variance": x.var(-1, correction=0),
+        "mean": mean,
+        "variance": variance,
         "max_abs": x.abs().amax(-1),
         "output_rms": y.square().mean(-1).sqrt(),
     }

@@ -77,8 +77,9 @@ class TraceWriter:
         if positions.size == 0:
             return
         ds = self._dataset(name, data.shape[1:], data.dtype, torch_dtype)
-        order = np.argsort(positions, kind="stable")
-        positions, data = positions[order], data[order]
+        if positions.size > 1 and not bool(np.all(positions[1:] > positions[:-1])):
+            order = np.argsort(positions, kind="stable")
+            positions, data = positions[order], data[order]
         end = int(positions[-1]) + 1
         if end > ds.shape[0]:
             ds.resize(max(end, 2 * ds.shape[0]), axis=0)
