@@ -12,13 +12,21 @@ __version__ = "0.1.0"
 from kvdiff.engine.loading import load_model  # noqa: E402
 from kvdiff.errors import InputError, KvdiffError  # noqa: E402
 
-__all__ = ["__version__", "load_model", "diff", "KvdiffError", "InputError"]
+__all__ = ["__version__", "load_model", "record", "diff", "compare", "KvdiffError", "InputError"]
 
 
 def __getattr__(name: str):
-    """Lazy exports: `kvdiff.diff` imports the analyzer on first use."""
+    """Lazy exports: the probes, analyzer and compare stages import only when first used."""
+    if name == "record":
+        from kvdiff.probes.record import record
+
+        return record
     if name == "diff":
         from kvdiff.analysis import diff
 
         return diff
+    if name == "compare":
+        from kvdiff.compare import compare
+
+        return compare
     raise AttributeError(f"module 'kvdiff' has no attribute {name!r}")

@@ -255,9 +255,20 @@ def report(
 
 @app.command()
 @command
-def inspect() -> None:
-    """Print what a trace file holds."""
-    _not_yet("inspect", 4)
+def inspect(
+    trace: Path = typer.Argument(..., help="A trace file (.h5) written by kvdiff."),
+) -> None:
+    """Print what a trace file holds: model, chunks, tokens, probe points, layers and sizes.
+
+    Example: kvdiff inspect run/reference.h5
+    """
+    from rich.console import Console
+
+    from kvdiff.probes.inspect import describe_trace
+    from kvdiff.probes.trace import open_trace
+
+    with open_trace(trace) as tr:
+        Console().print(describe_trace(tr))
 
 
 @app.command()

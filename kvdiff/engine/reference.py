@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdiff.engine.conversation import Messages
+from kvdiff.probes.sink import ProbeSink
 
 
 @dataclass
@@ -39,20 +40,33 @@ def stop_token_ids(model, tokenizer) -> set[int]:
 
 
 @torch.no_grad()
-def reference_generate(model, tokenizer, messages: Messages, max_new_tokens: int = 32) -> ReferenceOutput:
-    """Greedy continuous generation: one prefill of the whole prompt, then decode with HF's cache."""
+def reference_generate(model, tokenizer, messages: Messages, max_new_tokens: int = 32,
+                       sink: ProbeSink | None = None) -> ReferenceOutput:
+    """Greedy continuous generation: one prefill of the whole prompt, then decode with HF's cache.
+
+    With a `sink` (e.g. kvdiff.probes.hooks.ModelProbes), each forward is bracketed by
+    `begin_forward(positions)` / `end_forward()` and each chosen token reported by `capture_step`.
+    """
     from transformers import DynamicCache
 
     input_ids = render_prompt_ids(tokenizer, messages)
     stops = stop_token_ids(model, tokenizer)
     cache = DynamicCache(config=model.config)
     step_input = torch.tensor([input_ids], device=model.device)
+    start = 0
     generated: list[int] = []
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
+        positions = range(start, start + step_input.shape[1])
+        if sink is not None:
+            sink.begin_forward(positions)
         logits = model(input_ids=step_input, past_key_values=cache, use_cache=True).logits
         token = int(logits[0, -1].argmax())
+        if sink is not None:
+            sink.end_forward()
+            sink.capture_step(step, positions[-1], logits[0, -1], token)
         generated.append(token)
         if token in stops:
             break
+        start = positions[-1] + 1
         step_input = torch.tensor([[token]], device=model.device)
     return ReferenceOutput(input_ids, generated, tokenizer.decode(generated, skip_special_tokens=True))

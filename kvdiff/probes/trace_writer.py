@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvdiff.errors import TraceError
+from kvdiff.probes.selection import format_ranges
 from kvdiff.probes.sink import ProbeIntegrityError
 from kvdiff.probes.trace_format import (
     DTYPE_ATTR, FORMAT_NAME, SCHEMA_VERSION, ChunkRecord, TraceMeta, norm_weight_path, to_storage,
@@ -28,16 +29,6 @@ log = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
 _COMPRESSIONS = (None, "gzip", "lzf")
-
-
-def _ranges(positions: np.ndarray) -> str:
-    """'3-7,9' for a sorted array of positions."""
-    if positions.size == 0:
-        return ""
-    breaks = np.flatnonzero(np.diff(positions) != 1)
-    starts = np.concatenate(([positions[0]], positions[breaks + 1]))
-    ends = np.concatenate((positions[breaks], [positions[-1]]))
-    return ",".join(str(s) if s == e else f"{s}-{e}" for s, e in zip(starts, ends))
 
 
 class TraceWriter:
@@ -71,7 +62,7 @@ class TraceWriter:
                     f"{name}: rows of shape {row_shape} {dtype} after rows of {ds.shape[1:]} {ds.dtype}")
             return ds
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize)
-        chunk_rows = int(min(1024, max(1, _CHUNK_BYTES // row_bytes)))
+        chunk_rows = int(min(128, max(1, _CHUNK_BYTES // row_bytes)))
         ds = self._file.create_dataset(
             name, shape=(0, *row_shape), maxshape=(None, *row_shape), dtype=dtype,
             chunks=(chunk_rows, *row_shape), compression=self.compression)
@@ -86,8 +77,9 @@ class TraceWriter:
         if positions.size == 0:
             return
         ds = self._dataset(name, data.shape[1:], data.dtype, torch_dtype)
-        order = np.argsort(positions, kind="stable")
-        positions, data = positions[order], data[order]
+        if positions.size > 1 and not bool(np.all(positions[1:] > positions[:-1])):
+            order = np.argsort(positions, kind="stable")
+            positions, data = positions[order], data[order]
         end = int(positions[-1]) + 1
         if end > ds.shape[0]:
             ds.resize(max(end, 2 * ds.shape[0]), axis=0)
@@ -154,7 +146,7 @@ class TraceWriter:
             if held.size != positions.size:
                 missing = np.setdiff1d(positions, held)
                 raise ProbeIntegrityError(
-                    f"{name} holds no rows for positions {_ranges(missing)}: the probe did not fire there")
+                    f"{name} holds no rows for positions {format_ranges(missing)}: the probe did not fire there")
 
     def _write_tables(self, positions: np.ndarray) -> None:
         f = self._file

@@ -1,0 +1,177 @@
+"""Attach a ProbeSink to a transformers model: module hooks plus an attention-function wrapper.
+
+Module hooks follow a ProbeSpec. q and k (after RoPE, as attention reads them) come from an
+attention function registered with transformers' AttentionInterface, with the matching
+AttentionMaskInterface entry (without it the mask arrives as None: silently non-causal). The
+wrapper delegates to the model's previous implementation, looked up by name at call time, so
+another wrapper installed before this one keeps working.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable, Sequence
+
+import torch
+
+from kvdiff.probes.sink import ProbeIntegrityError, ProbeSink, Provenance
+from kvdiff.probes.spec import ProbeSpec, default_spec
+
+log = logging.getLogger(__name__)
+
+
+def _batch_row(t: torch.Tensor, where: str) -> torch.Tensor:
+    if t.shape[0] != 1:
+        raise ProbeIntegrityError(f"{where}: probes record batch size 1, got a batch of {t.shape[0]}")
+    return t[0]
+
+
+class ModelProbes:
+    """Context manager hooking `sink` into `model`; it is also the sink the generation loop calls.
+
+    The loop calls `begin_forward(positions)` before each model forward and `end_forward()` after;
+    hooks capture at those positions. All hooks and the attention function are removed on exit.
+    """
+
+    def __init__(self, model: torch.nn.Module, sink: ProbeSink, spec: ProbeSpec | None = None):
+        self.model = model
+        self.sink = sink
+        self.spec = spec or default_spec(model)
+        self._handles: list = []
+        self._positions: list[int] | None = None
+        self._attn_key: str | None = None
+        self._previous_attn: str | None = None
+
+    # -- attaching ---------------------------------------------------------------------------
+
+    def __enter__(self) -> "ModelProbes":
+        try:
+            self._attach_modules()
+            self._attach_attention()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _attach_modules(self) -> None:
+        matched = {rule: 0 for rule in self.spec.rules}
+        for rule, name, module, layer in self.spec.matches(self.model):
+            matched[rule] += 1
+            if not self.sink.wants(rule.point, layer):
+                continue
+            if rule.kind == "input":
+                hook = self._input_hook(rule.point, layer)
+                self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+            else:
+                hook = self._output_hook(rule.point, layer, with_norm=rule.kind == "norm")
+                self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        unmatched = [f"{r.pattern!r} ({r.point})" for r, n in matched.items() if n == 0]
+        if unmatched:
+            raise ProbeIntegrityError(f"probe spec rule(s) {', '.join(unmatched)} match no module of "
+                                      f"{type(self.model).__name__}: fix the patterns or pass spec=")
+
+    def _attach_attention(self) -> None:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+        layers = range(self.model.config.num_hidden_layers)
+        if not any(self.sink.wants(p, i) for p in self.spec.attention_points for i in layers):
+            return
+        previous = self.model.config._attn_implementation
+        key = f"kvdiff_probe_{id(self)}"
+        AttentionInterface.register(key, self._attention_function(previous))
+        AttentionMaskInterface.register(key, lambda *a, **kw: ALL_MASK_ATTENTION_FUNCTIONS[previous](*a, **kw))
+        self._attn_key, self._previous_attn = key, previous
+        self.model.set_attn_implementation(key)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._attn_key is not None:
+            self.model.set_attn_implementation(self._previous_attn)
+            AttentionInterface._global_mapping.pop(self._attn_key, None)
+            AttentionMaskInterface._global_mapping.pop(self._attn_key, None)
+            self._attn_key = None
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _at(self, what: str) -> list[int]:
+        if self._positions is None:
+            raise ProbeIntegrityError(f"{what} fired outside a forward: call begin_forward before the model")
+        return self._positions
+
+    def _input_hook(self, point: str, layer: int | None) -> Callable:
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            self.sink.capture(point, layer, _batch_row(x, point), self._at(point))
+
+        return hook
+
+    def _output_hook(self, point: str, layer: int | None, with_norm: bool) -> Callable:
+        def hook(module, args, kwargs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            positions = self._at(point)
+            rows = _batch_row(out, point)
+            self.sink.capture(point, layer, rows, positions)
+            if with_norm:
+                x = args[0] if args else kwargs["hidden_states"]
+                self.sink.capture_norm(point, layer, _batch_row(x, point), rows, positions)
+
+        return hook
+
+    def _attention_function(self, previous: str) -> Callable:
+        from transformers import AttentionInterface
+
+        interface = AttentionInterface()
+        wants_q, wants_k = "q" in self.spec.attention_points, "k" in self.spec.attention_points
+
+        def attention(module, query, key, value, attention_mask, *args, **kwargs):
+            layer = module.layer_idx
+            positions = self._at("attention")
+            n = query.shape[2]
+            if wants_q and self.sink.wants("q", layer):
+                self.sink.capture("q", layer, _batch_row(query, "q").transpose(0, 1), positions)
+            if wants_k and self.sink.wants("k", layer):
+                # With a cache, attention reads every cached key: the current rows are the last n.
+                self.sink.capture("k", layer, _batch_row(key, "k")[:, -n:].transpose(0, 1), positions)
+            eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+            inner = interface.get_interface(previous, eager)
+            return inner(module, query, key, value, attention_mask, *args, **kwargs)
+
+        return attention
+
+    # -- ProbeSink, for the generation loop --------------------------------------------------
+
+    def wants(self, point: str, layer: int | None) -> bool:
+        return self.sink.wants(point, layer)
+
+    def begin_forward(self, positions: Sequence[int]) -> None:
+        self._positions = [int(p) for p in positions]
+        self.sink.begin_forward(self._positions)
+
+    def capture(self, point: str, layer: int | None, rows: torch.Tensor, positions: Sequence[int]) -> None:
+        self.sink.capture(point, layer, rows, positions)
+
+    def capture_norm(self, norm: str, layer: int | None, norm_input: torch.Tensor, norm_output: torch.Tensor,
+                     positions: Sequence[int]) -> None:
+        self.sink.capture_norm(norm, layer, norm_input, norm_output, positions)
+
+    def provenance(self, positions: Sequence[int], source: Provenance) -> None:
+        self.sink.provenance(positions, source)
+
+    def capture_step(self, step: int, position: int, logits_row: torch.Tensor, token_id: int) -> None:
+        self.sink.capture_step(step, position, logits_row, token_id)
+
+    def end_forward(self) -> None:
+        self._positions = None
+        self.sink.end_forward()
+
+
+def attach_probes(model: torch.nn.Module, sink: ProbeSink, spec: ProbeSpec | None = None) -> ModelProbes:
+    """`with attach_probes(model, recorder) as probes: reference_generate(..., sink=probes)`."""
+    return ModelProbes(model, sink, spec)

@@ -1,0 +1,63 @@
+"""What a trace holds, as rich renderables: model, chunks, tokens, points, layers and sizes."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from rich.console import Group
+from rich.table import Table
+
+from kvdiff.probes.points import POINT_ORDER
+from kvdiff.probes.selection import format_ranges
+from kvdiff.probes.trace_reader import TraceReader
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def describe_trace(tr: TraceReader) -> Group:
+    """A summary table, the chunk table and the stored size per probe point."""
+    m = tr.meta
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    rows = [
+        ("trace", f"{tr.path} ({_mb(tr.nbytes)}, schema {m.schema_version}, kvdiff {m.kvdiff_version})"),
+        ("model", f"{m.model_name}  {m.model_fingerprint}"),
+        ("shape", f"{m.num_layers} layers, {m.num_heads} heads, {m.num_kv_heads} kv heads, head_dim {m.head_dim}, "
+                  f"hidden {m.hidden_size}, vocab {m.vocab_size}"),
+        ("run", f"strategy {m.strategy}, numerics {m.numerics}, {m.dtype} on {m.device}, "
+                f"torch {m.torch_version}, transformers {m.transformers_version}"),
+        ("tokens", f"{len(m.input_ids)} prompt + {len(m.generated_ids)} generated; "
+                   f"positions {format_ranges(tr.positions)}"),
+        ("text", repr(m.text)),
+        ("points", ", ".join(m.points)),
+        ("layers", format_ranges(m.layers)),
+    ]
+    for key, value in rows:
+        summary.add_row(key, value)
+    parts = [summary]
+    if m.chunks:
+        chunks = Table(title="chunks", title_justify="left")
+        for col in ("name", "positions", "encoded at", "cache", "hash"):
+            chunks.add_column(col)
+        for c in m.chunks:
+            chunks.add_row(c.name, f"{c.positions[0]}-{c.positions[1]}",
+                           f"{c.encoded_positions[0]}-{c.encoded_positions[1]}", c.cache, c.hash[:16])
+        parts.append(chunks)
+    sizes: dict[str, list] = defaultdict(lambda: [0, 0, None, ""])
+    for ds in tr.datasets():
+        head = ds.name.split("/")
+        if head[0] in ("layers", "final") and len(head) == (3 if head[0] == "layers" else 2):
+            entry = sizes[head[-1]]
+            entry[0] += 1
+            entry[1] += ds.stored_bytes
+            entry[2], entry[3] = ds.shape[1:], ds.dtype
+    points = Table(title="probe points", title_justify="left")
+    for col in ("point", "datasets", "row shape", "dtype", "stored"):
+        points.add_column(col, justify="right" if col in ("datasets", "stored") else "left")
+    for name, (count, stored, shape, dtype) in sorted(sizes.items(), key=lambda kv: POINT_ORDER[kv[0]]):
+        points.add_row(name, str(count), str(tuple(shape)), dtype, _mb(stored))
+    parts.append(points)
+    return Group(*parts)

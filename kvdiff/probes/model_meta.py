@@ -1,0 +1,112 @@
+"""What a trace records about a model: dimensions, fingerprints, norm modules and versions."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import kvdiff
+from kvdiff.probes.selection import Selection
+from kvdiff.probes.spec import ProbeSpec, compile_pattern, layer_of
+from kvdiff.probes.trace_format import TraceMeta, dtype_name
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The shapes a model's probe rows have."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    attn_scale: float
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ModelDims":
+        c = model.config
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        scales = [m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")]
+        return cls(c.num_hidden_layers, heads, getattr(c, "num_key_value_heads", None) or heads, head_dim,
+                   c.hidden_size, c.vocab_size, float(scales[0]) if scales else head_dim ** -0.5)
+
+    def point_shape(self, point: str) -> tuple[int, ...]:
+        """Row shape of a probe point (rows are (T, *shape))."""
+        if point == "q":
+            return (self.num_heads, self.head_dim)
+        if point in ("k_pre_rope", "k", "v"):
+            return (self.num_kv_heads, self.head_dim)
+        if point == "logits":
+            return (self.vocab_size,)
+        return (self.hidden_size,)
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """'cfg:<16 hex>/w:<16 hex>': a hash of the config and one of every weight's bytes."""
+    config = {k: v for k, v in model.config.to_dict().items()
+              if not k.startswith("_") and k not in ("transformers_version", "name_or_path", "dtype", "torch_dtype")}
+    cfg = hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
+    digest, seen = hashlib.blake2b(digest_size=8), set()
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
+    return f"cfg:{cfg}/w:{digest.hexdigest()}"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of the tokenizer's full definition and chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    body += "\n" + str(getattr(tokenizer, "chat_template", "") or "")
+    return hashlib.blake2b(body.encode(), digest_size=16).hexdigest()
+
+
+def norm_modules(model: torch.nn.Module, spec: ProbeSpec) -> dict[tuple[int | None, str], torch.nn.Module]:
+    """(layer, norm name) -> norm module, for the spec's norm rules and its weight-only norms."""
+    patterns = [(r.point, r.pattern) for r in spec.rules if r.kind == "norm"] + list(spec.weight_norms.items())
+    found: dict[tuple[int | None, str], torch.nn.Module] = {}
+    for norm, pattern in patterns:
+        regex = compile_pattern(pattern)
+        for name, module in model.named_modules():
+            if regex.match(name):
+                found[(layer_of(name), norm)] = module
+    return found
+
+
+def norm_eps(module: torch.nn.Module) -> float:
+    for attr in ("variance_epsilon", "eps", "epsilon"):
+        if hasattr(module, attr):
+            return float(getattr(module, attr))
+    raise ValueError(f"norm module {type(module).__name__} has no epsilon attribute")
+
+
+def build_meta(model, tokenizer, messages: list[dict], input_ids, selection: Selection,
+               strategy: str, numerics: str) -> TraceMeta:
+    """The metadata known before generation starts (generated ids, text and chunks come at finish)."""
+    import transformers
+
+    dims = ModelDims.of(model)
+    param = next(model.parameters())
+    return TraceMeta(
+        kvdiff_version=kvdiff.__version__,
+        model_name=str(getattr(model, "kvdiff_source", None) or getattr(model, "name_or_path", "") or
+                       type(model).__name__),
+        model_fingerprint=model_fingerprint(model),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        dtype=dtype_name(param.dtype), device=str(param.device),
+        torch_version=str(torch.__version__), transformers_version=transformers.__version__,
+        strategy=strategy, numerics=numerics, messages=[dict(m) for m in messages],
+        input_ids=np.asarray(input_ids, dtype=np.int64),
+        num_layers=dims.num_layers, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads,
+        head_dim=dims.head_dim, hidden_size=dims.hidden_size, vocab_size=dims.vocab_size,
+        attn_scale=dims.attn_scale, points=selection.points, layers=selection.layers,
+    )

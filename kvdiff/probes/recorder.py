@@ -1,0 +1,176 @@
+"""TraceRecorder: the ProbeSink that checks integrity and streams captures into a trace."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from kvdiff.probes.model_meta import ModelDims, build_meta, norm_eps, norm_modules
+from kvdiff.probes.points import FINAL_NORMS, LAYER_NORMS, NORM_STATS
+from kvdiff.probes.selection import Selection, format_ranges
+from kvdiff.probes.sink import ProbeIntegrityError, Provenance
+from kvdiff.probes.spec import ProbeSpec, default_spec
+from kvdiff.probes.trace_format import ChunkRecord, point_group
+from kvdiff.probes.trace_writer import TraceWriter
+
+log = logging.getLogger(__name__)
+
+
+def norm_statistics(norm_input: torch.Tensor, norm_output: torch.Tensor) -> dict[str, np.ndarray]:
+    """Per-row fp64 statistics over the last dim: input RMS, mean, (population) variance and
+    max-abs of the input, RMS of the output."""
+    x = norm_input.detach().reshape(-1, norm_input.shape[-1]).to("cpu", torch.float64)
+    y = norm_output.detach().reshape(-1, norm_output.shape[-1]).to("cpu", torch.float64)
+    variance, mean = torch.var_mean(x, -1, correction=0)
+    stats = {
+        "input_rms": x.square().mean(-1).sqrt(),
+        "mean": mean,
+        "variance": variance,
+        "max_abs": x.abs().amax(-1),
+        "output_rms": y.square().mean(-1).sqrt(),
+    }
+    return {name: stats[name].numpy() for name in NORM_STATS}
+
+
+class TraceRecorder:
+    """Implements ProbeSink: selected captures go to `writer` as they arrive.
+
+    Integrity: between `begin_forward` and `end_forward` every declared (point, layer), and the
+    statistics of every selected norm, must be captured exactly once.
+    """
+
+    def __init__(self, writer: TraceWriter, dims: ModelDims, selection: Selection, top_k: int = 5):
+        self.writer = writer
+        self.dims = dims
+        self.selection = selection
+        self.top_k = top_k
+        self._positions: list[int] | None = None
+        self._fired: Counter = Counter()
+        self._forwards = 0
+
+    @classmethod
+    def for_model(cls, model, tokenizer, messages: list[dict], path: str | os.PathLike, *,
+                  strategy: str = "reference", numerics: str = "fast", input_ids: Sequence[int] | None = None,
+                  capture: str | Iterable[str] | None = None, layers: str | Iterable[int] | None = None,
+                  positions: str | Iterable[int] | None = None, spec: ProbeSpec | None = None,
+                  compression: str | None = None, top_k: int = 5) -> "TraceRecorder":
+        """A recorder writing a trace of `model` (any path: reference, engine) to `path`.
+
+        `input_ids` default to the conversation rendered with the chat template. Norm weights and
+        epsilons are found with `spec` (default: the architecture's built-in spec).
+        """
+        from kvdiff.engine.reference import render_prompt_ids
+
+        dims = ModelDims.of(model)
+        selection = Selection.parse(dims.num_layers, capture, layers, positions)
+        ids = list(input_ids) if input_ids is not None else render_prompt_ids(tokenizer, messages)
+        meta = build_meta(model, tokenizer, messages, ids, selection, strategy, numerics)
+        writer = TraceWriter(path, meta, compression=compression)
+        for (layer, norm), module in norm_modules(model, spec or default_spec(model)).items():
+            writer.write_norm_weight(layer, norm, module.weight, norm_eps(module))
+        return cls(writer, dims, selection, top_k)
+
+    # -- ProbeSink ---------------------------------------------------------------------------
+
+    def wants(self, point: str, layer: int | None) -> bool:
+        return self.selection.wants(point, layer)
+
+    def begin_forward(self, positions: Sequence[int]) -> None:
+        if self._positions is not None:
+            raise ProbeIntegrityError("begin_forward called twice without end_forward in between")
+        self._positions = [int(p) for p in positions]
+        self._fired.clear()
+
+    def _kept(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Positions to keep and, when some are dropped, the boolean mask selecting their rows."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if self.selection.positions is None:
+            return pos, None
+        mask = np.fromiter((int(p) in self.selection.positions for p in pos), dtype=bool, count=pos.size)
+        return pos[mask], mask
+
+    def _in_forward(self, what: str) -> None:
+        if self._positions is None:
+            raise ProbeIntegrityError(f"{what} captured outside a forward: call begin_forward first")
+
+    def capture(self, point: str, layer: int | None, rows: torch.Tensor, positions: Sequence[int]) -> None:
+        if not self.wants(point, layer):
+            return
+        self._in_forward(f"probe {point!r} of layer {layer}")
+        self._fired[(point, layer)] += 1
+        shape = self.dims.point_shape(point)
+        if rows.numel() != len(positions) * int(np.prod(shape)):
+            raise ProbeIntegrityError(f"probe {point!r} of layer {layer}: rows of shape {tuple(rows.shape)} "
+                                      f"do not hold {len(positions)} positions of shape {shape}")
+        pos, mask = self._kept(positions)
+        rows = rows.reshape(len(positions), *shape)
+        if mask is not None:
+            rows = rows[torch.from_numpy(mask)]
+        self.writer.write_rows(point_group(layer), point, pos, rows)
+
+    def capture_norm(self, norm: str, layer: int | None, norm_input: torch.Tensor, norm_output: torch.Tensor,
+                     positions: Sequence[int]) -> None:
+        if not self.wants(norm, layer):
+            return
+        self._in_forward(f"norm {norm!r} of layer {layer}")
+        self._fired[("stats:" + norm, layer)] += 1
+        stats = norm_statistics(norm_input, norm_output)
+        if stats["mean"].shape[0] != len(positions):
+            raise ProbeIntegrityError(f"norm {norm!r} of layer {layer}: {stats['mean'].shape[0]} rows "
+                                      f"for {len(positions)} positions")
+        pos, mask = self._kept(positions)
+        if mask is not None:
+            stats = {k: v[mask] for k, v in stats.items()}
+        self.writer.write_norm_stats(point_group(layer), norm, pos, stats)
+
+    def provenance(self, positions: Sequence[int], source: Provenance) -> None:
+        pos, mask = self._kept(positions)
+        encoded = np.asarray(source.encoded_positions, dtype=np.int64)
+        if encoded.size != len(positions):
+            raise ProbeIntegrityError(f"provenance of chunk {source.chunk!r}: {encoded.size} encoded positions "
+                                      f"for {len(positions)} positions")
+        self.writer.write_provenance(pos, source.chunk, source.prefill_id,
+                                     encoded if mask is None else encoded[mask], source.reused)
+
+    def capture_step(self, step: int, position: int, logits_row: torch.Tensor, token_id: int) -> None:
+        row = logits_row.detach().reshape(-1).to("cpu", torch.float64)
+        values, ids = row.topk(min(self.top_k, row.numel()))
+        margin = float(values[0] - values[1]) if values.numel() > 1 else float("inf")
+        self.writer.append_step(step, position, token_id, ids.numpy(), values.numpy(), margin)
+
+    def end_forward(self) -> None:
+        self._in_forward("end_forward")
+        where = format_ranges(self._positions)
+        for point, layer in self.selection.declared():
+            keys = [(point, layer)] + ([("stats:" + point, layer)] if point in LAYER_NORMS + FINAL_NORMS else [])
+            for key in keys:
+                count = self._fired[key]
+                what = "norm statistics of" if key[0].startswith("stats:") else "probe"
+                if count == 0:
+                    raise ProbeIntegrityError(
+                        f"{what} {point!r} did not fire at layer {layer} in the forward over positions {where}: "
+                        "check the probe spec matches the model's modules")
+                if count > 1:
+                    raise ProbeIntegrityError(f"{what} {point!r} fired {count} times at layer {layer} in one forward "
+                                              f"over positions {where}: a module is called more than once")
+        self._positions = None
+        self._forwards += 1
+
+    # -- finishing ---------------------------------------------------------------------------
+
+    def finish(self, generated_ids: Sequence[int], text: str, chunks: Sequence[ChunkRecord] = ()) -> str:
+        """Close the trace with the generation's outcome; returns the trace path."""
+        if self._positions is not None:
+            self.writer.abort()
+            raise ProbeIntegrityError("finish called inside a forward: call end_forward first")
+        return str(self.writer.close(generated_ids=list(generated_ids), text=text, chunks=list(chunks)))
+
+    def abort(self) -> None:
+        """Drop the trace (no file is left at its path)."""
+        self.writer.abort()
+

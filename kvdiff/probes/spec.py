@@ -1,0 +1,109 @@
+"""Probe specs: which module of a model holds which probe point, by module-name pattern.
+
+Patterns are dotted module names where `*` matches one name part and `**` any number of them.
+The layer of a match is the number after `layers.` in its name (None for final points).
+A custom model or engine passes its own ProbeSpec to record the same trace format.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Iterator, Literal
+
+import torch
+
+from kvdiff.errors import UnsupportedModelError
+from kvdiff.probes.points import ALL_POINTS, FINAL_POINTS
+
+Kind = Literal["output", "input", "norm"]
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class ProbeRule:
+    """Module(s) matching `pattern` give probe `point`.
+
+    kind: "output" captures the module's output, "input" its first input (a pre-hook), "norm"
+    its output as the point plus input and output for the norm statistics.
+    """
+
+    pattern: str
+    point: str
+    kind: Kind = "output"
+
+    def __post_init__(self) -> None:
+        if self.point not in ALL_POINTS:
+            raise ValueError(f"probe rule {self.pattern!r}: unknown point {self.point!r}")
+
+    def regex(self) -> re.Pattern:
+        return compile_pattern(self.pattern)
+
+
+def compile_pattern(pattern: str) -> re.Pattern:
+    """A module-name pattern as a regex: `*` one name part, `**` any number of them."""
+    parts = (re.escape(p).replace(r"\*\*", ".+").replace(r"\*", r"[^.]+") for p in pattern.split("."))
+    return re.compile(r"\.".join(parts) + "$")
+
+
+def layer_of(module_name: str) -> int | None:
+    """The decoder layer a module belongs to (the number after `layers.`), None outside layers."""
+    found = _LAYER.search(module_name)
+    return int(found.group(1)) if found else None
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """Module rules, plus whether q and k come from the attention-function wrapper."""
+
+    rules: tuple[ProbeRule, ...]
+    attention_points: tuple[str, ...] = ("q", "k")      # captured inside the attention function
+    weight_norms: dict[str, str] = field(default_factory=dict)  # extra norms whose weights are kept
+
+    def matches(self, model: torch.nn.Module) -> Iterator[tuple[ProbeRule, str, torch.nn.Module, int | None]]:
+        """(rule, module name, module, layer) for every module a rule matches."""
+        compiled = [(rule, rule.regex()) for rule in self.rules]
+        for name, module in model.named_modules():
+            for rule, regex in compiled:
+                if regex.match(name):
+                    layer = layer_of(name)
+                    if (layer is None) != (rule.point in FINAL_POINTS):
+                        raise ValueError(f"probe rule {rule.pattern!r} matched {name!r}: "
+                                         f"point {rule.point!r} {'needs' if layer is None else 'takes no'} a layer")
+                    yield rule, name, module, layer
+
+
+def _decoder_rules(k_pre_rope: str) -> tuple[ProbeRule, ...]:
+    return (
+        ProbeRule("model.layers.*", "resid_pre", "input"),
+        ProbeRule("model.layers.*.input_layernorm", "attn_norm", "norm"),
+        ProbeRule(k_pre_rope, "k_pre_rope"),
+        ProbeRule("model.layers.*.self_attn.v_proj", "v"),
+        ProbeRule("model.layers.*.self_attn.o_proj", "attn_out"),
+        ProbeRule("model.layers.*.post_attention_layernorm", "resid_mid", "input"),
+        ProbeRule("model.layers.*.post_attention_layernorm", "mlp_norm", "norm"),
+        ProbeRule("model.layers.*.mlp", "mlp_out"),
+        ProbeRule("model.layers.*", "resid_post"),
+        ProbeRule("model.norm", "final_norm", "norm"),
+        ProbeRule("lm_head", "logits"),
+    )
+
+
+LLAMA_SPEC = ProbeSpec(_decoder_rules("model.layers.*.self_attn.k_proj"))
+QWEN3_SPEC = ProbeSpec(
+    _decoder_rules("model.layers.*.self_attn.k_norm"),
+    weight_norms={"q_norm": "model.layers.*.self_attn.q_norm", "k_norm": "model.layers.*.self_attn.k_norm"},
+)
+DEFAULT_SPECS: dict[str, ProbeSpec] = {
+    "llama": LLAMA_SPEC, "mistral": LLAMA_SPEC, "qwen2": LLAMA_SPEC, "qwen3": QWEN3_SPEC,
+}
+
+
+def default_spec(model: torch.nn.Module) -> ProbeSpec:
+    """The built-in spec for a model's architecture."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in DEFAULT_SPECS:
+        raise UnsupportedModelError(
+            f"no default probe spec for architecture {model_type!r}: pass spec=ProbeSpec(...) "
+            f"(built-in: {', '.join(DEFAULT_SPECS)})")
+    return DEFAULT_SPECS[model_type]

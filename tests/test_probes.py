@@ -1,0 +1,219 @@
+"""Probes on transformers models: coverage, fidelity, integrity, selection, planted changes."""
+
+import numpy as np
+import pytest
+import torch
+
+import kvdiff
+from kvdiff.engine.reference import reference_generate
+from kvdiff.probes.hooks import attach_probes
+from kvdiff.probes.model_meta import ModelDims
+from kvdiff.probes.points import ALL_POINTS, LAYER_POINTS
+from kvdiff.probes.record import record
+from kvdiff.probes.recorder import TraceRecorder
+from kvdiff.probes.selection import Selection
+from kvdiff.probes.sink import ProbeIntegrityError
+from kvdiff.probes.spec import LLAMA_SPEC, ProbeRule, ProbeSpec
+from kvdiff.probes.trace import TraceWriter, open_trace
+
+from conftest import SEED_PROMPT, SEED_SYSTEM
+
+MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
+
+
+class KeepingRecorder(TraceRecorder):
+    """A recorder that also keeps its own copy of every captured row, to compare with the trace."""
+
+    kept: dict
+
+    def capture(self, point, layer, rows, positions):
+        if self.wants(point, layer):
+            shape = self.dims.point_shape(point)
+            self.kept.setdefault((point, layer), []).append(rows.detach().clone().reshape(len(positions), *shape))
+        super().capture(point, layer, rows, positions)
+
+
+def test_every_point_layer_and_position_is_recorded_and_hooks_are_removed(tiny_model, tmp_path):
+    model, tokenizer = tiny_model
+    path = record(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=5)
+    plain = reference_generate(model, tokenizer, MESSAGES, max_new_tokens=5)
+    with open_trace(path) as tr:
+        n_prompt = len(tr.meta.input_ids)
+        assert tr.meta.generated_ids.tolist() == plain.token_ids  # the mask stayed causal
+        assert tr.meta.points == ALL_POINTS and tr.meta.layers == tuple(range(model.config.num_hidden_layers))
+        # Every position, prompt and generated (the last generated token is never fed back).
+        assert tr.positions.tolist() == list(range(n_prompt + len(plain.token_ids) - 1))
+        for layer in tr.meta.layers:
+            rows = tr.layer(layer)
+            assert set(rows) == set(LAYER_POINTS)
+            assert all(r.shape[0] == tr.positions.size for r in rows.values())
+            # Hooks sit on the right modules: the residual additions hold exactly.
+            assert np.array_equal(rows["resid_mid"], rows["resid_pre"] + rows["attn_out"])
+            assert np.array_equal(rows["resid_post"], rows["resid_mid"] + rows["mlp_out"])
+            stats = tr.norm_stats(layer)
+            assert set(stats) == {"attn_norm", "mlp_norm"}
+            np.testing.assert_allclose(stats["attn_norm"]["input_rms"],
+                                       np.sqrt((rows["resid_pre"].astype(np.float64) ** 2).mean(-1)), rtol=1e-12)
+        final = tr.final()
+        rows_of_steps = np.searchsorted(tr.positions, tr.steps.position)
+        assert np.array_equal(final["logits"][rows_of_steps].argmax(-1), tr.steps.token_id)
+        assert tr.steps.token_id.tolist() == plain.token_ids
+        assert np.all(tr.steps.topk_ids[:, 0] == tr.steps.token_id) and np.all(tr.steps.margin >= 0)
+        assert tr.provenance is None and tr.meta.strategy == "reference"
+    assert model.config._attn_implementation == "sdpa"
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_captured_rows_read_back_bit_for_bit(tmp_path, dtype):
+    model, tokenizer = kvdiff.load_model("tiny-qwen3", dtype=dtype)
+    recorder = TraceRecorder.for_model(model, tokenizer, MESSAGES, tmp_path / "t.h5")
+    recorder.kept = {}
+    with attach_probes(model, recorder) as probes:
+        out = reference_generate(model, tokenizer, MESSAGES, max_new_tokens=3, sink=probes)
+    recorder.finish(out.token_ids, out.text)
+    with open_trace(tmp_path / "t.h5") as tr:
+        assert tr.meta.dtype == dtype
+        for (point, layer), parts in recorder.kept.items():
+            want = torch.cat(parts)
+            want = (want.float() if dtype == "bfloat16" else want).numpy()
+            got = (tr.final() if layer is None else tr.layer(layer))[point]
+            assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8)), point
+        weight, eps = tr.norm_weight(0, "k_norm")
+        assert np.array_equal(weight, model.model.layers[0].self_attn.k_norm.weight.detach().float().numpy()) and eps == 1e-6
+
+
+def test_a_planted_weight_change_shows_in_its_layer_and_not_before(tmp_path):
+    model, tokenizer = kvdiff.load_model("tiny-llama")
+    record(model, tokenizer, MESSAGES, tmp_path / "a.h5", max_new_tokens=2)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight[3, 5] += 0.5
+    record(model, tokenizer, MESSAGES, tmp_path / "b.h5", max_new_tokens=2)
+    with open_trace(tmp_path / "a.h5") as a, open_trace(tmp_path / "b.h5") as b:
+        assert a.meta.model_fingerprint != b.meta.model_fingerprint
+        prompt = len(a.meta.input_ids)
+        for point, rows in a.layer(0).items():
+            assert np.array_equal(rows[:prompt], b.layer(0)[point][:prompt]), point
+        la, lb = a.layer(1), b.layer(1)
+        for point in ("resid_pre", "attn_norm", "q", "k_pre_rope", "k"):
+            assert np.array_equal(la[point][:prompt], lb[point][:prompt]), point
+        assert not np.array_equal(la["v"][:prompt], lb["v"][:prompt])
+        assert not np.array_equal(la["attn_out"][:prompt], lb["attn_out"][:prompt])
+
+
+def test_selection_keeps_only_chosen_points_layers_and_positions(tiny_llama, tmp_path):
+    model, tokenizer = tiny_llama
+    path = record(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=3,
+                  capture="v,k,logits", layers="0,2", positions="0-3,30")
+    with open_trace(path) as tr:
+        assert tr.meta.points == ("k", "v", "logits") and tr.meta.layers == (0, 2)
+        assert tr.positions.tolist() == [0, 1, 2, 3, 30]
+        assert set(tr.layer(2)) == {"k", "v"} and set(tr.final()) == {"logits"}
+        assert tr.norm_stats(0) == {}
+        with pytest.raises(kvdiff.errors.TraceError, match="no 'layers/1'"):
+            tr.layer(1)
+
+
+def test_selection_strings_are_parsed_and_checked():
+    sel = Selection.parse(30, capture="q, k", layers="0-3,29", positions="5")
+    assert sel.points == ("q", "k") and sel.layers == (0, 1, 2, 3, 29) and sel.positions == {5}
+    with pytest.raises(kvdiff.InputError, match="unknown probe point"):
+        Selection.parse(30, capture="kv")
+    with pytest.raises(kvdiff.InputError, match="out of range"):
+        Selection.parse(30, layers="28-30")
+
+
+def test_a_declared_probe_that_never_fires_is_an_error_and_leaves_no_trace(tiny_llama, tmp_path):
+    model, tokenizer = tiny_llama
+    spec = ProbeSpec(tuple(r for r in LLAMA_SPEC.rules if r.point != "mlp_out"))
+    with pytest.raises(ProbeIntegrityError, match="probe 'mlp_out' did not fire at layer 0"):
+        record(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=2, spec=spec)
+    assert list(tmp_path.iterdir()) == []
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_probe_firing_twice_or_matching_nothing_is_an_error(tiny_llama, tmp_path):
+    model, tokenizer = tiny_llama
+    twice = ProbeSpec(LLAMA_SPEC.rules + (ProbeRule("model.layers.*.mlp.down_proj", "mlp_out"),))
+    with pytest.raises(ProbeIntegrityError, match="'mlp_out' fired 2 times at layer 0"):
+        record(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=2, spec=twice)
+    nothing = ProbeSpec(LLAMA_SPEC.rules + (ProbeRule("model.blocks.*.ffn", "mlp_out"),))
+    with pytest.raises(ProbeIntegrityError, match="'model.blocks.\\*.ffn' \\(mlp_out\\) match no module"):
+        record(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=2, spec=nothing)
+
+
+def test_a_buffer_overwritten_after_capture_does_not_change_the_trace(tiny_llama, tmp_path):
+    model, tokenizer = tiny_llama
+    dims = ModelDims.of(model)
+    writer = TraceWriter(tmp_path / "t.h5", TraceRecorder.for_model(
+        model, tokenizer, MESSAGES, tmp_path / "meta.h5", capture="resid_pre", layers="0").writer.meta)
+    recorder = TraceRecorder(writer, dims, Selection.parse(dims.num_layers, "resid_pre", "0"))
+    buffer = torch.arange(4 * dims.hidden_size, dtype=torch.float32).reshape(4, -1)
+    original = buffer.clone()
+    recorder.begin_forward(range(4))
+    recorder.capture("resid_pre", 0, buffer, range(4))
+    buffer.fill_(-1.0)
+    recorder.end_forward()
+    recorder.finish([1], "x")
+    with open_trace(tmp_path / "t.h5") as tr:
+        assert np.array_equal(tr.layer(0)["resid_pre"], original.numpy())
+
+
+def test_probes_delegate_to_an_attention_wrapper_installed_before_them(tiny_llama, tmp_path):
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    model, tokenizer = tiny_llama
+    calls = []
+
+    def outer(module, *args, **kwargs):
+        calls.append(module.layer_idx)
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register("test_outer", outer)
+    AttentionMaskInterface.register("test_outer", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation("test_outer")
+    try:
+        path = record(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=3)
+        assert model.config._attn_implementation == "test_outer"
+    finally:
+        model.set_attn_implementation("sdpa")
+    plain = reference_generate(model, tokenizer, MESSAGES, max_new_tokens=3)
+    with open_trace(path) as tr:
+        assert len(calls) == 3 * model.config.num_hidden_layers
+        assert tr.meta.generated_ids.tolist() == plain.token_ids
+
+
+@pytest.mark.real_model
+def test_default_model_trace_holds_every_point_for_all_30_layers_and_positions(default_model, tmp_path):
+    model, tokenizer = default_model
+    path = record(model, tokenizer, MESSAGES, tmp_path / "ref.h5", max_new_tokens=4)
+    with open_trace(path) as tr:
+        assert tr.meta.num_layers == 30 and tr.meta.layers == tuple(range(30))
+        assert (tr.meta.num_heads, tr.meta.num_kv_heads, tr.meta.head_dim) == (9, 3, 64)
+        assert tr.positions.tolist() == list(range(len(tr.meta.input_ids) + len(tr.meta.generated_ids) - 1))
+        assert len(tr.meta.input_ids) == 32
+        for layer in range(30):
+            rows = tr.layer(layer)
+            assert set(rows) == set(LAYER_POINTS)
+            assert all(r.shape[0] == tr.positions.size and np.isfinite(r).all() for r in rows.values())
+        assert set(tr.final()) == {"final_norm", "logits"}
+        assert set(tr.norm_stats(None)) == {"final_norm"}
+
+
+def test_kvdiff_record_and_inspect_print_what_the_trace_holds(tiny_llama, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvdiff.cli import app
+
+    model, tokenizer = tiny_llama
+    path = kvdiff.record(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=2, compression="gzip")
+    result = CliRunner().invoke(app, ["inspect", str(path)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    for text in ("tiny-llama", "strategy reference", "3 layers", "resid_pre", "logits", "0-2", "float32"):
+        assert text in result.output
+    (tmp_path / "bad.h5").write_text("x")
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path / "bad.h5")])
+    assert result.exit_code == 2 and "not an HDF5 file" in result.output
