@@ -66,6 +66,7 @@ class ModelProbes:
             else:
                 hook = self._output_hook(rule.point, layer, with_norm=rule.kind == "norm")
                 self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        log.debug("attached %d probe hooks to %s", len(self._handles), type(self.model).__name__)
         unmatched = [f"{r.pattern!r} ({r.point})" for r, n in matched.items() if n == 0]
         if unmatched:
             raise ProbeIntegrityError(f"probe spec rule(s) {', '.join(unmatched)} match no module of "

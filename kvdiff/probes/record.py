@@ -32,6 +32,7 @@ def record(model, tokenizer, messages: list[dict], path: str | os.PathLike, max_
     try:
         with attach_probes(model, recorder, spec) as probes:
             out = reference_generate(model, tokenizer, messages, max_new_tokens, sink=probes)
+        log.info("recorded %d prompt + %d generated tokens", len(out.input_ids), len(out.token_ids))
         return recorder.finish(out.token_ids, out.text)
     except BaseException:
         recorder.abort()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections import Counter
 from typing import Iterable, Sequence
@@ -17,8 +16,6 @@ from kvdiff.probes.sink import ProbeIntegrityError, Provenance
 from kvdiff.probes.spec import ProbeSpec, default_spec
 from kvdiff.probes.trace_format import ChunkRecord, point_group
 from kvdiff.probes.trace_writer import TraceWriter
-
-log = logging.getLogger(__name__)
 
 
 def norm_statistics(norm_input: torch.Tensor, norm_output: torch.Tensor) -> dict[str, np.ndarray]:
@@ -51,7 +48,6 @@ class TraceRecorder:
         self.top_k = top_k
         self._positions: list[int] | None = None
         self._fired: Counter = Counter()
-        self._forwards = 0
 
     @classmethod
     def for_model(cls, model, tokenizer, messages: list[dict], path: str | os.PathLike, *,
@@ -159,7 +155,6 @@ class TraceRecorder:
                     raise ProbeIntegrityError(f"{what} {point!r} fired {count} times at layer {layer} in one forward "
                                               f"over positions {where}: a module is called more than once")
         self._positions = None
-        self._forwards += 1
 
     # -- finishing ---------------------------------------------------------------------------
 
