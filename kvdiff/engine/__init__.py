@@ -1,6 +1,7 @@
 """The chunked-generation engine and the reference continuous path."""
 
 from kvdiff.engine.engine import Engine
-from kvdiff.engine.outputs import ChunkReport, RequestOutput, RequestStats
+from kvdiff.engine.outputs import RequestOutput, RequestStats
+from kvdiff.probes.trace_format import ChunkRecord
 
-__all__ = ["Engine", "RequestOutput", "RequestStats", "ChunkReport"]
+__all__ = ["Engine", "RequestOutput", "RequestStats", "ChunkRecord"]

@@ -5,17 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvdiff.engine.chunks import SkippedMessage
-
-
-@dataclass(frozen=True)
-class ChunkReport:
-    """One prompt chunk as the engine used it."""
-
-    name: str
-    positions: tuple[int, int]          # (first, last) global positions
-    hash: str                           # registry key (hex)
-    cache: str                          # "hit" | "miss"
-    encoded_positions: tuple[int, int]  # (first, last) positions its K is encoded at, as attention reads it
+from kvdiff.probes.trace_format import ChunkRecord
 
 
 @dataclass
@@ -37,6 +27,6 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     stats: RequestStats
-    chunks: list[ChunkReport]
+    chunks: list[ChunkRecord]
     prompt_ids: list[int]
     skipped: list[SkippedMessage] = field(default_factory=list)

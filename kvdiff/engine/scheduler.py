@@ -14,7 +14,8 @@ import torch
 
 from kvdiff.engine.chunks import Chunk, ChunkedPrompt
 from kvdiff.engine.kv_cache import BlockTable, Segment
-from kvdiff.engine.outputs import ChunkReport, RequestStats
+from kvdiff.engine.outputs import RequestStats
+from kvdiff.probes.trace_format import ChunkRecord
 from kvdiff.engine.registry import CacheEntry, ChunkRegistry
 from kvdiff.engine.runner import RowGroup
 from kvdiff.engine.strategies import Strategy
@@ -51,7 +52,7 @@ class Request:
     sink: ProbeSink | None
     stats: RequestStats = field(default_factory=RequestStats)
     entries: list[CacheEntry] = field(default_factory=list)
-    reports: list[ChunkReport] = field(default_factory=list)
+    reports: list[ChunkRecord] = field(default_factory=list)
     reused: list[Reused] = field(default_factory=list)
     placed: list[Placed] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
@@ -99,7 +100,7 @@ class Planner:
 
     def _report(self, req: Request, chunk: Chunk, key: str, hit: bool, enc_start: int) -> None:
         n = len(chunk.token_ids)
-        req.reports.append(ChunkReport(chunk.name, chunk.positions, key, "hit" if hit else "miss",
+        req.reports.append(ChunkRecord(chunk.name, chunk.positions, key, "hit" if hit else "miss",
                                        (enc_start, enc_start + n - 1)))
         if hit:
             req.stats.reused_tokens += n
