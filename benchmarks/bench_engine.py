@@ -1,0 +1,94 @@
+"""Engine benchmarks on the default model, each a ratio from one run; prints a table.
+
+    /work/main/.venv/bin/python benchmarks/bench_engine.py
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import kvdiff  # noqa: E402
+from kvdiff.engine import Engine  # noqa: E402
+from kvdiff.engine.reference import render_prompt_ids  # noqa: E402
+
+SYSTEM_2K = " ".join(f"Rule {i}: answer briefly, politely and in plain words." for i in range(170))
+DECODE_TOKENS = 64
+
+
+def conv(system: str, user: str):
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def hf_generate(model, tok, messages, new_tokens):
+    ids = torch.tensor([render_prompt_ids(tok, messages)])
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=tok.pad_token_id or 0)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    model, tok = kvdiff.load_model("smollm2-135m")
+    rows = []
+
+    # 1. TTFT with a cached ~2,000-token system chunk vs no reuse.
+    eng = Engine(model, tok, strategy="prefix")
+    n_sys = len(render_prompt_ids(tok, conv(SYSTEM_2K, "Hi")))
+    cold = eng.generate([conv(SYSTEM_2K, "What is the capital of France?")], max_new_tokens=1)[0]
+    warm = eng.generate([conv(SYSTEM_2K, "Name a colour.")], max_new_tokens=1)[0]
+    rows.append(("TTFT, cached %d-token system chunk vs no reuse" % n_sys, cold.stats.ttft_s, warm.stats.ttft_s,
+                 cold.stats.ttft_s / warm.stats.ttft_s, ">= 20x"))
+
+    # 2. Decode tokens/s vs transformers generate, batch 1.
+    msgs = conv("You are a helpful assistant.", "Write a long story about a dragon.")
+    hf_generate(model, tok, msgs, 4)
+    hf_s, _ = timed(lambda: hf_generate(model, tok, msgs, DECODE_TOKENS))
+    hf_prefill, _ = timed(lambda: hf_generate(model, tok, msgs, 1))
+    eng = Engine(model, tok, strategy="prefix")
+    eng.generate([msgs], max_new_tokens=2)
+    out = Engine(model, tok, strategy="prefix").generate([msgs], max_new_tokens=DECODE_TOKENS)[0]
+    n = out.stats.generated_tokens
+    eng_tps = (n - 1) / (out.stats.total_s - out.stats.ttft_s)
+    hf_tps = (DECODE_TOKENS - 1) / (hf_s - hf_prefill)
+    rows.append(("decode tokens/s vs transformers generate (batch 1, %d tokens)" % n, hf_tps, eng_tps,
+                 eng_tps / hf_tps, ">= 1.0x"))
+
+    # 3. 16 requests sharing one system chunk vs 16 sequential generate calls.
+    shared = " ".join(f"Guideline {i}: be accurate and kind." for i in range(60))
+    convs = [conv(shared, f"Question {i}: what is {i} plus {i}?") for i in range(16)]
+    seq_s, _ = timed(lambda: [hf_generate(model, tok, c, 16) for c in convs])
+    eng = Engine(model, tok, strategy="prefix")
+    batch_s, _ = timed(lambda: eng.generate(convs, max_new_tokens=16))
+    rows.append(("16 requests sharing a system chunk vs 16 sequential generate", seq_s, batch_s,
+                 seq_s / batch_s, ">= 4x"))
+
+    # 4. exact vs fast numerics on the same request.
+    req = conv("You are a helpful assistant.", "What is the capital of France?")
+    times = {}
+    for numerics in ("fast", "exact"):
+        Engine(model, tok, numerics=numerics).generate([req], max_new_tokens=2)
+        times[numerics], _ = timed(lambda: Engine(model, tok, numerics=numerics).generate([req], max_new_tokens=32))
+    rows.append(("exact vs fast numerics, same request (32 tokens), time", times["fast"], times["exact"],
+                 times["exact"] / times["fast"], "<= 1.5x"))
+
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}")
+    print(f"{'benchmark':66} {'baseline':>10} {'engine':>10} {'ratio':>8}  goal")
+    for name, base, ours, ratio, goal in rows:
+        print(f"{name:66} {base:10.4f} {ours:10.4f} {ratio:7.2f}x  {goal}")
+
+
+if __name__ == "__main__":
+    main()
