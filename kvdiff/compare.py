@@ -136,6 +136,7 @@ def compare(
     import kvdiff
     from kvdiff.analysis import diff
     from kvdiff.engine import Engine
+    from kvdiff.engine.chunks import split_conversation
     from kvdiff.engine.numerics import exact_numerics
     from kvdiff.probes.recorder import TraceRecorder
     from kvdiff.reports.html import write_html
@@ -154,25 +155,34 @@ def compare(
         if model_cache is not None:
             model_cache[key] = (loaded, tokenizer)
 
+    # The engine drops empty messages (no chunk); the reference must render the same prompt.
+    chunked = split_conversation(tokenizer, messages, chunk_size=chunk_size)
     reference_path = out_dir / "reference.h5"
     candidate_path = out_dir / "candidate.h5"
     numerics_ctx = exact_numerics(loaded) if numerics == "exact" else nullcontext()
     step("recording the reference")
     with numerics_ctx:
-        kvdiff.record(loaded, tokenizer, messages, reference_path, max_new_tokens=max_new_tokens,
+        kvdiff.record(loaded, tokenizer, chunked.messages, reference_path, max_new_tokens=max_new_tokens,
                       capture=capture, layers=layers, strategy="reference", numerics=numerics)
 
     step(f"running the engine ({strategy}, {numerics})")
     engine = Engine(loaded, tokenizer, strategy=strategy, numerics=numerics,
                     chunk_size=chunk_size, recompute_ratio=recompute_ratio)
-    recorder = TraceRecorder.for_model(loaded, tokenizer, messages, candidate_path, strategy=strategy,
+    recorder = TraceRecorder.for_model(loaded, tokenizer, chunked.messages, candidate_path, strategy=strategy,
                                        numerics=numerics, capture=capture, layers=layers)
-    (output,) = engine.generate([messages], max_new_tokens=max_new_tokens, sinks={0: recorder})
+    try:
+        (output,) = engine.generate([chunked.messages], max_new_tokens=max_new_tokens, sinks={0: recorder})
+    except BaseException:
+        recorder.abort()
+        raise
     recorder.finish(output.token_ids, output.text, output.chunks)
 
     step("diffing")
     divergence = diff(reference_path, candidate_path, tokenizer=tokenizer)
     report = divergence.to_json()
+    report["skipped_messages"] = [
+        {"index": s.message_index, "role": s.role, "reason": s.reason} for s in chunked.skipped
+    ]
     report_json = out_dir / "report.json"
     report_html = out_dir / "report.html"
     write_json_atomically(report, report_json)

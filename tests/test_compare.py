@@ -1,0 +1,117 @@
+"""compare, the CLI around it and the gate, end to end on tiny models."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvdiff.cli import app
+from kvdiff.compare import ARTEFACTS, compare
+from kvdiff.gate.cases import GateCase
+from kvdiff.gate.runner import run_cases
+
+runner = CliRunner()
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+def test_prefix_exact_is_identical_with_no_bit_difference(tmp_path):
+    result = compare(MESSAGES, model="tiny-llama", strategy="prefix", numerics="exact",
+                     max_new_tokens=6, out=tmp_path / "run")
+    assert result.exit_code == 0
+    assert sorted(p.name for p in result.out_dir.iterdir()) == sorted(ARTEFACTS)
+    report = json.loads(result.report_json.read_text())
+    assert report["schema_version"] == 1 and report["verdict"] == "identical"
+    assert report["first_bit_difference"] is None and report["first_divergence"] is None
+    assert report["candidate"]["strategy"] == "prefix" and report["candidate"]["numerics"] == "exact"
+    assert [c["name"] for c in report["chunks"]] == ["system", "user", "generation"]
+
+
+def test_isolated_local_is_divergent_and_diagnosed(tmp_path):
+    result = compare(MESSAGES, model="tiny-qwen3", strategy="isolated-local", numerics="exact",
+                     max_new_tokens=6, out=tmp_path / "run")
+    report = result.report
+    user = next(c for c in report["chunks"] if c["name"] == "user")
+    assert report["first_bit_difference"]["layer"] == 0
+    assert report["first_bit_difference"]["position"] == user["positions"][0]
+    mismatch = [d for d in report["diagnoses"] if d["kind"] == "position_mismatch" and d["chunk"] == "user"]
+    assert mismatch and mismatch[0]["offset"] == -user["positions"][0]
+
+
+def test_empty_message_is_skipped_on_both_paths_and_reported(tmp_path):
+    messages = [{"role": "system", "content": ""}, MESSAGES[1]]
+    result = compare(messages, model="tiny-llama", strategy="prefix", numerics="exact",
+                     max_new_tokens=4, out=tmp_path / "run")
+    assert result.exit_code == 0
+    assert result.report["skipped_messages"] == [{"index": 0, "role": "system", "reason": "empty message"}]
+
+
+def test_cli_compare_exit_codes_and_one_line_errors(tmp_path):
+    args = ["-q", "compare", "--model", "tiny-llama", "-p", "What is the capital of France?", "-n", "4"]
+    ok = runner.invoke(app, args + ["--out", str(tmp_path / "a")])
+    assert ok.exit_code == 0, ok.stderr
+    differ = runner.invoke(app, args + ["--strategy", "isolated-local", "--out", str(tmp_path / "b")])
+    assert differ.exit_code == 1
+    reused = runner.invoke(app, args + ["--out", str(tmp_path / "a")])
+    assert reused.exit_code == 2 and "already holds files" in reused.stderr
+    bad = runner.invoke(app, args + ["--strategy", "chunky", "--out", str(tmp_path / "c")])
+    assert bad.exit_code == 2 and bad.stderr.count("\n") == 1 and "unknown strategy" in bad.stderr
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_cli_report_rerenders_a_run(tmp_path):
+    compare(MESSAGES, model="tiny-llama", strategy="isolated-global", max_new_tokens=4, out=tmp_path / "run")
+    (tmp_path / "run" / "report.html").unlink()
+    result = runner.invoke(app, ["report", str(tmp_path / "run")])
+    assert result.exit_code == 1 and "DIVERGENT" in result.stdout
+    assert (tmp_path / "run" / "report.html").stat().st_size > 0
+
+
+def test_gate_runs_every_case_and_keeps_reports_of_failing_ones(tmp_path):
+    cases = [
+        GateCase("same", MESSAGES, {"model": "tiny-llama", "strategy": "prefix", "max_new_tokens": 4}),
+        GateCase("isolated", MESSAGES, {"model": "tiny-llama", "strategy": "isolated-local", "max_new_tokens": 4}),
+        GateCase("broken", MESSAGES, {"model": str(tmp_path / "missing-model"), "max_new_tokens": 4}),
+    ]
+    outcomes = run_cases(cases, tmp_path / "gate")
+    assert [o.status for o in outcomes] == ["passed", "failed", "error"]
+    assert "not found" in outcomes[2].message
+    assert sorted(p.name for p in (tmp_path / "gate").iterdir()) == ["broken", "isolated"]
+    assert (outcomes[1].report_dir / "report.html").is_file()
+
+
+def test_cli_gate_junit_and_exit_code(tmp_path):
+    cases = tmp_path / "cases.toml"
+    cases.write_text(
+        "[[case]]\nname = 'prefix'\nmodel = 'tiny-qwen2'\nprompt = 'Hello'\nmax_new_tokens = 4\n"
+        "[[case]]\nname = 'control'\nmodel = 'tiny-qwen2'\nprompt = 'Hello there, what is up?'\n"
+        "system = 'You are a helpful assistant.'\nstrategy = 'isolated-local'\nmax_new_tokens = 4\n"
+    )
+    result = runner.invoke(app, ["gate", str(cases), "--junit", str(tmp_path / "j.xml"), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 1, result.stderr
+    assert 'failures="1"' in (tmp_path / "j.xml").read_text()
+
+
+pytest_plugins = ["pytester"]
+
+
+def test_pytest_plugin_fixture_passes_and_fails_with_a_report(pytester, tmp_path):
+    pytester.makepyfile(
+        """
+        MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": "What is the capital of France?"}]
+
+        def test_prefix(kvdiff):
+            kvdiff.assert_identical(MESSAGES, model="tiny-llama", strategy="prefix", max_new_tokens=4)
+
+        def test_isolated(kvdiff):
+            kvdiff.assert_identical(MESSAGES, model="tiny-llama", strategy="isolated-local", max_new_tokens=4)
+        """
+    )
+    reports = tmp_path / "reports"
+    result = pytester.runpytest_subprocess("--kvdiff-report-dir", str(reports), "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*kvdiff: tokens differ at step*"])
+    assert (reports / "test_isolated-1" / "report.json").is_file()
