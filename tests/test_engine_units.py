@@ -43,9 +43,9 @@ class ListSink:
     def wants(self, point, layer):
         return self.points is None or point in self.points
 
-    def begin_forward(self, positions):
+    def begin_forward(self, positions, reads_only=False):
         assert self._open is None, "begin_forward inside an open forward"
-        self._open = {"positions": list(positions), "fired": {}}
+        self._open = {"positions": list(positions), "fired": {}, "reads_only": reads_only}
         self.calls.append(("begin", list(positions)))
 
     def capture(self, point, layer, rows, positions):
@@ -376,3 +376,15 @@ def test_probe_protocol_isolated_local(tiny_llama):
     assert [s[0] for s in sink.steps] == list(range(len(out.token_ids)))
     assert sink.steps[0][1] == n - 1 and [s[3] for s in sink.steps] == out.token_ids
     assert out.chunks[1].encoded_positions == (0, out.chunks[1].positions[1] - out.chunks[1].positions[0])
+
+
+def test_rerotated_keys_land_at_their_global_positions(tiny_llama):
+    """rerotate's placed K equals K computed alone at the global positions (isolated-global), up to rounding."""
+    model, tok = tiny_llama
+    keys = {}
+    for strategy in ("rerotate", "isolated-global"):
+        sink = ListSink(points={"k"})
+        out = Engine(model, tok, strategy=strategy).generate([SEED_MESSAGES], max_new_tokens=1, sinks={0: sink})[0]
+        user = range(out.chunks[1].positions[0], out.chunks[1].positions[1] + 1)
+        keys[strategy] = sink.stacked("k", 0, list(user))
+    torch.testing.assert_close(keys["rerotate"], keys["isolated-global"], rtol=1e-5, atol=1e-5)

@@ -126,8 +126,9 @@ class Engine:
             placed = [p for r in requests for p in r.placed]
             if placed:
                 dev = self.pool.device
-                delta = torch.cat([torch.arange(p.chunk.start - p.encoded_start, p.chunk.end - p.encoded_start,
-                                                device=dev) for p in placed])
+                # Every row of a chunk moves by the same delta: its placed start minus its encoded start.
+                delta = torch.cat([torch.full((p.chunk.end - p.chunk.start,), p.chunk.start - p.encoded_start,
+                                              device=dev, dtype=torch.long) for p in placed])
                 self.runner.place(torch.cat([p.src for p in placed]), torch.cat([p.dst for p in placed]), delta)
             fid = self._forwards
             groups = [planner.final_group(r, fid) for r in requests]
@@ -180,7 +181,7 @@ class Engine:
                 continue
             positions = [p for u in reused for p in u.positions]
             slots = torch.cat([u.slots for u in reused])
-            r.sink.begin_forward(positions)
+            r.sink.begin_forward(positions, reads_only=True)
             for u in reused:
                 r.sink.provenance(u.positions, u.provenance)
             for layer in range(len(self.adapter.layers)):

@@ -151,9 +151,9 @@ class ModelProbes:
     def wants(self, point: str, layer: int | None) -> bool:
         return self.sink.wants(point, layer)
 
-    def begin_forward(self, positions: Sequence[int]) -> None:
+    def begin_forward(self, positions: Sequence[int], reads_only: bool = False) -> None:
         self._positions = [int(p) for p in positions]
-        self.sink.begin_forward(self._positions)
+        self.sink.begin_forward(self._positions, reads_only=reads_only)
 
     def capture(self, point: str, layer: int | None, rows: torch.Tensor, positions: Sequence[int]) -> None:
         self.sink.capture(point, layer, rows, positions)

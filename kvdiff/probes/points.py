@@ -26,6 +26,9 @@ FINAL_POINTS: tuple[str, ...] = ("final_norm", "logits")
 
 ALL_POINTS: tuple[str, ...] = LAYER_POINTS + FINAL_POINTS
 
+# What a reads-only bracket records: the cache rows attention reads, computed elsewhere.
+READ_POINTS: tuple[str, ...] = ("k", "v")
+
 # Norm modules whose per-token statistics are recorded: per layer, and once after the last layer.
 LAYER_NORMS: tuple[str, ...] = ("attn_norm", "mlp_norm")
 FINAL_NORMS: tuple[str, ...] = ("final_norm",)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvdiff.probes.model_meta import ModelDims, build_meta, norm_eps, norm_modules
-from kvdiff.probes.points import FINAL_NORMS, LAYER_NORMS, NORM_STATS
+from kvdiff.probes.points import FINAL_NORMS, LAYER_NORMS, NORM_STATS, READ_POINTS
 from kvdiff.probes.selection import Selection, format_ranges
 from kvdiff.probes.sink import ProbeIntegrityError, Provenance
 from kvdiff.probes.spec import ProbeSpec, default_spec
@@ -47,6 +47,7 @@ class TraceRecorder:
         self.selection = selection
         self.top_k = top_k
         self._positions: list[int] | None = None
+        self._reads_only = False
         self._fired: Counter = Counter()
 
     @classmethod
@@ -76,10 +77,11 @@ class TraceRecorder:
     def wants(self, point: str, layer: int | None) -> bool:
         return self.selection.wants(point, layer)
 
-    def begin_forward(self, positions: Sequence[int]) -> None:
+    def begin_forward(self, positions: Sequence[int], reads_only: bool = False) -> None:
         if self._positions is not None:
             raise ProbeIntegrityError("begin_forward called twice without end_forward in between")
         self._positions = [int(p) for p in positions]
+        self._reads_only = reads_only
         self._fired.clear()
 
     def _kept(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
@@ -143,6 +145,8 @@ class TraceRecorder:
         self._in_forward("end_forward")
         where = format_ranges(self._positions)
         for point, layer in self.selection.declared():
+            if self._reads_only and point not in READ_POINTS:
+                continue
             keys = [(point, layer)] + ([("stats:" + point, layer)] if point in LAYER_NORMS + FINAL_NORMS else [])
             for key in keys:
                 count = self._fired[key]

@@ -33,8 +33,12 @@ class ProbeSink(Protocol):
     def wants(self, point: str, layer: int | None) -> bool:
         """Whether this sink records `point` at `layer`; paths skip work for points it does not want."""
 
-    def begin_forward(self, positions: Sequence[int]) -> None:
-        """A forward over rows at these global positions starts."""
+    def begin_forward(self, positions: Sequence[int], reads_only: bool = False) -> None:
+        """A forward over rows at these global positions starts.
+
+        `reads_only`: the bracket computes nothing; it records the `k`/`v` rows attention reads at
+        these positions (reused cache rows, re-rotated placed rows), so only `k` and `v` fire.
+        """
 
     def capture(self, point: str, layer: int | None, rows: torch.Tensor, positions: Sequence[int]) -> None:
         """Rows (T, ...) of probe `point` at `layer` (None for final points) at global `positions`."""
