@@ -193,33 +193,32 @@ def diff(
     reference: Path = typer.Argument(..., help="The reference trace (.h5)."),
     candidate: Path = typer.Argument(..., help="The candidate trace (.h5)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write report.json (schema 1) to this file."),
+    html: Optional[Path] = typer.Option(None, "--html", help="Write the HTML report to this file."),
     tolerance: list[str] = typer.Option([], "--tolerance", help="POINT=ATOL[,RTOL], repeatable."),
     baseline: Optional[Path] = typer.Option(None, "--baseline", help="Engine trace with strategy none, for attribution."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model whose tokenizer shows token text (default: ids)."),
+    point: Optional[str] = typer.Option(None, "--point", help="Probe point of the terminal heatmap."),
 ) -> None:
     """Diff two trace files: exit 0 if the tokens are identical, 1 if they differ.
 
+    Works on traces from any engine that writes the trace format (docs/trace-format.md).
+
     Example: kvdiff diff run/reference.h5 run/candidate.h5 --json report.json --tolerance logits=1e-4,1e-3
     """
-    import json
-
     from kvdiff.analysis import diff as run_diff, parse_tolerance
+    from kvdiff.compare import write_json_atomically
+    from kvdiff.reports.html import write_html
 
     tolerances = dict(parse_tolerance(spec) for spec in tolerance)
-    div = run_diff(reference, candidate, baseline=baseline, tolerances=tolerances)
+    tokenizer = kvdiff.load_model(model)[1] if model else None
+    div = run_diff(reference, candidate, baseline=baseline, tolerances=tolerances, tokenizer=tokenizer)
     report = div.to_json()
     if json_out is not None:
-        json_out.write_text(json.dumps(report, indent=1, allow_nan=False))
-    typer.echo(f"tokens: {'identical' if div.tokens_identical else 'differ'}")
-    for label, key in (("first bit difference", "first_bit_difference"), ("first divergence", "first_divergence")):
-        loc = report[key]
-        typer.echo(f"{label}: " + ("none" if loc is None else
-                   f"layer {loc['layer']} position {loc['position']} {loc['tensor']} (chunk {loc['chunk']}, rel {loc['rel']})"))
-    td = report["first_token_divergence"]
-    if td is not None:
-        typer.echo(f"first token divergence: step {td['step']}: {td['reference_token']!r} vs {td['candidate_token']!r}")
-    for d in report["diagnoses"]:
-        typer.echo(f"- {d['kind']} ({d['chunk']}, positions {d['positions']}): {d['evidence']}")
-    if report["attribution"] is not None:
+        write_json_atomically(report, json_out)
+    if html is not None:
+        write_html(report, html)
+    _show_report(report, point)
+    if report.get("attribution") is not None and not _state["quiet"]:
         typer.echo(f"attribution: {report['attribution']['source']}: {report['attribution']['evidence']}")
     raise typer.Exit(0 if div.tokens_identical else 1)
 

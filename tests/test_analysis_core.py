@@ -94,10 +94,13 @@ def test_cli_diff_exit_codes_and_json(tmp_path):
     cand = write_trace(model, tmp_path / "c.h5", prompt, 3, faults=Faults(context_start={p: 10 for p in range(10, 20)}))
     runner = CliRunner()
     ok = runner.invoke(app, ["diff", str(ref), str(same)])
-    assert ok.exit_code == 0 and "tokens: identical" in ok.output
+    assert ok.exit_code == 0 and "IDENTICAL" in ok.output
     out = tmp_path / "report.json"
-    bad = runner.invoke(app, ["diff", str(ref), str(cand), "--json", str(out), "--tolerance", "logits=1e-4,1e-3"])
+    page = tmp_path / "report.html"
+    bad = runner.invoke(app, ["diff", str(ref), str(cand), "--json", str(out), "--html", str(page),
+                              "--tolerance", "logits=1e-4,1e-3"])
     report = json.loads(out.read_text())
+    assert page.read_text().lower().startswith("<!doctype html>")
     assert bad.exit_code == (0 if report["tokens_identical"] else 1)
     assert report["first_divergence"]["tensor"] == "attn_out" and "missing_context" in bad.output
     assert report["tolerances"]["per_point"]["logits"] == {"atol": 1e-4, "rtol": 1e-3}
