@@ -16,7 +16,8 @@ from kvdiff.engine.kv_cache import BLOCK_SIZE, BlockPool, BlockTable
 from kvdiff.engine.numerics import exact_numerics
 from kvdiff.engine.outputs import RequestOutput
 from kvdiff.engine.reference import stop_token_ids
-from kvdiff.engine.registry import ChunkRegistry, RegistryStats, model_fingerprint
+from kvdiff.engine.registry import ChunkRegistry, RegistryStats
+from kvdiff.probes.model_meta import model_fingerprint
 from kvdiff.engine.runner import ModelRunner, RowGroup
 from kvdiff.engine.scheduler import Planner, Request, Reused
 from kvdiff.engine.strategies import BLEND_SELECT_LAYER, DEFAULT_RECOMPUTE_RATIO, make_strategy, select_blend_tokens

@@ -15,26 +15,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from torch import nn
 
 from kvdiff.engine.kv_cache import BlockPool
 
 log = logging.getLogger(__name__)
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """A stable hash of the model's config and weights, computed once and cached on the model."""
-    cached = getattr(model, "_kvdiff_fingerprint", None)
-    if cached is not None:
-        return cached
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
-    for name, tensor in model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(str(tuple(tensor.shape)).encode() + str(tensor.dtype).encode())
-        digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
-    model._kvdiff_fingerprint = digest.hexdigest()
-    return model._kvdiff_fingerprint
 
 
 @dataclass
