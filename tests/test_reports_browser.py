@@ -50,3 +50,16 @@ def test_report_without_heatmaps_loads(tmp_path):
     loaded = load(write_html(minimal, tmp_path / "minimal.html"))
     assert "data-errors" not in loaded.html_attrs and loaded.console_errors == []
     assert loaded.body_attrs["data-ready"] == "1" and "no heatmap in this report" in loaded.dom
+
+
+def test_report_of_a_real_compare_run_draws_without_errors(tmp_path):
+    from kvdiff.compare import compare
+
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    result = compare(messages, model="tiny-llama", strategy="isolated-local", max_new_tokens=4, out=tmp_path / "run")
+    loaded = load(result.report_html)
+    assert "data-errors" not in loaded.html_attrs and loaded.console_errors == []
+    assert loaded.body_attrs["data-ready"] == "1"
+    heat = result.report["heatmaps"][loaded.body_attrs["data-point"]]
+    assert int(loaded.body_attrs["data-cells-drawn"]) == (len(heat["layers"]) + 2) * len(heat["positions"])
