@@ -13,6 +13,7 @@ from typing import Callable
 
 from kvdiff.engine.conversation import Messages, validate_messages
 from kvdiff.errors import InputError
+from kvdiff.files import write_text_atomically
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,8 @@ def prepare_out_dir(out: Path | str | None, strategy: str) -> Path:
 
 def write_json_atomically(data: dict, path: Path) -> None:
     """Write strict JSON (no NaN) under a temporary name, then rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, allow_nan=False, ensure_ascii=False) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    text = json.dumps(data, indent=2, allow_nan=False, ensure_ascii=False) + "\n"
+    write_text_atomically(path, text, "report.json")
 
 
 def compare(

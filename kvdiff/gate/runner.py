@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvdiff.errors import KvdiffError
+from kvdiff.files import write_text_atomically
 from kvdiff.gate.cases import GateCase
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,5 @@ def write_junit(outcomes: list[CaseOutcome], path: Path, suite: str = "kvdiff-ga
         elif o.status == "error":
             ET.SubElement(case, "error", message=o.message).text = o.message
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    ET.ElementTree(root).write(tmp, encoding="utf-8", xml_declaration=True)
-    tmp.replace(path)
+    xml = ET.tostring(root, encoding="unicode", xml_declaration=True)
+    write_text_atomically(path, xml, "the JUnit report")

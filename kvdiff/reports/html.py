@@ -20,13 +20,13 @@ import html
 import json
 import math
 import os
-import tempfile
 from importlib import resources
 from pathlib import Path
 from string import Template
 from typing import Any
 
-from kvdiff.errors import InputError, KvdiffError
+from kvdiff.errors import KvdiffError
+from kvdiff.files import write_text_atomically
 from kvdiff.reports.view import load_view
 
 _ASSETS = resources.files("kvdiff.reports")
@@ -80,21 +80,4 @@ def render_html(report: dict[str, Any]) -> str:
 
 def write_html(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write the HTML report to `path` atomically (temporary file, then rename); returns it."""
-    target = Path(path)
-    text = render_html(report)
-    try:
-        fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    except OSError as exc:
-        raise InputError(f"cannot write the HTML report to {target}: {exc.strerror}") from exc
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.chmod(temp, 0o644)
-        os.replace(temp, target)
-    except OSError as exc:
-        Path(temp).unlink(missing_ok=True)
-        raise KvdiffError(f"cannot write the HTML report to {target}: {exc.strerror}") from exc
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    return target
+    return write_text_atomically(path, render_html(report), "the HTML report")
