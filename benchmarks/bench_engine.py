@@ -33,7 +33,7 @@ def timed(fn):
 
 
 def hf_generate(model, tok, messages, new_tokens):
-    ids = torch.tensor([render_prompt_ids(tok, messages)])
+    ids = torch.tensor([render_prompt_ids(tok, messages)], device=model.device)
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                           do_sample=False, pad_token_id=tok.pad_token_id or 0)
 

@@ -5,11 +5,16 @@ Two pieces, shared by the engine and, through `exact_numerics(model)`, by the re
 - `invariant_linear`: rows are padded to a fixed tile multiple before the matmul. On CPU a
   matmul whose row count is a multiple of 4 gives each row the bits of any larger matmul
   (measured with torch 2.13 on the default model's shapes; `tests/test_engine_numerics.py`
-  checks it); on CUDA rows go through fixed 64-row tiles as one batched matmul.
+  checks it); on CUDA rows go through fixed 64-row tiles, as one batched matmul in bf16/fp16
+  and one matmul per tile in fp32 (cuBLAS's batched fp32 form is not row-invariant:
+  benchmarks/gpu_invariance.py measures each form).
 - `exact_attention`: keys are processed in fixed 64-key tiles aligned to sequence position 0,
   with an online softmax in tile order, so a query at position p reads the same tiles with the
   same reduction order whether it is computed in a prefill, a chunked prefill or a decode step
-  (tiles past p are fully masked and leave the running state bit-for-bit unchanged).
+  (tiles past p are fully masked and leave the running state bit-for-bit unchanged). On CUDA
+  a Triton kernel does the same walk (kvdiff/engine/gpu_kernels.py).
+- RMSNorm on CUDA: torch's row reduction picks its strategy from the row count, so exact
+  numerics run every RMSNorm module through a one-row-per-program Triton kernel.
 """
 
 from __future__ import annotations
@@ -47,7 +52,10 @@ def invariant_matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     if x.device.type == "cuda":
         tiles = _pad_rows(x, CUDA_ROW_TILE).view(-1, CUDA_ROW_TILE, x.shape[1])
-        out = torch.matmul(tiles, weight_t).view(-1, weight_t.shape[1])
+        if x.dtype == torch.float32:
+            out = torch.cat([tile @ weight_t for tile in tiles])
+        else:
+            out = torch.matmul(tiles, weight_t).view(-1, weight_t.shape[1])
     else:
         out = _pad_rows(x, CPU_ROW_MULTIPLE) @ weight_t
     return out[:rows]
@@ -70,6 +78,10 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
     Returns (T, H, D) in q's dtype. Computed in float32.
     """
     T, H, D = q.shape
+    if q.is_cuda and D & (D - 1) == 0:
+        from kvdiff.engine import gpu_kernels
+
+        return gpu_kernels.attention(q, k, v, visible, scale)
     L, KVH, _ = k.shape
     groups = H // KVH
     multiple = CUDA_ROW_TILE if q.device.type == "cuda" else CPU_ROW_MULTIPLE
@@ -147,12 +159,35 @@ def _linear_forward(module: nn.Linear):
     return forward
 
 
+def _rms_norm_forward(module: nn.Module):
+    from kvdiff.engine import gpu_kernels
+
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return gpu_kernels.rms_norm(x, module.weight, eps)
+    return forward
+
+
+def _patched_forwards(model: nn.Module) -> list[tuple[nn.Module, object]]:
+    """(module, exact forward) for every module exact numerics replace: all nn.Linear, and on
+    CUDA every RMSNorm (transformers' Llama/Mistral/Qwen2/Qwen3 norms share one formula)."""
+    out: list[tuple[nn.Module, object]] = []
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            out.append((m, _linear_forward(m)))
+        elif type(m).__name__.endswith("RMSNorm") and m.weight.is_cuda:
+            out.append((m, _rms_norm_forward(m)))
+    return out
+
+
 @contextlib.contextmanager
 def exact_numerics(model: nn.Module) -> Iterator[nn.Module]:
     """Run `model` with batch-invariant numerics inside the block; everything is restored on exit.
 
-    Patches every nn.Linear's forward on the instance, and switches the model's attention to
-    kvdiff's exact attention (with its mask function). Re-entrant: a nested use is a no-op.
+    Patches every nn.Linear's (and on CUDA every RMSNorm's) forward on the instance, and switches
+    the model's attention to kvdiff's exact attention (with its mask function). Re-entrant: a
+    nested use is a no-op.
     """
     if getattr(model, "_kvdiff_exact_depth", 0):
         model._kvdiff_exact_depth += 1
@@ -162,20 +197,20 @@ def exact_numerics(model: nn.Module) -> Iterator[nn.Module]:
             model._kvdiff_exact_depth -= 1
         return
     register_exact_attention()
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    saved_forward = [m.__dict__.get("forward") for m in linears]
+    patched = _patched_forwards(model)
+    saved_forward = [m.__dict__.get("forward") for m, _ in patched]
     previous = model.config._attn_implementation
-    for m in linears:
-        m.forward = _linear_forward(m)
+    for m, forward in patched:
+        m.forward = forward
     model.set_attn_implementation(EXACT_ATTENTION)
     model._kvdiff_exact_depth = 1
-    log.debug("exact numerics on for %d linear layers", len(linears))
+    log.debug("exact numerics on for %d modules", len(patched))
     try:
         yield model
     finally:
         model._kvdiff_exact_depth = 0
         model.set_attn_implementation(previous)
-        for m, fwd in zip(linears, saved_forward):
+        for (m, _), fwd in zip(patched, saved_forward):
             if fwd is None:
                 del m.forward
             else:

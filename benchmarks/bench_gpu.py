@@ -1,0 +1,129 @@
+"""GPU benchmarks on random-initialised models of real shapes; each figure a ratio from one run.
+
+    python benchmarks/bench_gpu.py --tokenizer .gpu/tokenizer [--shape smollm2-135m llama-3.2-1b]
+
+Needs a CUDA GPU (run it through the device tool; docs/gpu.md says how). Prints one table per
+shape: exact vs fast numerics, full capture on vs off (HDF5 written to local disk), time to
+first token with an 8,000-token cached chunk vs no reuse, decode tokens/s vs transformers
+`generate` at batch 1 and 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import kvdiff  # noqa: E402
+from bench_engine import conv, hf_generate  # noqa: E402
+from kvdiff.engine import Engine  # noqa: E402
+from kvdiff.engine.numerics import exact_numerics  # noqa: E402
+from kvdiff.engine.reference import reference_generate, render_prompt_ids  # noqa: E402
+from kvdiff.engine.shapes import REAL_SHAPES, random_model  # noqa: E402
+
+SYSTEM_2K = " ".join(f"Rule {i}: answer briefly, politely and in plain words." for i in range(170))
+SYSTEM_8K = " ".join(f"Clause {i}: the assistant keeps every answer short, exact and kind." for i in range(470))
+NEW = 32
+BATCH = 32
+
+
+def timed(fn) -> float:
+    """Wall time of fn() with the GPU drained before and after."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def hf_batch_generate(model, tok, convs, new_tokens):
+    """transformers generate on a left-padded batch, greedy, exactly `new_tokens` each."""
+    rows = [render_prompt_ids(tok, c) for c in convs]
+    width = max(len(r) for r in rows)
+    pad = tok.pad_token_id or 0
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=model.device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=model.device)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=pad)
+
+
+def decode_rate(run, batch: int) -> float:
+    """Tokens/s of decoding alone: (NEW - 1) steps x batch over time(NEW tokens) - time(1 token)."""
+    run(2)
+    return batch * (NEW - 1) / (timed(lambda: run(NEW)) - timed(lambda: run(1)))
+
+
+def bench_shape(shape: str, tokenizer: str, trace_dir: str) -> list[tuple]:
+    model, tok = random_model(shape, tokenizer, dtype="bfloat16", device="cuda")
+    rows = []
+    long_req = conv(SYSTEM_2K, "What is the capital of France?")
+    n_long = len(render_prompt_ids(tok, long_req))
+
+    times = {}
+    for numerics in ("fast", "exact"):
+        Engine(model, tok, numerics=numerics).generate([long_req], max_new_tokens=2)
+        times[numerics] = timed(lambda: Engine(model, tok, numerics=numerics).generate([long_req], max_new_tokens=NEW))
+    rows.append((f"engine exact vs fast, {n_long}-token prompt + {NEW} tokens, s", times["fast"], times["exact"],
+                 times["exact"] / times["fast"], "<= 1.3x"))
+    reference_generate(model, tok, long_req, 2)
+    ref_fast = timed(lambda: reference_generate(model, tok, long_req, NEW))
+    with exact_numerics(model):
+        reference_generate(model, tok, long_req, 2)
+        ref_exact = timed(lambda: reference_generate(model, tok, long_req, NEW))
+    rows.append(("reference exact vs fast, same request, s", ref_fast, ref_exact, ref_exact / ref_fast, "<= 1.3x"))
+
+    path = os.path.join(trace_dir, f"{shape}.h5")
+    kvdiff.record(model, tok, conv("Hi", "Hi"), path + ".warm", max_new_tokens=2)
+    off = timed(lambda: reference_generate(model, tok, long_req, NEW))
+    on = timed(lambda: kvdiff.record(model, tok, long_req, path, max_new_tokens=NEW))
+    size_gb = os.path.getsize(path) / 1e9
+    rows.append((f"full capture on vs off, reference, HDF5 {size_gb:.2f} GB to local disk, s", off, on, on / off,
+                 "<= 1.5x"))
+    os.remove(path)
+
+    eng = Engine(model, tok, strategy="prefix")
+    n_sys = len(render_prompt_ids(tok, conv(SYSTEM_8K, "Hi")))
+    eng.generate([conv("Warm up.", "Hi")], max_new_tokens=1)
+    cold = eng.generate([conv(SYSTEM_8K, "What is the capital of France?")], max_new_tokens=1)[0]
+    torch.cuda.synchronize()
+    warm = eng.generate([conv(SYSTEM_8K, "Name a colour.")], max_new_tokens=1)[0]
+    rows.append((f"TTFT, cached {n_sys}-token chunk vs no reuse, s", cold.stats.ttft_s, warm.stats.ttft_s,
+                 cold.stats.ttft_s / warm.stats.ttft_s, "speed-up"))
+
+    one = [conv("You are a helpful assistant.", "Write a long story about a dragon.")]
+    many = [conv("You are a helpful assistant.", f"Story {i}: write about a dragon named {i}.") for i in range(BATCH)]
+    hf_1 = decode_rate(lambda n: hf_generate(model, tok, one[0], n), 1)
+    eng_1 = decode_rate(lambda n: Engine(model, tok).generate(one, max_new_tokens=n), 1)
+    hf_32 = decode_rate(lambda n: hf_batch_generate(model, tok, many, n), BATCH)
+    eng_32 = decode_rate(lambda n: Engine(model, tok).generate(many, max_new_tokens=n), BATCH)
+    rows.append(("decode tokens/s, batch 1: generate vs engine", hf_1, eng_1, eng_1 / hf_1, ">= 1.0x"))
+    rows.append((f"decode tokens/s, batch {BATCH}: generate vs engine", hf_32, eng_32, eng_32 / hf_32, ">= 3x"))
+    rows.append((f"decode tokens/s, generate batch 1 vs engine batch {BATCH}", hf_1, eng_32, eng_32 / hf_1, "report"))
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizer", default=".gpu/tokenizer", help="folder of the default model's tokenizer")
+    parser.add_argument("--shape", nargs="+", default=list(REAL_SHAPES), choices=list(REAL_SHAPES))
+    args = parser.parse_args()
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16")
+    with tempfile.TemporaryDirectory(dir=os.environ.get("KVDIFF_BENCH_DIR")) as trace_dir:
+        for shape in args.shape:
+            rows = bench_shape(shape, args.tokenizer, trace_dir)
+            print(f"\n{shape}")
+            print(f"  {'benchmark':72} {'baseline':>10} {'kvdiff':>10} {'ratio':>8}  goal")
+            for name, base, ours, ratio, goal in rows:
+                print(f"  {name:72} {base:10.4f} {ours:10.4f} {ratio:7.2f}x  {goal}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Triton kernels for exact numerics on CUDA: attention and RMSNorm, batch-invariant by construction.
+
+Each program computes its rows with a fixed instruction sequence that does not depend on how
+many rows are computed beside them: attention walks keys in fixed 64-key tiles aligned to
+sequence position 0 with an online softmax (a fully masked tile leaves the running state
+bit-for-bit unchanged), and RMSNorm reduces one row per program. torch's own reductions and
+fp32 matmuls pick their strategy from the tensor's shape, so their rows are not invariant on a
+GPU (benchmarks/gpu_invariance.py shows which are).
+
+Imported only when exact numerics run on CUDA; Triton ships with CUDA builds of torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvdiff.errors import KvdiffError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # a CUDA torch without Triton
+    raise KvdiffError("exact numerics on CUDA need Triton (it ships with CUDA builds of torch): "
+                      "install triton, or use --numerics fast") from exc
+
+BLOCK_M = 64   # query rows per program
+BLOCK_N = 64   # keys per tile: must equal numerics.KEY_TILE's alignment
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, T, L, scale,
+                      sq_t, sq_h, sk_l, sk_h, sv_l, sv_h, svis_t, so_t, so_h,
+                      GROUPS: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr):
+    block, head = tl.program_id(0), tl.program_id(1)
+    kv_head = head // GROUPS
+    rows = block * BM + tl.arange(0, BM)
+    dims = tl.arange(0, D)
+    q = tl.load(q_ptr + rows[:, None] * sq_t + head * sq_h + dims[None, :], mask=rows[:, None] < T, other=0.0)
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, D), tl.float32)
+    for start in range(0, L, BN):
+        cols = start + tl.arange(0, BN)
+        in_keys = cols < L
+        k = tl.load(k_ptr + cols[:, None] * sk_l + kv_head * sk_h + dims[None, :], mask=in_keys[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        vis = tl.load(vis_ptr + rows[:, None] * svis_t + cols[None, :],
+                      mask=(rows[:, None] < T) & in_keys[None, :], other=0)
+        s = tl.where(vis != 0, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + cols[:, None] * sv_l + kv_head * sv_h + dims[None, :], mask=in_keys[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + rows[:, None] * so_t + head * so_h + dims[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=rows[:, None] < T)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """Exact attention of one sequence: q (T, H, D); k, v (L, KVH, D) with key j at position j;
+    visible (T, L) bool. Returns (T, H, D) in q's dtype."""
+    T, H, D = q.shape
+    L, KVH, _ = k.shape
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    vis = visible.to(torch.uint8).contiguous()
+    out = torch.empty_like(q)
+    # Every block walks all key tiles: a tile past a row's last visible key is fully masked and
+    # leaves its state bit-for-bit unchanged, so the number of keys never changes a row's bits.
+    _attention_kernel[(-(-T // BLOCK_M), H)](
+        q, k, v, vis, out, T, L, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), vis.stride(0),
+        out.stride(0), out.stride(1),
+        GROUPS=H // KVH, D=D, IEEE=q.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N)
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, sx, sy, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < H
+    x = tl.load(x_ptr + row * sx + cols, mask=inside, other=0.0).to(tl.float32)
+    normed = x * (1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / H + eps))
+    w = tl.load(w_ptr + cols, mask=inside, other=0.0)
+    y = w * normed.to(x_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * sy + cols, y.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, as transformers' Llama/Qwen RMSNorm computes it
+    (fp32 statistics, normalised input cast back before the weight), one row per program."""
+    H = x.shape[-1]
+    rows = x.reshape(-1, H).contiguous()
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, H, rows.stride(0), out.stride(0),
+                                           float(eps), BLOCK=triton.next_power_of_2(H))
+    return out.view(*x.shape[:-1], H)

@@ -1,0 +1,100 @@
+"""CUDA: the engine, reference, probes and analyzer on a GPU, in each dtype.
+
+Skipped without CUDA. Run through the device tool on random-initialised models of the default
+model's shape with its real tokenizer (docs/gpu.md says how); results are in docs/gpu.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvdiff.compare import compare
+from kvdiff.engine import Engine
+from kvdiff.engine.numerics import exact_attention, exact_numerics, invariant_matmul
+from kvdiff.engine.reference import reference_generate
+from kvdiff.engine.shapes import random_model
+from test_engine_real import SUITE
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (see docs/gpu.md)")
+
+TOKENIZER = Path(os.environ.get("KVDIFF_GPU_TOKENIZER", Path(__file__).parents[1] / ".gpu" / "tokenizer"))
+SHAPE = "smollm2-135m"
+NEW = 6
+DTYPES = ["bfloat16", "float16", "float32"]
+
+
+@pytest.fixture(scope="module", params=DTYPES)
+def gpu_model(request):
+    model, tok = random_model(SHAPE, TOKENIZER, dtype=request.param, device="cuda")
+    return request.param, model, tok
+
+
+@pytest.fixture(scope="module")
+def bf16_folder(tmp_path_factory):
+    model, tok = random_model(SHAPE, TOKENIZER, dtype="bfloat16", device="cuda")
+    folder = tmp_path_factory.mktemp("random-smollm2-bf16")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+SPLITS = [(0, 1), (5, 6), (37, 200), (64, 128), (299, 300)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_exact_operations_give_every_row_the_same_bits_whatever_rows_beside_it(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from kvdiff.engine import gpu_kernels
+
+    torch.manual_seed(0)
+    T, H, KVH, D, hidden = 300, 32, 8, 64, 2048
+    q = torch.randn(T, H, D, device="cuda", dtype=dtype)
+    k, v = (torch.randn(T, KVH, D, device="cuda", dtype=dtype) for _ in range(2))
+    visible = torch.ones(T, T, dtype=torch.bool, device="cuda").tril()
+    x = torch.randn(T, hidden, device="cuda", dtype=dtype)
+    w = torch.randn(hidden, 4 * hidden, device="cuda", dtype=dtype) * hidden ** -0.5
+    norm = LlamaRMSNorm(hidden).to("cuda", dtype)
+    attn, mm, normed = exact_attention(q, k, v, visible, 0.125), invariant_matmul(x, w), gpu_kernels.rms_norm(x, norm.weight, 1e-6)
+    for a, b in SPLITS:
+        assert torch.equal(exact_attention(q[a:b], k[:b], v[:b], visible[a:b, :b], 0.125), attn[a:b])
+        assert torch.equal(invariant_matmul(x[a:b], w), mm[a:b])
+        assert torch.equal(gpu_kernels.rms_norm(x[a:b], norm.weight, 1e-6), normed[a:b])
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(normed, norm(x), rtol=tol, atol=tol)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).float(), k.repeat_interleave(H // KVH, 1).transpose(0, 1).float(),
+        v.repeat_interleave(H // KVH, 1).transpose(0, 1).float(), is_causal=True, scale=0.125).transpose(0, 1)
+    torch.testing.assert_close(attn.float(), dense, rtol=tol, atol=tol)
+
+
+def test_prefix_exact_tokens_match_reference_on_the_suite(gpu_model):
+    dtype, model, tok = gpu_model
+    with exact_numerics(model):
+        refs = [reference_generate(model, tok, c, NEW).token_ids for c in SUITE]
+    eng = Engine(model, tok, strategy="prefix", numerics="exact")
+    outs = eng.generate(SUITE[:8], max_new_tokens=NEW) + eng.generate(SUITE[8:], max_new_tokens=NEW)
+    assert [o.token_ids for o in outs] == refs
+    assert outs[2].chunks[0].cache == "hit"
+
+
+@pytest.mark.parametrize("index", range(len(SUITE)))
+def test_prefix_exact_is_bitwise_identical_in_bf16(bf16_folder, tmp_path, index):
+    result = compare(SUITE[index], model=str(bf16_folder), strategy="prefix", numerics="exact",
+                     max_new_tokens=NEW, dtype="bfloat16", device="cuda", out=tmp_path / "run")
+    assert result.report["tokens_identical"]
+    assert result.report["first_bit_difference"] is None, json.dumps(result.report["first_bit_difference"])
+
+
+def test_isolated_local_is_diagnosed_on_the_gpu(bf16_folder, tmp_path):
+    result = compare(SUITE[0], model=str(bf16_folder), strategy="isolated-local", numerics="exact",
+                     max_new_tokens=NEW, dtype="bfloat16", device="cuda", out=tmp_path / "run")
+    first = result.report["first_divergence"]
+    assert (first["layer"], first["position"]) == (0, 16)
+    user = [d for d in result.report["diagnoses"] if d["kind"] == "position_mismatch" and d["chunk"] == "user"]
+    assert user and user[0]["offset"] == -16
