@@ -98,6 +98,8 @@ def generate(
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or auto."),
+    device_map: Optional[str] = typer.Option(None, "--device-map", help="Split the model across the visible GPUs "
+                                             "(auto, balanced, sequential); replaces --device."),
 ) -> None:
     """Generate greedily on the reference (continuous) path and print the answer.
 
@@ -107,7 +109,7 @@ def generate(
     from kvdiff.engine.reference import reference_generate
 
     conversation = build_messages(prompt, system, messages)
-    loaded_model, tokenizer = kvdiff.load_model(model, dtype=dtype, device=device)
+    loaded_model, tokenizer = kvdiff.load_model(model, dtype=dtype, device=device, device_map=device_map)
     out = reference_generate(loaded_model, tokenizer, conversation, max_new_tokens)
     typer.echo(out.text)
 
@@ -157,6 +159,8 @@ def compare(
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", "-n", help="Tokens to generate."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N or auto."),
+    device_map: Optional[str] = typer.Option(None, "--device-map", help="Split the model across the visible GPUs "
+                                             "(auto, balanced, sequential); replaces --device."),
     capture: Optional[str] = typer.Option(None, "--capture", help="Probe points to record, comma-separated (default all)."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Layers to record, e.g. 0-3,29 (default all)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (new or empty); default ./kvdiff-runs/<time>-<strategy>."),
@@ -177,7 +181,8 @@ def compare(
     with _progress() as progress:
         result = run_compare(
             conversation, model=model, strategy=strategy, numerics=numerics, recompute_ratio=recompute_ratio,
-            chunk_size=chunk_size, max_new_tokens=max_new_tokens, dtype=dtype, device=device, capture=capture,
+            chunk_size=chunk_size, max_new_tokens=max_new_tokens, dtype=dtype, device=device, device_map=device_map,
+            capture=capture,
             layers=layers, out=out, html=html, json_path=json_out, progress=progress,
         )
     _show_report(result.report, point)

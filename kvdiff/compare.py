@@ -120,6 +120,7 @@ def compare(
     max_new_tokens: int = 16,
     dtype: str = "float32",
     device: str = "cpu",
+    device_map: str | None = None,
     capture: str | None = None,
     layers: str | None = None,
     out: Path | str | None = None,
@@ -147,11 +148,11 @@ def compare(
     out_dir = prepare_out_dir(out, strategy)
 
     step("loading model")
-    key = (model, dtype, device)
+    key = (model, dtype, device, device_map)
     if model_cache is not None and key in model_cache:
         loaded, tokenizer = model_cache[key]
     else:
-        loaded, tokenizer = kvdiff.load_model(model, dtype=dtype, device=device)
+        loaded, tokenizer = kvdiff.load_model(model, dtype=dtype, device=device, device_map=device_map)
         if model_cache is not None:
             model_cache[key] = (loaded, tokenizer)
 

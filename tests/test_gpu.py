@@ -6,6 +6,7 @@ model's shape with its real tokenizer (docs/gpu.md says how); results are in doc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvdiff
 from kvdiff.compare import compare
 from kvdiff.engine import Engine
 from kvdiff.engine.numerics import exact_attention, exact_numerics, invariant_matmul
@@ -73,6 +75,18 @@ def test_exact_operations_give_every_row_the_same_bits_whatever_rows_beside_it(d
     torch.testing.assert_close(attn.float(), dense, rtol=tol, atol=tol)
 
 
+def test_gpu_fingerprint_is_stable_and_sees_a_one_ulp_change():
+    from kvdiff.probes.model_meta import model_fingerprint
+
+    model, _ = random_model(SHAPE, TOKENIZER, dtype="bfloat16", device="cuda")
+    twin, _ = random_model(SHAPE, TOKENIZER, dtype="bfloat16", device="cuda")
+    first = model_fingerprint(model)
+    assert first == model_fingerprint(twin) and "/wg:" in first
+    with torch.no_grad():
+        model.model.layers[7].mlp.down_proj.weight.view(torch.int16)[3, 5] += 1   # one bf16 ulp
+    assert model_fingerprint(model) != first
+
+
 def test_prefix_exact_tokens_match_reference_on_the_suite(gpu_model):
     dtype, model, tok = gpu_model
     with exact_numerics(model):
@@ -97,4 +111,40 @@ def test_isolated_local_is_diagnosed_on_the_gpu(bf16_folder, tmp_path):
     first = result.report["first_divergence"]
     assert (first["layer"], first["position"]) == (0, 16)
     user = [d for d in result.report["diagnoses"] if d["kind"] == "position_mismatch" and d["chunk"] == "user"]
+    assert user and user[0]["offset"] == -16
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (the nvidia-h200-x2 kind)")
+
+
+@two_gpus
+@pytest.mark.parametrize("numerics", ["exact", "fast"])
+def test_a_model_split_across_two_gpus_gives_the_tokens_of_one_gpu(bf16_folder, numerics):
+    single, tok = kvdiff.load_model(str(bf16_folder), dtype="bfloat16", device="cuda:0")
+    split, _ = kvdiff.load_model(str(bf16_folder), dtype="bfloat16", device_map="balanced")
+    assert {p.device.index for p in split.parameters()} == {0, 1}
+    outs = {}
+    for name, model in (("single", single), ("split", split)):
+        with exact_numerics(model) if numerics == "exact" else contextlib.nullcontext():
+            refs = [reference_generate(model, tok, c, NEW).token_ids for c in SUITE[:8]]
+        eng = Engine(model, tok, strategy="prefix", numerics=numerics)
+        outs[name] = (refs, [o.token_ids for o in eng.generate(SUITE[:8], max_new_tokens=NEW)])
+    assert outs["split"] == outs["single"]
+
+
+@two_gpus
+def test_probes_and_diff_work_on_a_split_model(bf16_folder, tmp_path):
+    split, tok = kvdiff.load_model(str(bf16_folder), dtype="bfloat16", device_map="balanced")
+    single, _ = kvdiff.load_model(str(bf16_folder), dtype="bfloat16", device="cuda:0")
+    for name, model in (("split", split), ("single", single)):
+        with exact_numerics(model):
+            kvdiff.record(model, tok, SUITE[0], tmp_path / f"{name}.h5", max_new_tokens=NEW, numerics="exact")
+    across = kvdiff.diff(tmp_path / "single.h5", tmp_path / "split.h5")
+    assert across.tokens_identical and across.first_bit_difference is None
+    same = compare(SUITE[0], model=str(bf16_folder), strategy="prefix", numerics="exact", max_new_tokens=NEW,
+                   dtype="bfloat16", device_map="balanced", out=tmp_path / "prefix")
+    assert same.report["first_bit_difference"] is None
+    local = compare(SUITE[0], model=str(bf16_folder), strategy="isolated-local", numerics="exact",
+                    max_new_tokens=NEW, dtype="bfloat16", device_map="balanced", out=tmp_path / "local")
+    user = [d for d in local.report["diagnoses"] if d["kind"] == "position_mismatch" and d["chunk"] == "user"]
     assert user and user[0]["offset"] == -16

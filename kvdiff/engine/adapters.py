@@ -29,6 +29,7 @@ class LayerModules:
     k_norm: nn.Module | None
     post_attention_layernorm: nn.Module
     mlp: nn.Module
+    device: torch.device          # where the layer's weights are (layers may span GPUs)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +78,7 @@ class Adapter:
             q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
             post_attention_layernorm=layer.post_attention_layernorm,
             mlp=layer.mlp,
+            device=layer.input_layernorm.weight.device,
         )
 
     def qkv(self, layer: LayerModules, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

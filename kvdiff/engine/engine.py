@@ -59,7 +59,7 @@ class Engine:
         device = a.embed_tokens.weight.device
         per_block = BlockPool.bytes_per_block(len(a.layers), a.num_kv_heads, a.head_dim, dtype, block_size)
         self.pool = BlockPool(len(a.layers), a.num_kv_heads, a.head_dim, kv_budget_bytes // per_block,
-                              dtype, device, block_size)
+                              dtype, device, block_size, layer_devices=[layer.device for layer in a.layers])
         self.registry = ChunkRegistry(self.pool, per_block, kv_budget_bytes)
         self.runner = ModelRunner(a, self.pool, exact=numerics == "exact")
         self.fingerprint = model_fingerprint(model)

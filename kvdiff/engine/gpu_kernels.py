@@ -27,7 +27,9 @@ BLOCK_M = 64   # query rows per program
 BLOCK_N = 64   # keys per tile: must equal numerics.KEY_TILE's alignment
 
 
-@triton.jit
+# Triton compiles a variant per integer argument divisible by 16; the row and key counts and
+# the mask's row stride vary from call to call, and a variant must never change a row's bits.
+@triton.jit(do_not_specialize=["T", "L", "svis_t"])
 def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, T, L, scale,
                       sq_t, sq_h, sk_l, sk_h, sv_l, sv_h, svis_t, so_t, so_h,
                       GROUPS: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,

@@ -27,17 +27,23 @@ class OutOfBlocks(KvdiffError):
 
 
 class BlockPool:
-    """Per-layer K and V pools of `num_blocks` blocks of `block_size` tokens."""
+    """Per-layer K and V pools of `num_blocks` blocks of `block_size` tokens.
+
+    Slot tensors live on `device`; each layer's pool lives on its layer's device
+    (`layer_devices`, for a model split across GPUs; default `device` for all).
+    """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 dtype: torch.dtype, device: torch.device, block_size: int = BLOCK_SIZE):
+                 dtype: torch.dtype, device: torch.device, block_size: int = BLOCK_SIZE,
+                 layer_devices: list[torch.device] | None = None):
         if num_blocks < 1:
             raise KvdiffError("the KV budget holds no block: raise kv_budget_bytes")
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        where = layer_devices or [device] * num_layers
+        self.k = [torch.empty(shape, dtype=dtype, device=where[i]) for i in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=where[i]) for i in range(num_layers)]
         self._free = list(range(num_blocks - 1, -1, -1))
         self.device = device
         # Called with the number of blocks missing before giving up (the registry evicts here).
@@ -74,10 +80,14 @@ class BlockPool:
         return (table[idx // self.block_size] * self.block_size + idx % self.block_size).to(self.device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k.to(self.k[layer].dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.v[layer].dtype))
+        pool_k, pool_v = self.k[layer], self.v[layer]
+        slots = slots.to(pool_k.device)
+        pool_k.index_copy_(0, slots, k.to(pool_k.device, pool_k.dtype))
+        pool_v.index_copy_(0, slots, v.to(pool_v.device, pool_v.dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows at `slots`, on the layer's device."""
+        slots = slots.to(self.k[layer].device)
         return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
 
 

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from kvdiff.errors import ModelLoadError, UnsupportedModelError
+from kvdiff.errors import InputError, ModelLoadError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,21 @@ def _check_architecture(config) -> None:
         )
 
 
-def _load_folder(folder: Path, dtype: torch.dtype):
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def check_device_map(device_map: str | None) -> None:
+    """A device map kvdiff passes to accelerate needs a known strategy and more than one GPU's worth of CUDA."""
+    if device_map is None:
+        return
+    if device_map not in DEVICE_MAPS:
+        raise InputError(f"unknown device map {device_map!r}: use one of {', '.join(DEVICE_MAPS)}")
+    if not torch.cuda.is_available():
+        raise ModelLoadError(f"device map {device_map!r} splits a model across GPUs, but no CUDA GPU is visible: "
+                             "drop --device-map")
+
+
+def _load_folder(folder: Path, dtype: torch.dtype, device_map: str | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if not (folder / "config.json").is_file():
@@ -169,24 +183,30 @@ def _load_folder(folder: Path, dtype: torch.dtype):
     _check_architecture(config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True,
+                                                     device_map=device_map)
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load the model in {folder}: {exc}") from exc
     return model, tokenizer
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", device="cpu"):
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", device="cpu", device_map: str | None = None):
     """Load `(model, tokenizer)` from local files only.
 
     `name_or_path` is the default model's name `smollm2-135m`, a tiny test model name
     (`tiny-llama`, `tiny-mistral`, `tiny-qwen2`, `tiny-qwen3`), a transformers model folder,
-    or a `.gguf` file. Raises ModelLoadError with a one-line fix when it cannot.
+    or a `.gguf` file. `device_map` (auto, balanced, ...) splits a folder's or GGUF's model across
+    the visible GPUs with accelerate instead of placing it on `device`. Raises ModelLoadError
+    with a one-line fix when it cannot.
     """
     from kvdiff.engine.tiny import TINY_FAMILIES, build_tiny_model
 
     torch_dtype = parse_dtype(dtype)
     torch_device = resolve_device(device)
+    check_device_map(device_map)
     name = str(name_or_path)
+    if name in TINY_FAMILIES and device_map is not None:
+        raise InputError(f"--device-map needs a model folder or .gguf file, not the built-in {name}")
     if name in TINY_FAMILIES:
         model, tokenizer = build_tiny_model(name)
         model = model.to(dtype=torch_dtype)
@@ -210,9 +230,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", device="cpu")
             folder = path
         else:
             raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
-        model, tokenizer = _load_folder(folder, torch_dtype)
+        model, tokenizer = _load_folder(folder, torch_dtype, device_map)
         source = name
     model.eval()
-    model.to(torch_device)
+    if device_map is None:
+        model.to(torch_device)
     model.kvdiff_source = source
     return model, tokenizer

@@ -155,7 +155,8 @@ def register_exact_attention() -> None:
 
 def _linear_forward(module: nn.Linear):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return invariant_linear(x, module.weight, module.bias)
+        # This replaces accelerate's device hook too, where a split model placed one here.
+        return invariant_linear(x.to(module.weight.device), module.weight, module.bias)
     return forward
 
 
@@ -165,7 +166,7 @@ def _rms_norm_forward(module: nn.Module):
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return gpu_kernels.rms_norm(x, module.weight, eps)
+        return gpu_kernels.rms_norm(x.to(module.weight.device), module.weight, eps)
     return forward
 
 

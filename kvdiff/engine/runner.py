@@ -79,7 +79,7 @@ class ModelRunner:
             outs = []
             for span, kk in zip(spans, keys):
                 k, v = self.pool.read(layer, kk.slots)
-                outs.append(exact_attention(q[span], k, v, kk.visible, scale))
+                outs.append(exact_attention(q[span], k, v, kk.visible.to(q.device), scale))
             return torch.cat(outs)
         return self._cascade(layer, q, spans, keys)
 
@@ -112,7 +112,7 @@ class ModelRunner:
                 kk0 = keys[members[0]]
                 ks, vs = self.pool.read(layer, kk0.slots[: kk0.shared_len])
                 qs = torch.cat([q[spans[i]] for i in members]).unsqueeze(0)
-                visible = torch.cat([keys[i].visible[:, : kk0.shared_len] for i in members]).unsqueeze(0)
+                visible = torch.cat([keys[i].visible[:, : kk0.shared_len] for i in members]).unsqueeze(0).to(dev)
                 os_, lses = partial_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), visible, self.adapter.scaling)
                 row = 0
                 for i in members:
@@ -129,7 +129,7 @@ class ModelRunner:
         cos, sin = self.adapter.rope(k0[:1], delta)
         for i in range(len(self.adapter.layers)):
             k, v = self.pool.read(i, src)
-            self.pool.write(i, dst, rerotate_keys(k, cos, sin), v)
+            self.pool.write(i, dst, rerotate_keys(k, cos.to(k.device), sin.to(k.device)), v)
 
     @torch.inference_mode()
     def forward(self, groups: list[RowGroup], num_layers: int | None = None) -> list[torch.Tensor | None]:
@@ -154,6 +154,8 @@ class ModelRunner:
         probes.begin()
         layers = a.layers[: num_layers or len(a.layers)]
         for i, layer in enumerate(layers):
+            if x.device != layer.device:   # a model split across GPUs: follow its layers
+                x, cos, sin, write_rows = (t.to(layer.device) for t in (x, cos, sin, write_rows))
             probes.capture("resid_pre", i, x)
             h = layer.input_layernorm(x)
             probes.capture("attn_norm", i, h)
@@ -196,9 +198,9 @@ class ModelRunner:
         order = sorted(rows)
         index = {r: n for n, r in enumerate(order)}
         idx = torch.tensor(order, device=x.device)
-        inp = x.index_select(0, idx)
+        inp = x.index_select(0, idx).to(self.adapter.final_norm.weight.device)
         normed = self.adapter.final_norm(inp)
-        logits = self.adapter.lm_head(normed).float()
+        logits = self.adapter.lm_head(normed.to(self.adapter.lm_head.weight.device)).float()
         probes.final(order, inp, normed, logits)
         return [logits[index[s.stop - 1]] if g.logits else None for g, s in zip(groups, spans)]
 

@@ -47,19 +47,53 @@ class ModelDims:
         return (self.hidden_size,)
 
 
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_HASH_CHUNK = 1 << 26                 # elements hashed at once (bounds the int64 scratch memory)
+_MUL1, _MUL2, _MUL3 = -7046029254386353131, -4658895280553007687, 6364136223846793005
+
+
+def gpu_weight_digest(tensor: torch.Tensor) -> bytes:
+    """An 8-byte hash of a GPU tensor's bytes, computed on the GPU.
+
+    Each word is mixed with its index (multiply, xor-shift) and the results are summed modulo
+    2**64 (an integer sum, so its order does not matter). Copying a billion weights to the host
+    to hash them there costs seconds; this costs milliseconds.
+    """
+    words = tensor.detach().contiguous().view(-1)
+    words = words.view(_WORDS[words.element_size()])
+    total = 0
+    for start in range(0, words.numel(), _HASH_CHUNK):
+        w = words[start:start + _HASH_CHUNK].to(torch.int64)
+        x = w * _MUL1 + torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64) * _MUL2
+        x = x ^ (x >> 31)
+        x = x * _MUL3
+        x = x ^ (x >> 29)
+        total += int(x.sum())
+    return (total % 2**64).to_bytes(8, "little")
+
+
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """'cfg:<16 hex>/w:<16 hex>': a hash of the config and one of every weight's bytes."""
+    """'cfg:<16 hex>/w:<16 hex>': a hash of the config and one of every weight's bytes.
+
+    Weights on a GPU are hashed there (`gpu_weight_digest`) and the weight part is then
+    written 'wg:', so a fingerprint says which scheme made it: the same weights on CPU and on
+    GPU give different fingerprints.
+    """
     config = {k: v for k, v in model.config.to_dict().items()
               if not k.startswith("_") and k not in ("transformers_version", "name_or_path", "dtype", "torch_dtype")}
     cfg = hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
-    digest, seen = hashlib.blake2b(digest_size=8), set()
+    digest, seen, on_gpu = hashlib.blake2b(digest_size=8), set(), False
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         if tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
-    return f"cfg:{cfg}/w:{digest.hexdigest()}"
+        if tensor.is_cuda:
+            on_gpu = True
+            digest.update(gpu_weight_digest(tensor))
+        else:
+            digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().data)
+    return f"cfg:{cfg}/{'wg' if on_gpu else 'w'}:{digest.hexdigest()}"
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
