@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvdiff.engine.adapters import Adapter, apply_rope
-from kvdiff.engine.attention import merge_states, partial_attention, single_attention
+from kvdiff.engine.cascade import CascadePlan
 from kvdiff.engine.kv_cache import BlockPool, Segment
 from kvdiff.engine.numerics import exact_attention
 from kvdiff.engine.strategies import rerotate_keys
@@ -72,55 +72,12 @@ class ModelRunner:
                              int(g.segments[0].slots.shape[0]) if cascade else 0))
         return out
 
-    def _attention(self, layer: int, q: torch.Tensor, groups: list[RowGroup], spans: list[slice],
-                   keys: list[_Keys]) -> torch.Tensor:
-        scale = self.adapter.scaling
-        if self.exact:
-            outs = []
-            for span, kk in zip(spans, keys):
-                k, v = self.pool.read(layer, kk.slots)
-                outs.append(exact_attention(q[span], k, v, kk.visible.to(q.device), scale))
-            return torch.cat(outs)
-        return self._cascade(layer, q, spans, keys)
-
-    def _cascade(self, layer: int, q: torch.Tensor, spans: list[slice], keys: list[_Keys]) -> torch.Tensor:
-        """Shared first segments once for all groups that share them, the rest per group; LSE merge."""
-        H, D = q.shape[1], q.shape[2]
-        G = len(spans)
-        Tmax = max(s.stop - s.start for s in spans)
-        rest = [(kk.slots[kk.shared_len:], kk.visible[:, kk.shared_len:]) for kk in keys]
-        Lmax = max(int(r[0].shape[0]) for r in rest)
-        dev = q.device
-        qp = q.new_zeros((G, Tmax, H, D))
-        slots = torch.zeros((G, max(Lmax, 1)), dtype=torch.long, device=dev)
-        vis = torch.zeros((G, Tmax, max(Lmax, 1)), dtype=torch.bool, device=dev)
-        for i, (span, (sl, vi)) in enumerate(zip(spans, rest)):
-            T, L = span.stop - span.start, int(sl.shape[0])
-            qp[i, :T] = q[span]
-            slots[i, :L] = sl
-            vis[i, :T, :L] = vi
-        KVH = self.adapter.num_kv_heads
-        k = self.pool.k[layer].index_select(0, slots.view(-1)).view(G, -1, KVH, D)
-        v = self.pool.v[layer].index_select(0, slots.view(-1)).view(G, -1, KVH, D)
-        shared_keys = {kk.shared for kk in keys if kk.shared}
-        if not shared_keys:
-            o = single_attention(qp, k, v, vis, self.adapter.scaling).float()
-        else:
-            o, lse = partial_attention(qp, k, v, vis, self.adapter.scaling)
-            for key in shared_keys:
-                members = [i for i, kk in enumerate(keys) if kk.shared == key]
-                kk0 = keys[members[0]]
-                ks, vs = self.pool.read(layer, kk0.slots[: kk0.shared_len])
-                qs = torch.cat([q[spans[i]] for i in members]).unsqueeze(0)
-                visible = torch.cat([keys[i].visible[:, : kk0.shared_len] for i in members]).unsqueeze(0).to(dev)
-                os_, lses = partial_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), visible, self.adapter.scaling)
-                row = 0
-                for i in members:
-                    T = spans[i].stop - spans[i].start
-                    o[i, :T], lse[i, :T] = merge_states(o[i, :T], lse[i, :T], os_[0, row: row + T],
-                                                        lses[0, row: row + T])
-                    row += T
-        return torch.cat([o[i, : s.stop - s.start] for i, s in enumerate(spans)]).to(q.dtype)
+    def _exact_attention(self, layer: int, q: torch.Tensor, spans: list[slice], keys: list[_Keys]) -> torch.Tensor:
+        outs = []
+        for span, kk in zip(spans, keys):
+            k, v = self.pool.read(layer, kk.slots)
+            outs.append(exact_attention(q[span], k, v, kk.visible.to(q.device), self.adapter.scaling))
+        return torch.cat(outs)
 
     @torch.inference_mode()
     def place(self, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor) -> None:
@@ -148,6 +105,7 @@ class ModelRunner:
         write_rows = (write >= 0).nonzero().squeeze(1)
         write_slots = write[write_rows]
         keys = self._keys(groups)
+        plan = None if self.exact else CascadePlan.build(spans, keys, dev)
         x = a.embed_tokens(tokens)
         cos, sin = a.rope(x, encoded)
         probes = _Probes(groups, spans, positions)
@@ -156,6 +114,7 @@ class ModelRunner:
         for i, layer in enumerate(layers):
             if x.device != layer.device:   # a model split across GPUs: follow its layers
                 x, cos, sin, write_rows = (t.to(layer.device) for t in (x, cos, sin, write_rows))
+                plan = plan.to(layer.device) if plan is not None else None
             probes.capture("resid_pre", i, x)
             h = layer.input_layernorm(x)
             probes.capture("attn_norm", i, h)
@@ -166,7 +125,10 @@ class ModelRunner:
             k = apply_rope(k, cos, sin)
             if write_rows.numel():
                 self.pool.write(i, write_slots, k[write_rows], v[write_rows])
-            o = self._attention(i, q, groups, spans, keys)
+            if plan is None:
+                o = self._exact_attention(i, q, spans, keys)
+            else:
+                o = plan.attend(self.pool, i, q, a.scaling)
             probes.capture("q", i, q)
             if probes.active and (probes.wants("k", i) or probes.wants("v", i)):
                 kr, vr = self.pool.read(i, read)
