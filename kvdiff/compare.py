@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 from kvdiff.engine.conversation import Messages, validate_messages
 from kvdiff.errors import InputError
 from kvdiff.files import check_folder_of, write_text_atomically
+from kvdiff.probes.selection import parse_points
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,8 @@ class CompareResult:
 
 
 def check_options(strategy: str, numerics: str, max_new_tokens: int, recompute_ratio: float,
-                  chunk_size: int | None) -> None:
-    """Reject bad options before any model is loaded."""
+                  chunk_size: int | None, capture: str | None = None) -> None:
+    """Reject bad options before any model is loaded (layers are checked against the model)."""
     if strategy not in STRATEGIES:
         raise InputError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
     if numerics not in NUMERICS:
@@ -71,6 +72,8 @@ def check_options(strategy: str, numerics: str, max_new_tokens: int, recompute_r
         raise InputError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
     if chunk_size is not None and chunk_size < 1:
         raise InputError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    if capture is not None:
+        parse_points(capture)
 
 
 def prepare_out_dir(out: Path | str | None, strategy: str) -> Path:
@@ -159,7 +162,7 @@ def compare(
 
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
-    check_options(strategy, numerics, max_new_tokens, recompute_ratio, chunk_size)
+    check_options(strategy, numerics, max_new_tokens, recompute_ratio, chunk_size, capture)
     if json_path is not None:
         check_folder_of(json_path, "report.json")
     if html is not None:

@@ -10,7 +10,7 @@ from robustness import MESSAGES, trace_content
 
 @pytest.mark.parametrize("strategy, numerics", [("prefix", "exact"), ("isolated-local", "fast")])
 def test_same_compare_twice_gives_identical_traces_and_reports(tmp_path, strategy, numerics):
-    runs = [compare(MESSAGES, model="tiny-qwen3", strategy=strategy, numerics=numerics, max_new_tokens=4,
+    runs = [compare(MESSAGES, model="tiny-qwen3", strategy=strategy, numerics=numerics, max_new_tokens=3,
                     out=tmp_path / name) for name in ("first", "second")]
     first, second = (r.out_dir for r in runs)
     for name in ("reference.h5", "candidate.h5"):

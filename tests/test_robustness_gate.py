@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvdiff.errors import InputError
-from kvdiff.gate.cases import GateCase
+from kvdiff.gate.cases import GateCase, load_cases
 from kvdiff.gate.runner import run_cases
 from robustness import MESSAGES, assert_error, cli
 
@@ -79,3 +79,9 @@ def test_cli_gate_reports_an_error_case_and_runs_the_rest(tmp_path):
     error = {c.attrib["name"]: c for c in root.iter("testcase")}["bad"].find("error")
     assert "unknown strategy 'chunky'" in error.attrib["message"]
     assert list((tmp_path / "out").iterdir()) == []     # the passing case's folder is removed, the error left none
+
+
+def test_case_file_with_a_byte_order_mark_is_read(tmp_path):
+    cases = tmp_path / "cases.toml"
+    cases.write_bytes(b"\xef\xbb\xbf" + GOOD_CASE.encode("utf-8"))
+    assert [c.name for c in load_cases(cases)] == ["ok"]

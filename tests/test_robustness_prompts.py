@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvdiff.compare import compare
+from kvdiff.engine.conversation import build_messages
 from kvdiff.probes.trace import TraceWriter, open_trace
 from robustness import MESSAGES, assert_error, assert_no_finished_run, cli, compare_args
 
@@ -102,3 +103,9 @@ def test_conversation_with_an_assistant_turn_and_an_empty_system_message(tmp_pat
     assert report["skipped_messages"] == [{"index": 0, "role": "system", "reason": "empty message"}]
     assert [c["name"] for c in report["chunks"]][:3] == ["user", "assistant", "user#2"]
     assert np.array_equal(report["reference"]["token_ids"], report["candidate"]["token_ids"])
+
+
+def test_messages_file_with_a_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(MESSAGES).encode("utf-8"))
+    assert build_messages(None, None, path) == MESSAGES

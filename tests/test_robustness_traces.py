@@ -138,7 +138,8 @@ def test_traces_of_differently_shaped_models_are_refused(traces, tmp_path, shape
     assert_error(cli("diff", traces["reference"], other), 2, message, "diff traces of the same model")
 
 
-@pytest.mark.parametrize("attribute, what", [("model_fingerprint", "weights"), ("tokenizer_fingerprint", "tokenizers")])
+@pytest.mark.parametrize("attribute, what", [("model_fingerprint", "weights"), ("tokenizer_fingerprint", "tokenizers")],
+                         ids=["weights", "tokenizers"])
 def test_traces_of_other_weights_or_tokenizers_are_diffed_with_a_warning(traces, tmp_path, caplog, attribute, what):
     other = mutated(traces, tmp_path, lambda f: f.attrs.__setitem__(attribute, "other"))
     with caplog.at_level(logging.WARNING, logger="kvdiff"):

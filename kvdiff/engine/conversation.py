@@ -47,7 +47,7 @@ def build_messages(prompt: str | None, system: str | None = None, messages_file:
         except OSError as exc:
             raise InputError(f"cannot read messages file {messages_file}: {exc.strerror}") from None
         try:
-            data = json.loads(raw.decode("utf-8"))
+            data = json.loads(raw.decode("utf-8-sig"))  # a byte-order mark (Windows editors) is fine
         except UnicodeDecodeError:
             raise InputError(f"messages file {messages_file} is not UTF-8 text") from None
         except json.JSONDecodeError as exc:

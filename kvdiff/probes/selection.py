@@ -46,6 +46,16 @@ def format_ranges(positions: Iterable[int]) -> str:
     return ",".join(str(s) if s == e else f"{s}-{e}" for s, e in zip(starts, ends))
 
 
+def parse_points(capture: str | Iterable[str]) -> tuple[str, ...]:
+    """'q, k' (or ['q', 'k']) -> ('q', 'k') in dataflow order; unknown names are an InputError."""
+    names = [p.strip() for p in capture.split(",")] if isinstance(capture, str) else list(capture)
+    unknown = [p for p in names if p not in POINT_ORDER]
+    if unknown or not names:
+        raise InputError(f"unknown probe point(s) {', '.join(unknown) or '(none)'}: "
+                         f"choose from {', '.join(ALL_POINTS)}")
+    return tuple(sorted(set(names), key=POINT_ORDER.__getitem__))
+
+
 def _as_ints(value: str | int | Iterable[int], what: str, limit: int | None = None) -> list[int]:
     if isinstance(value, str):
         return parse_ranges(value, what, limit)
@@ -67,15 +77,7 @@ class Selection:
               layers: str | int | Iterable[int] | None = None,
               positions: str | int | Iterable[int] | None = None) -> "Selection":
         """Build from CLI-style strings ('k,v', '0-3,29') or Python values; None means everything."""
-        if capture is None:
-            points = ALL_POINTS
-        else:
-            names = [p.strip() for p in capture.split(",")] if isinstance(capture, str) else list(capture)
-            unknown = [p for p in names if p not in POINT_ORDER]
-            if unknown or not names:
-                raise InputError(f"unknown probe point(s) {', '.join(unknown) or '(none)'}: "
-                                 f"choose from {', '.join(ALL_POINTS)}")
-            points = tuple(sorted(set(names), key=POINT_ORDER.__getitem__))
+        points = ALL_POINTS if capture is None else parse_points(capture)
         chosen = list(range(num_layers)) if layers is None else sorted(set(_as_ints(layers, "layer", num_layers)))
         bad = [i for i in chosen if not 0 <= i < num_layers]
         if bad:
