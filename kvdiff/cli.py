@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import sys
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import typer
 from typer.core import TyperGroup
@@ -37,7 +37,8 @@ def _error_line(message: str) -> None:
 class _Commands(TyperGroup):
     """kvdiff's command group: a usage error is one line on stderr (exit 2), like every other error."""
 
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode: bool = True, **extra):
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:

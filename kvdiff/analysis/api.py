@@ -36,7 +36,7 @@ def _token_text(tokenizer) -> Callable[[int], str]:
     return lambda i: tokenizer.decode([int(i)])
 
 
-def _check_shapes(ref: TraceReader, cand: TraceReader) -> None:
+def _check_same_model(ref: TraceReader, cand: TraceReader) -> None:
     """Refuse traces of differently shaped models; warn when the weights (in one dtype) or the
     tokenizers differ, since every difference may then come from them."""
     for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
@@ -54,7 +54,7 @@ def _check_shapes(ref: TraceReader, cand: TraceReader) -> None:
 
 def _compare(ref: TraceReader, cand: TraceReader, tolerances: Mapping[str, Tolerance] | None,
              text: Callable[[int], str]) -> Comparison:
-    _check_shapes(ref, cand)
+    _check_same_model(ref, cand)
     alignment = align(ref.meta, cand.meta, ref.positions, cand.positions, ref.steps, cand.steps, text)
     tols = Tolerances.for_dtypes(ref.meta.dtype, cand.meta.dtype, overrides=tolerances)
     return compare(ref, cand, alignment, tols)
