@@ -2,23 +2,59 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
+import os
 from contextlib import contextmanager
 import sys
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import typer
+from typer.core import TyperGroup
 
 import kvdiff
-from kvdiff.errors import KvdiffError, NotYetAvailableError
+from kvdiff.errors import InputError, KvdiffError, NotYetAvailableError
+
+try:  # recent typer vendors click; older releases use click itself
+    from typer._click.exceptions import ClickException
+except ImportError:  # pragma: no cover - older typer
+    from click.exceptions import ClickException
 
 log = logging.getLogger("kvdiff")
 
+# errno values that mean "no room to write": disk full, file size limit, quota.
+_NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+def _error_line(message: str) -> None:
+    """Print `message` as the one error line on stderr (line breaks inside it become spaces)."""
+    typer.echo("kvdiff: error: " + " ".join(message.split()), err=True)
+
+
+class _Commands(TyperGroup):
+    """kvdiff's command group: a usage error is one line on stderr (exit 2), like every other error."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except ClickException as exc:
+            if type(exc).__name__ != "NoArgsIsHelpError":  # that one is the help, already printed
+                ctx = getattr(exc, "ctx", None)
+                where = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
+                _error_line(exc.format_message().rstrip(".") + where)
+            sys.exit(exc.exit_code)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
     name="kvdiff",
+    cls=_Commands,
     help="Differential testing and KV-divergence debugging for chunked / cached LLM generation.",
     add_completion=False,
     no_args_is_help=True,
@@ -39,7 +75,7 @@ def _configure_logging(verbose: int, quiet: bool) -> None:
 
 
 def _fail(message: str, code: int) -> None:
-    typer.echo(f"kvdiff: error: {message}", err=True)
+    _error_line(message)
     raise typer.Exit(code)
 
 
@@ -57,10 +93,13 @@ def command(func):
                 traceback.print_exc()
             _fail(str(exc), exc.exit_code)
         except KeyboardInterrupt:
-            _fail("interrupted", 130)
+            _fail("interrupted; no half-written output was kept", 130)
         except Exception as exc:  # a bug or an environment failure: still one line without -v
             if _state["verbose"]:
                 traceback.print_exc()
+            if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+                _fail(f"{os.strerror(exc.errno)} while writing: free disk space (or raise the file size limit), "
+                      "then run again", 3)
             _fail(f"unexpected {type(exc).__name__}: {exc} (rerun with -v for the traceback)", 3)
 
     return wrapper
@@ -137,6 +176,14 @@ def _progress():
         yield lambda what: bar.update(task, description=what)
 
 
+def _check_point(point: Optional[str]) -> None:
+    """Refuse an unknown `--point` before any work (the heatmaps are of layer probe points)."""
+    from kvdiff.probes.points import LAYER_POINTS
+
+    if point is not None and point not in LAYER_POINTS:
+        raise InputError(f"--point {point!r} is not a layer probe point: use one of {', '.join(LAYER_POINTS)}")
+
+
 def _show_report(report: dict, point: Optional[str]) -> None:
     from kvdiff.reports.terminal import render_terminal
 
@@ -177,6 +224,7 @@ def compare(
     from kvdiff.compare import compare as run_compare
     from kvdiff.engine.conversation import build_messages
 
+    _check_point(point)
     conversation = build_messages(prompt, system, messages)
     with _progress() as progress:
         result = run_compare(
@@ -214,6 +262,7 @@ def diff(
     from kvdiff.compare import write_json_atomically
     from kvdiff.reports.html import write_html
 
+    _check_point(point)
     tolerances = dict(parse_tolerance(spec) for spec in tolerance)
     tokenizer = kvdiff.load_model(model)[1] if model else None
     div = run_diff(reference, candidate, baseline=baseline, tolerances=tolerances, tokenizer=tokenizer)
@@ -240,9 +289,9 @@ def report(
     """
     import json
 
-    from kvdiff.errors import InputError
     from kvdiff.reports.html import write_html
 
+    _check_point(point)
     path = run_dir / "report.json"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -329,8 +378,6 @@ def bench(
     Example: kvdiff bench engine
     """
     import subprocess
-
-    from kvdiff.errors import InputError
 
     if not BENCHMARKS_DIR.is_dir():
         raise InputError(f"no benchmarks folder at {BENCHMARKS_DIR}: run `kvdiff bench` from a source checkout")

@@ -6,14 +6,15 @@ import json
 import logging
 import os
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from kvdiff.engine.conversation import Messages, validate_messages
 from kvdiff.errors import InputError
-from kvdiff.files import write_text_atomically
+from kvdiff.files import check_folder_of, write_text_atomically
+from kvdiff.probes.selection import parse_points
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,8 @@ class CompareResult:
 
 
 def check_options(strategy: str, numerics: str, max_new_tokens: int, recompute_ratio: float,
-                  chunk_size: int | None) -> None:
-    """Reject bad options before any model is loaded."""
+                  chunk_size: int | None, capture: str | None = None) -> None:
+    """Reject bad options before any model is loaded (layers are checked against the model)."""
     if strategy not in STRATEGIES:
         raise InputError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
     if numerics not in NUMERICS:
@@ -71,6 +72,8 @@ def check_options(strategy: str, numerics: str, max_new_tokens: int, recompute_r
         raise InputError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
     if chunk_size is not None and chunk_size < 1:
         raise InputError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    if capture is not None:
+        parse_points(capture)
 
 
 def prepare_out_dir(out: Path | str | None, strategy: str) -> Path:
@@ -101,6 +104,22 @@ def prepare_out_dir(out: Path | str | None, strategy: str) -> Path:
         except OSError as exc:
             raise InputError(f"cannot create output folder {candidate}: {exc.strerror}") from None
     raise InputError(f"too many runs in {RUNS_ROOT} this second: pass --out DIR")
+
+
+@contextmanager
+def _discarded_on_failure(out_dir: Path, created: bool) -> Iterator[None]:
+    """On any failure or interrupt, remove what the run wrote, and its folder if the run created it."""
+    try:
+        yield
+    except BaseException:
+        for name in ARTEFACTS:
+            (out_dir / name).unlink(missing_ok=True)
+        if created:
+            try:
+                out_dir.rmdir()
+            except OSError:
+                log.debug("kept %s: it holds files this run did not write", out_dir)
+        raise
 
 
 def write_json_atomically(data: dict, path: Path) -> None:
@@ -144,52 +163,58 @@ def compare(
 
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
-    check_options(strategy, numerics, max_new_tokens, recompute_ratio, chunk_size)
-    out_dir = prepare_out_dir(out, strategy)
-
-    step("loading model")
-    key = (model, dtype, device, device_map)
-    if model_cache is not None and key in model_cache:
-        loaded, tokenizer = model_cache[key]
-    else:
-        loaded, tokenizer = kvdiff.load_model(model, dtype=dtype, device=device, device_map=device_map)
-        if model_cache is not None:
-            model_cache[key] = (loaded, tokenizer)
-
-    # The engine drops empty messages (no chunk); the reference must render the same prompt.
-    chunked = split_conversation(tokenizer, messages, chunk_size=chunk_size)
-    reference_path = out_dir / "reference.h5"
-    candidate_path = out_dir / "candidate.h5"
-    numerics_ctx = exact_numerics(loaded) if numerics == "exact" else nullcontext()
-    step("recording the reference")
-    with numerics_ctx:
-        kvdiff.record(loaded, tokenizer, chunked.messages, reference_path, max_new_tokens=max_new_tokens,
-                      capture=capture, layers=layers, strategy="reference", numerics=numerics)
-
-    step(f"running the engine ({strategy}, {numerics})")
-    engine = Engine(loaded, tokenizer, strategy=strategy, numerics=numerics,
-                    chunk_size=chunk_size, recompute_ratio=recompute_ratio)
-    recorder = TraceRecorder.for_model(loaded, tokenizer, chunked.messages, candidate_path, strategy=strategy,
-                                       numerics=numerics, capture=capture, layers=layers)
-    try:
-        (output,) = engine.generate([chunked.messages], max_new_tokens=max_new_tokens, sinks={0: recorder})
-    except BaseException:
-        recorder.abort()
-        raise
-    recorder.finish(output.token_ids, output.text, output.chunks)
-
-    step("diffing")
-    divergence = diff(reference_path, candidate_path, tokenizer=tokenizer)
-    report = divergence.to_json()
-    report["skipped_messages"] = [
-        {"index": s.message_index, "role": s.role, "reason": s.reason} for s in chunked.skipped
-    ]
-    report_json = out_dir / "report.json"
-    report_html = out_dir / "report.html"
-    write_json_atomically(report, report_json)
-    write_html(report, report_html)
+    check_options(strategy, numerics, max_new_tokens, recompute_ratio, chunk_size, capture)
     if json_path is not None:
-        write_json_atomically(report, Path(json_path))
+        check_folder_of(json_path, "report.json")
     if html is not None:
-        write_html(report, Path(html))
-    return CompareResult(divergence, report, out_dir, reference_path, candidate_path, report_json, report_html)
+        check_folder_of(html, "the HTML report")
+    created = out is None or not Path(out).exists()
+    out_dir = prepare_out_dir(out, strategy)
+    with _discarded_on_failure(out_dir, created):
+        step("loading model")
+        key = (model, dtype, device, device_map)
+        if model_cache is not None and key in model_cache:
+            loaded, tokenizer = model_cache[key]
+        else:
+            loaded, tokenizer = kvdiff.load_model(model, dtype=dtype, device=device, device_map=device_map)
+            if model_cache is not None:
+                model_cache[key] = (loaded, tokenizer)
+
+        # The engine drops empty messages (no chunk); the reference must render the same prompt.
+        chunked = split_conversation(tokenizer, messages, chunk_size=chunk_size)
+        engine = Engine(loaded, tokenizer, strategy=strategy, numerics=numerics,
+                        chunk_size=chunk_size, recompute_ratio=recompute_ratio)
+        engine.check_fits(chunked, max_new_tokens)
+        reference_path = out_dir / "reference.h5"
+        candidate_path = out_dir / "candidate.h5"
+        numerics_ctx = exact_numerics(loaded) if numerics == "exact" else nullcontext()
+        step("recording the reference")
+        with numerics_ctx:
+            kvdiff.record(loaded, tokenizer, chunked.messages, reference_path, max_new_tokens=max_new_tokens,
+                          capture=capture, layers=layers, strategy="reference", numerics=numerics)
+
+        step(f"running the engine ({strategy}, {numerics})")
+        recorder = TraceRecorder.for_model(loaded, tokenizer, chunked.messages, candidate_path, strategy=strategy,
+                                           numerics=numerics, capture=capture, layers=layers)
+        try:
+            (output,) = engine.generate([chunked.messages], max_new_tokens=max_new_tokens, sinks={0: recorder})
+        except BaseException:
+            recorder.abort()
+            raise
+        recorder.finish(output.token_ids, output.text, output.chunks)
+
+        step("diffing")
+        divergence = diff(reference_path, candidate_path, tokenizer=tokenizer)
+        report = divergence.to_json()
+        report["skipped_messages"] = [
+            {"index": s.message_index, "role": s.role, "reason": s.reason} for s in chunked.skipped
+        ]
+        report_json = out_dir / "report.json"
+        report_html = out_dir / "report.html"
+        write_json_atomically(report, report_json)
+        write_html(report, report_html)
+        if json_path is not None:
+            write_json_atomically(report, Path(json_path))
+        if html is not None:
+            write_html(report, Path(html))
+        return CompareResult(divergence, report, out_dir, reference_path, candidate_path, report_json, report_html)

@@ -9,6 +9,18 @@ from pathlib import Path
 from kvdiff.errors import InputError, KvdiffError
 
 
+def check_folder_of(path: str | os.PathLike[str], what: str) -> None:
+    """InputError unless the folder `path` would be written into exists and is writable.
+
+    For outputs written at the end of a long run: a typo in the path fails before the run.
+    """
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise InputError(f"cannot write {what} to {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"cannot write {what} to {path}: folder {folder} is not writable")
+
+
 def write_text_atomically(path: str | os.PathLike[str], text: str, what: str) -> Path:
     """Write `text` to `path` through a unique temporary file in the same folder, then rename.
 

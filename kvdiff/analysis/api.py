@@ -36,17 +36,25 @@ def _token_text(tokenizer) -> Callable[[int], str]:
     return lambda i: tokenizer.decode([int(i)])
 
 
-def _check_shapes(ref: TraceReader, cand: TraceReader) -> None:
-    for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim"):
+def _check_same_model(ref: TraceReader, cand: TraceReader) -> None:
+    """Refuse traces of differently shaped models; warn when the weights (in one dtype) or the
+    tokenizers differ, since every difference may then come from them."""
+    for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
         a, b = getattr(ref.meta, name), getattr(cand.meta, name)
         if a != b:
             raise InputError(f"{cand.path} and {ref.path} come from different models ({name} {b} vs {a}): "
                              f"diff traces of the same model")
+    same_dtype = ref.meta.dtype == cand.meta.dtype
+    for name, what in (("model_fingerprint", "weights"), ("tokenizer_fingerprint", "tokenizers")):
+        a, b = getattr(ref.meta, name), getattr(cand.meta, name)
+        if a != b and (same_dtype or what == "tokenizers"):
+            log.warning("%s and %s were recorded with different %s (%s %s vs %s): differences may come from them",
+                        cand.path, ref.path, what, name, b, a)
 
 
 def _compare(ref: TraceReader, cand: TraceReader, tolerances: Mapping[str, Tolerance] | None,
              text: Callable[[int], str]) -> Comparison:
-    _check_shapes(ref, cand)
+    _check_same_model(ref, cand)
     alignment = align(ref.meta, cand.meta, ref.positions, cand.positions, ref.steps, cand.steps, text)
     tols = Tolerances.for_dtypes(ref.meta.dtype, cand.meta.dtype, overrides=tolerances)
     return compare(ref, cand, alignment, tols)

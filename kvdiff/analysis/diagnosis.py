@@ -74,8 +74,12 @@ class DiagnosisInputs:
         return None if pmap is None else (pmap.tier[row] == Tier.BITWISE) | (pmap.tier[row] == Tier.NOISE)
 
     def divergent(self, point: str, row: int) -> np.ndarray | None:
+        """Bool per aligned position: `point` at layer row `row` breaches tolerance with finite values
+        (NaN and Inf are the non_finite diagnosis's finding, not evidence for another rule)."""
         pmap = self.comparison.points.get(point)
-        return None if pmap is None else pmap.tier[row] == Tier.DIVERGENT
+        if pmap is None:
+            return None
+        return (pmap.tier[row] == Tier.DIVERGENT) & pmap.ref_finite[row] & pmap.cand_finite[row]
 
     def worst(self, point: str, row: int, cols: np.ndarray) -> tuple[float, float]:
         """Largest max_abs and rel of `point` over columns `cols` of layer row `row`."""

@@ -66,14 +66,14 @@ def _block(x: np.ndarray, y: np.ndarray, out: dict[str, np.ndarray], lo: int, hi
 
 
 def row_metrics(reference: np.ndarray, candidate: np.ndarray) -> RowMetrics:
-    """Metrics of rows `reference[i]` vs `candidate[i]`; arrays (n, ...) of one float dtype."""
+    """Metrics of rows `reference[i]` vs `candidate[i]`; arrays (n, ...) of float dtypes (upcast to
+    the wider of float32 and float64)."""
     if reference.shape != candidate.shape:
         raise ValueError(f"shape mismatch {reference.shape} vs {candidate.shape}")
-    n = reference.shape[0]
-    x = np.ascontiguousarray(reference).reshape(n, -1)
-    y = np.ascontiguousarray(candidate).reshape(n, -1)
-    if x.dtype != np.float64 and x.dtype != np.float32:
-        x, y = x.astype(np.float32), y.astype(np.float32)
+    n, width = reference.shape[0], int(np.prod(reference.shape[1:], dtype=np.int64))
+    dtype = np.float64 if np.float64 in (reference.dtype, candidate.dtype) else np.float32   # traces may differ
+    x = np.ascontiguousarray(reference, dtype=dtype).reshape(n, width)
+    y = np.ascontiguousarray(candidate, dtype=dtype).reshape(n, width)
     out = {k: np.zeros(n) for k in ("max_abs", "scale", "cand_max", "dd", "xx", "yy", "xy")}
     out["bitwise"] = np.zeros(n, dtype=bool)
     step = max(1, _BLOCK_BYTES // max(1, x.shape[1] * x.itemsize))

@@ -24,6 +24,11 @@ def validate_messages(messages) -> Messages:
             raise InputError(f"message {i} has unknown role {role!r}: use one of {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise InputError(f"message {i} content must be a string")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InputError(f"message {i} content holds U+{ord(content[exc.start]):04X} at character {exc.start}, "
+                             "which is not valid Unicode text: pass UTF-8 text") from None
         out.append({"role": role, "content": content})
     if out[-1]["role"] != "user":
         raise InputError("the last message must be from the user: kvdiff generates the reply")
@@ -42,11 +47,13 @@ def build_messages(prompt: str | None, system: str | None = None, messages_file:
         except OSError as exc:
             raise InputError(f"cannot read messages file {messages_file}: {exc.strerror}") from None
         try:
-            data = json.loads(raw.decode("utf-8"))
+            data = json.loads(raw.decode("utf-8-sig"))  # a byte-order mark (Windows editors) is fine
         except UnicodeDecodeError:
             raise InputError(f"messages file {messages_file} is not UTF-8 text") from None
         except json.JSONDecodeError as exc:
             raise InputError(f"messages file {messages_file} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+        except RecursionError:
+            raise InputError(f"messages file {messages_file} is nested too deeply to be a list of messages") from None
         if isinstance(data, dict) and "messages" in data:
             data = data["messages"]
         return validate_messages(data)

@@ -10,7 +10,7 @@ from typing import Mapping, Sequence
 import torch
 
 from kvdiff.engine.adapters import get_adapter
-from kvdiff.engine.chunks import split_conversation
+from kvdiff.engine.chunks import ChunkedPrompt, split_conversation
 from kvdiff.engine.conversation import Messages
 from kvdiff.engine.kv_cache import BLOCK_SIZE, BlockPool, BlockTable
 from kvdiff.engine.numerics import exact_numerics
@@ -71,6 +71,13 @@ class Engine:
         """Chunk registry counters (hits, misses, reused and stored tokens, evictions, collisions)."""
         return self.registry.stats
 
+    def check_fits(self, prompt: ChunkedPrompt, max_new_tokens: int, where: str = "") -> None:
+        """InputError when the prompt plus `max_new_tokens` would run past the model's context."""
+        if len(prompt) + max_new_tokens > self.adapter.max_length:
+            raise InputError(f"{where}prompt of {len(prompt)} tokens plus max_new_tokens {max_new_tokens} "
+                             f"exceeds the model context of {self.adapter.max_length}: shorten the prompt "
+                             "or lower max_new_tokens")
+
     def _forward(self, groups: list[RowGroup], num_layers: int | None = None) -> list[torch.Tensor | None]:
         self._forwards += 1
         return self.runner.forward(groups, num_layers)
@@ -86,10 +93,7 @@ class Engine:
         prompts = [split_conversation(self.tokenizer, c, self.chunk_size, self.allow_boundary_mismatch)
                    for c in conversations]
         for i, p in enumerate(prompts):
-            if len(p) + max_new_tokens > self.adapter.max_length:
-                raise InputError(f"request {i}: prompt of {len(p)} tokens plus max_new_tokens {max_new_tokens} "
-                                 f"exceeds the model context of {self.adapter.max_length}: shorten the prompt "
-                                 "or lower max_new_tokens")
+            self.check_fits(p, max_new_tokens, f"request {i}: ")
         numerics = exact_numerics(self.model) if self.numerics == "exact" else contextlib.nullcontext()
         requests = [Request(i, p, BlockTable(self.pool), sinks.get(i)) for i, p in enumerate(prompts)]
         planner = Planner(self.registry, self.strategy, self.fingerprint)

@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -181,6 +182,9 @@ def _load_folder(folder: Path, dtype: torch.dtype, device_map: str | None = None
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read the model config in {folder}: {exc}") from exc
     _check_architecture(config)
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+        raise ModelLoadError(f"{folder} holds no weights (*.safetensors or pytorch_model*.bin): "
+                             "give a complete transformers model folder")
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True,
@@ -224,8 +228,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", device="cpu",
         if path.is_file() and path.suffix == ".gguf":
             try:
                 folder = converted_gguf_folder(path)
-            except (OSError, ValueError, RuntimeError, KeyError) as exc:
-                raise ModelLoadError(f"cannot read GGUF {path}: {exc}") from exc
+            except (OSError, ValueError, RuntimeError, KeyError, IndexError, struct.error) as exc:
+                raise ModelLoadError(f"cannot read GGUF {path} ({exc}): the file is truncated or corrupt, "
+                                     "or not a GGUF model; download it again") from exc
         elif path.is_dir():
             folder = path
         else:

@@ -72,7 +72,7 @@ def _case_from_table(index: int, table: dict) -> GateCase:
 def load_cases(path: Path) -> list[GateCase]:
     """Read and validate a gate case file; every problem is an InputError naming the case."""
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        text = Path(path).read_bytes().decode("utf-8-sig")  # a byte-order mark (Windows editors) is fine
     except FileNotFoundError:
         raise InputError(f"case file {path} not found") from None
     except OSError as exc:

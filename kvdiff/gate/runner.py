@@ -33,6 +33,16 @@ def _safe_dirname(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "case"
 
 
+def _unique(name: str, used: set[str]) -> str:
+    """`name`, or `name-2`, `name-3`... if taken: two case names that clean to one folder never share it."""
+    unique, n = name, 1
+    while unique in used:
+        n += 1
+        unique = f"{name}-{n}"
+    used.add(unique)
+    return unique
+
+
 def run_cases(cases: list[GateCase], out_dir: Path, compare_fn: Callable | None = None,
               on_case: Callable[[CaseOutcome], None] | None = None) -> list[CaseOutcome]:
     """Run every case; a case that crashes is an error outcome and the others still run.
@@ -45,8 +55,9 @@ def run_cases(cases: list[GateCase], out_dir: Path, compare_fn: Callable | None 
     compare_fn = compare_fn or compare
     models: dict = {}
     outcomes: list[CaseOutcome] = []
+    used: set[str] = set()
     for case in cases:
-        case_dir = out_dir / _safe_dirname(case.name)
+        case_dir = out_dir / _unique(_safe_dirname(case.name), used)
         start = time.perf_counter()
         try:
             result = compare_fn(case.messages, out=case_dir, model_cache=models, **case.options)

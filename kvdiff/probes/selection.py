@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, NoReturn
 
 import numpy as np
 
@@ -11,8 +11,9 @@ from kvdiff.errors import InputError
 from kvdiff.probes.points import ALL_POINTS, FINAL_POINTS, POINT_ORDER
 
 
-def parse_ranges(spec: str, what: str) -> list[int]:
-    """'0-3,29' -> [0, 1, 2, 3, 29]."""
+def parse_ranges(spec: str, what: str, limit: int | None = None) -> list[int]:
+    """'0-3,29' -> [0, 1, 2, 3, 29]; with `limit`, every number must be below it (checked before
+    a range is expanded, so '0-99999999999' fails at once)."""
     out: list[int] = []
     for part in spec.replace(" ", "").split(","):
         if not part:
@@ -24,8 +25,14 @@ def parse_ranges(spec: str, what: str) -> list[int]:
             raise InputError(f"bad {what} {part!r} in {spec!r}: use numbers and ranges like 0-3,29") from None
         if lo < 0 or hi < lo:
             raise InputError(f"bad {what} range {part!r}: give first-last with 0 <= first <= last")
+        if limit is not None and hi >= limit:
+            _out_of_range(what, part, limit)
         out.extend(range(lo, hi + 1))
     return out
+
+
+def _out_of_range(what: str, given: str, limit: int) -> NoReturn:
+    raise InputError(f"{what}(s) {given} out of range: the model has {what}s 0-{limit - 1}")
 
 
 def format_ranges(positions: Iterable[int]) -> str:
@@ -39,9 +46,19 @@ def format_ranges(positions: Iterable[int]) -> str:
     return ",".join(str(s) if s == e else f"{s}-{e}" for s, e in zip(starts, ends))
 
 
-def _as_ints(value: str | int | Iterable[int], what: str) -> list[int]:
+def parse_points(capture: str | Iterable[str]) -> tuple[str, ...]:
+    """'q, k' (or ['q', 'k']) -> ('q', 'k') in dataflow order; unknown names are an InputError."""
+    names = [p.strip() for p in capture.split(",")] if isinstance(capture, str) else list(capture)
+    unknown = [p for p in names if p not in POINT_ORDER]
+    if unknown or not names:
+        raise InputError(f"unknown probe point(s) {', '.join(unknown) or '(none)'}: "
+                         f"choose from {', '.join(ALL_POINTS)}")
+    return tuple(sorted(set(names), key=POINT_ORDER.__getitem__))
+
+
+def _as_ints(value: str | int | Iterable[int], what: str, limit: int | None = None) -> list[int]:
     if isinstance(value, str):
-        return parse_ranges(value, what)
+        return parse_ranges(value, what, limit)
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
@@ -60,19 +77,11 @@ class Selection:
               layers: str | int | Iterable[int] | None = None,
               positions: str | int | Iterable[int] | None = None) -> "Selection":
         """Build from CLI-style strings ('k,v', '0-3,29') or Python values; None means everything."""
-        if capture is None:
-            points = ALL_POINTS
-        else:
-            names = [p.strip() for p in capture.split(",")] if isinstance(capture, str) else list(capture)
-            unknown = [p for p in names if p not in POINT_ORDER]
-            if unknown or not names:
-                raise InputError(f"unknown probe point(s) {', '.join(unknown) or '(none)'}: "
-                                 f"choose from {', '.join(ALL_POINTS)}")
-            points = tuple(sorted(set(names), key=POINT_ORDER.__getitem__))
-        chosen = list(range(num_layers)) if layers is None else sorted(set(_as_ints(layers, "layer")))
+        points = ALL_POINTS if capture is None else parse_points(capture)
+        chosen = list(range(num_layers)) if layers is None else sorted(set(_as_ints(layers, "layer", num_layers)))
         bad = [i for i in chosen if not 0 <= i < num_layers]
         if bad:
-            raise InputError(f"layer(s) {bad} out of range: the model has layers 0-{num_layers - 1}")
+            _out_of_range("layer", format_ranges(bad), num_layers)
         pos = None if positions is None else frozenset(_as_ints(positions, "position"))
         return cls(points, tuple(chosen), pos)
 

@@ -15,6 +15,7 @@ import h5py
 import numpy as np
 
 from kvdiff.errors import TraceError
+from kvdiff.probes.trace_check import check_structure
 from kvdiff.probes.trace_format import (
     DTYPE_ATTR, FINAL_GROUP, FORMAT_NAME, SCHEMA_VERSION, ChunkRecord, ProvenanceRecords, StepRecords,
     TraceMeta, from_storage, norm_weight_path, point_group,
@@ -87,7 +88,8 @@ class TraceReader:
             _validate(self.path, self._file)
             self.meta = _read_meta(self._file)
             self.positions: np.ndarray = self._file["positions"][()]
-        except (KeyError, OSError) as exc:
+            check_structure(self.path, self._file, self.meta, self.positions)
+        except (KeyError, OSError, TypeError, ValueError) as exc:
             self._file.close()
             raise TraceError(f"trace {self.path} is damaged ({exc}); record it again") from None
         except TraceError:

@@ -43,7 +43,9 @@ class TraceWriter:
         self.meta = meta
         self.compression = compression
         self.tmp_path = self.path.parent / f".{self.path.name}.{os.getpid()}.partial"
-        self._file = h5py.File(self.tmp_path, "w", rdcc_nbytes=2 * _CHUNK_BYTES)
+        # No chunk cache: rows go straight to the file, so a failed write (disk full) raises at once;
+        # HDF5 crashes the process when it cannot flush cached chunks at close.
+        self._file = h5py.File(self.tmp_path, "w", rdcc_nbytes=0)
         self._filled: dict[str, np.ndarray] = {}     # dataset path -> bool mask over positions
         self._provenance: dict[int, tuple[str, int, int, bool]] = {}
         self._steps: list[tuple] = []
@@ -174,7 +176,8 @@ class TraceWriter:
         attrs = self._file.attrs
         for name in TraceMeta.SCALARS:
             value = getattr(self.meta, name)
-            attrs[name] = value if isinstance(value, (int, float)) else str(value)
+            # HDF5 strings cannot hold NUL (a model may generate one): it is stored as U+2400.
+            attrs[name] = value if isinstance(value, (int, float)) else str(value).replace("\0", "\u2400")
         attrs["messages_json"] = json.dumps(self.meta.messages)
         attrs["chunks_json"] = json.dumps([c.to_json() for c in self.meta.chunks])
         attrs["points"] = json.dumps(list(self.meta.points))
@@ -209,7 +212,10 @@ class TraceWriter:
     def abort(self) -> None:
         """Drop the unfinished trace: close and delete the temporary file."""
         if self._file.id.valid:
-            self._file.close()
+            try:
+                self._file.close()
+            except (OSError, RuntimeError):  # the failure that led here (disk full) fails the close too
+                log.debug("closing unfinished trace %s failed", self.tmp_path, exc_info=True)
         self.tmp_path.unlink(missing_ok=True)
 
     def __enter__(self) -> "TraceWriter":

@@ -1,0 +1,76 @@
+"""Robustness, arguments: bad options are refused with one line, exit 2, before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from robustness import assert_error, assert_no_finished_run, cli, compare_args
+
+# (id, extra compare arguments, what the error line says)
+BAD_OPTIONS = [
+    ("unknown-strategy", ["--strategy", "chunky"], "unknown strategy 'chunky': use one of none, prefix"),
+    ("unknown-numerics", ["--numerics", "approx"], "unknown numerics 'approx': use exact or fast"),
+    ("negative-tokens", ["-n", "-3"], "max_new_tokens must be between 1 and 100000, got -3"),
+    ("zero-tokens", ["-n", "0"], "max_new_tokens must be between 1 and 100000, got 0"),
+    ("huge-tokens", ["-n", str(10 ** 20)], "max_new_tokens must be between 1 and 100000"),
+    ("tokens-not-a-number", ["-n", "ten"], "Invalid value for '--max-new-tokens'"),
+    ("zero-chunk-size", ["--chunk-size", "0"], "chunk_size must be a positive number of tokens"),
+    ("negative-chunk-size", ["--chunk-size", "-5"], "chunk_size must be a positive number of tokens"),
+    ("ratio-above-one", ["--recompute-ratio", "1.5"], "recompute_ratio must be in [0, 1]"),
+    ("ratio-nan", ["--recompute-ratio", "nan"], "recompute_ratio must be in [0, 1], got nan"),
+    ("unknown-capture-point", ["--capture", "k,kv"], "unknown probe point(s) kv"),
+    ("unknown-heatmap-point", ["--point", "kv"], "--point 'kv' is not a layer probe point"),
+    ("unknown-option", ["--frobnicate"], "No such option: --frobnicate; see `kvdiff compare --help`"),
+    ("unknown-dtype", ["--dtype", "float8"], "unknown dtype 'float8'"),
+    ("unknown-device", ["--device", "tpu"], "unknown device 'tpu'"),
+    ("messages-and-prompt", ["--messages", "m.json", "-p", "hi"], "give either --messages or --prompt/--system"),
+]
+
+
+@pytest.mark.parametrize("extra, message", [row[1:] for row in BAD_OPTIONS], ids=[row[0] for row in BAD_OPTIONS])
+def test_bad_option_fails_before_any_work(tmp_path, monkeypatch, extra, message):
+    monkeypatch.chdir(tmp_path)
+    assert_error(cli(*compare_args(tmp_path / "run", *extra)), 2, message)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "kvdiff-runs").exists()
+
+
+def test_no_prompt_at_all(tmp_path):
+    result = cli("compare", "--model", "tiny-llama", "--out", tmp_path / "run")
+    assert_error(result, 2, "no prompt: give --prompt TEXT")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_cuda_without_a_gpu(tmp_path):
+    assert_error(cli(*compare_args(tmp_path / "run", "--device", "cuda")), 2, "no CUDA GPU is visible: use --device cpu")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("layers, message", [
+    ("0-99", "layer(s) 0-99 out of range: the model has layers 0-2"),
+    ("0-99999999999999", "layer(s) 0-99999999999999 out of range"),   # refused before the range is expanded
+    ("2,7,9", "layer(s) 7 out of range"),
+    ("abc", "bad layer 'abc'"),
+    ("3-1", "bad layer range '3-1'"),
+], ids=["beyond-last", "huge-range", "some-beyond", "not-a-number", "reversed"])
+def test_layers_out_of_range_or_malformed(tmp_path, layers, message):
+    assert_error(cli(*compare_args(tmp_path / "run", "--layers", layers)), 2, message)
+    assert_no_finished_run(tmp_path / "run")
+    assert not (tmp_path / "run").exists()   # the folder the run created is removed again
+
+
+@pytest.mark.parametrize("args, message", [
+    (["diff"], "Missing argument 'reference'"),
+    (["gate"], "Missing argument 'cases_file'"),
+    (["nosuchcommand"], "No such command 'nosuchcommand'"),
+], ids=["diff-without-traces", "gate-without-cases", "unknown-command"])
+def test_usage_errors_are_one_line(args, message):
+    assert_error(cli(*args), 2, message, "--help`")
+
+
+def test_json_or_html_into_a_missing_folder_fails_before_the_run(tmp_path):
+    for option in ("--json", "--html"):
+        result = cli(*compare_args(tmp_path / "run", option, tmp_path / "no" / "such" / "file"))
+        assert_error(result, 2, f"folder {tmp_path / 'no' / 'such'} does not exist")
+        assert not (tmp_path / "run").exists()

@@ -1,0 +1,91 @@
+"""Robustness, filesystem: unwritable or occupied output folders, disk full, failed report writes."""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kvdiff.compare import ARTEFACTS
+from robustness import REPO, assert_error, assert_no_finished_run, cli, compare_args, run_kvdiff
+
+
+def test_output_path_that_is_a_file(tmp_path):
+    (tmp_path / "run").write_text("x")
+    assert_error(cli(*compare_args(tmp_path / "run")), 2, "exists and is not a folder")
+    assert (tmp_path / "run").read_text() == "x"
+
+
+def test_output_folder_holding_an_earlier_run_is_never_mixed_or_overwritten(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ARTEFACTS:
+        (run / name).write_text(f"earlier {name}")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    result = cli(*compare_args(run, "--strategy", "isolated-local"))
+    assert_error(result, 2, f"--out {run} already holds files (an earlier run?): choose a new folder or empty it")
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_output_folder_holding_a_killed_runs_partial_trace_is_refused(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".reference.h5.4242.partial").write_bytes(b"\x89HDF")
+    assert_error(cli(*compare_args(run)), 2, "already holds files")
+    assert [p.name for p in run.iterdir()] == [".reference.h5.4242.partial"]
+
+
+def test_a_report_that_cannot_be_written_discards_the_whole_run(tmp_path, monkeypatch):
+    """Disk full while writing report.html: exit 3, and neither traces nor report.json stay behind."""
+    replace = os.replace
+
+    def full(src, dst):
+        if str(dst).endswith("report.html"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", full)
+    assert_error(cli(*compare_args(tmp_path / "new")), 3, "cannot write the HTML report to", "No space left on device")
+    assert not (tmp_path / "new").exists()      # the folder the run created goes too
+    (tmp_path / "empty").mkdir()
+    assert_error(cli(*compare_args(tmp_path / "empty")), 3, "No space left on device")
+    assert list((tmp_path / "empty").iterdir()) == []     # a folder the user gave stays, empty again
+
+
+@pytest.mark.slow
+def test_disk_full_during_capture(tmp_path):
+    """RLIMIT_FSIZE stands in for a full disk: writing the reference trace fails part-way."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+    result = run_kvdiff(*compare_args(tmp_path / "run"), preexec_fn=limit)
+    assert_error(result, 3, "File too large")
+    assert_no_finished_run(tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
+def test_output_folder_on_a_read_only_filesystem(tmp_path):
+    """A read-only tmpfs in a private mount namespace: unwritable even for root."""
+    ro, logs = tmp_path / "ro", tmp_path / "logs"
+    ro.mkdir()
+    logs.mkdir()
+    kvdiff = shlex.join([sys.executable, "-m", "kvdiff", *map(str, compare_args())])
+    script = (f"mount -t tmpfs -o ro,size=64k tmpfs {ro} || exit 99\n"
+              f"{kvdiff} --out {ro}/run 2> {logs}/new; echo $? > {logs}/new.rc\n"
+              f"{kvdiff} --out {ro} 2> {logs}/existing; echo $? > {logs}/existing.rc\n")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=REPO, capture_output=True, timeout=120)
+    if done.returncode == 99 or (done.returncode and not (logs / "new.rc").exists()):
+        pytest.skip("cannot mount a tmpfs in a private mount namespace here")
+    for name, message in (("new", f"cannot create output folder {ro}/run: Read-only file system"),
+                          ("existing", f"output folder {ro} is not writable")):
+        result = subprocess.CompletedProcess([], int((logs / f"{name}.rc").read_text()), "",
+                                             (logs / name).read_text())
+        assert_error(result, 2, message)

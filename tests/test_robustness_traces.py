@@ -1,0 +1,225 @@
+"""Robustness, traces: files that are not traces, damaged traces, mismatched pairs, NaN and Inf."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import kvdiff
+from kvdiff.analysis.synthetic import SyntheticModel, write_trace
+from kvdiff.probes.points import ALL_POINTS
+from kvdiff.probes.trace_format import DTYPE_ATTR, to_storage
+from robustness import assert_error, cli
+
+PROMPT = list(range(3, 23))
+MODEL = SyntheticModel(layers=2, seed=1)
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("traces")
+    return {"reference": write_trace(MODEL, root / "reference.h5", PROMPT, 3),
+            "same": write_trace(MODEL, root / "same.h5", PROMPT, 3)}
+
+
+def mutated(traces, tmp_path: Path, change: Callable[[h5py.File], None], name: str = "cand.h5") -> Path:
+    """A copy of the candidate trace with `change` applied to it (opened read-write)."""
+    path = tmp_path / name
+    shutil.copy(traces["same"], path)
+    with h5py.File(path, "r+") as f:
+        change(f)
+    return path
+
+
+def _set_cell(name: str, row: int, col: int, value: float) -> Callable[[h5py.File], None]:
+    def change(f: h5py.File) -> None:
+        data = f[name][()]
+        data.reshape(data.shape[0], -1)[row, col] = value
+        f[name][...] = data
+    return change
+
+
+# ---- files that are not (finished) traces ------------------------------------------------------
+
+def _truncated(traces, tmp_path):
+    data = traces["same"].read_bytes()
+    (tmp_path / "cand.h5").write_bytes(data[: len(data) // 2])
+    return tmp_path / "cand.h5"
+
+
+def _file(data: bytes) -> Callable:
+    def make(traces, tmp_path):
+        (tmp_path / "cand.h5").write_bytes(data)
+        return tmp_path / "cand.h5"
+    return make
+
+
+def _foreign(traces, tmp_path):
+    with h5py.File(tmp_path / "cand.h5", "w") as f:
+        f["x"] = np.zeros(3)
+    return tmp_path / "cand.h5"
+
+
+NOT_TRACES = {
+    "missing": (lambda traces, tmp: tmp / "nope.h5", "not found: check the path, or record it first"),
+    "a-folder": (lambda traces, tmp: tmp, "is not a file"),
+    "empty-file": (_file(b""), "is not an HDF5 file"),
+    "text-file": (_file(b"hello"), "is not an HDF5 file"),
+    "truncated": (_truncated, "is truncated: HDF5 cannot open it; record it again"),
+    "foreign-hdf5": (_foreign, "is an HDF5 file but not a kvdiff trace"),
+    "incomplete": (lambda traces, tmp: mutated(traces, tmp, lambda f: f.attrs.__setitem__("complete", False)),
+                   "is incomplete: its writer did not finish (killed or failed); record it again"),
+    "newer-schema": (lambda traces, tmp: mutated(traces, tmp, lambda f: f.attrs.__setitem__("schema_version", 2)),
+                     "has schema 2, newer than this kvdiff reads (1): upgrade kvdiff"),
+}
+
+
+@pytest.mark.parametrize("kind", list(NOT_TRACES))
+def test_diff_and_inspect_refuse_what_is_not_a_finished_trace(traces, tmp_path, kind):
+    make, message = NOT_TRACES[kind]
+    bad = make(traces, tmp_path)
+    assert_error(cli("diff", traces["reference"], bad, "--json", tmp_path / "r.json"), 2, message)
+    assert_error(cli("inspect", bad), 2, message)
+    assert not (tmp_path / "r.json").exists()
+
+
+# ---- damaged traces: complete, but not what their metadata says ---------------------------------
+
+def _drop(name: str) -> Callable[[h5py.File], None]:
+    return lambda f: f.__delitem__(name)
+
+
+def _shorten(name: str, rows: int) -> Callable[[h5py.File], None]:
+    def change(f: h5py.File) -> None:
+        data, attrs = f[name][:rows], dict(f[name].attrs)
+        del f[name]
+        f[name] = data
+        f[name].attrs.update(attrs)
+    return change
+
+
+# The error line names what is damaged; its wording is the structure check's.
+DAMAGED = {
+    "declared-point-missing": (_drop("layers/1/q"), "layers/1/q"),
+    "declared-layer-missing": (_drop("layers/1"), "layers/1"),
+    "rows-missing": (_shorten("layers/0/k", 10), "layers/0/k"),
+    "steps-missing": (_drop("steps"), "steps"),
+    "attribute-missing": (lambda f: f.attrs.__delitem__("hidden_size"), "hidden_size"),
+    "metadata-not-json": (lambda f: f.attrs.__setitem__("chunks_json", "{not json"), "Expecting property name"),
+    "schema-not-a-number": (lambda f: f.attrs.__setitem__("schema_version", "one"), ""),
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGED))
+def test_damaged_trace_is_refused_not_a_crash(traces, tmp_path, kind):
+    change, message = DAMAGED[kind]
+    bad = mutated(traces, tmp_path, change)
+    for args in (("diff", traces["reference"], bad), ("diff", bad, traces["reference"]), ("inspect", bad)):
+        assert_error(cli(*args), 2, str(bad), message, "record it again")
+
+
+# ---- pairs that do not match --------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape, message", [
+    (dict(hidden=48, heads=6, kv_heads=3), "come from different models (hidden_size 48 vs 32)"),
+    (dict(layers=3), "come from different models (num_layers 3 vs 2)"),
+    (dict(vocab=80), "come from different models (vocab_size 80 vs 64)"),
+], ids=["hidden-size", "layer-count", "vocabulary"])
+def test_traces_of_differently_shaped_models_are_refused(traces, tmp_path, shape, message):
+    other = write_trace(SyntheticModel(**{"layers": 2, "seed": 1, **shape}), tmp_path / "other.h5", PROMPT, 2)
+    assert_error(cli("diff", traces["reference"], other), 2, message, "diff traces of the same model")
+
+
+@pytest.mark.parametrize("attribute, what", [("model_fingerprint", "weights"), ("tokenizer_fingerprint", "tokenizers")],
+                         ids=["weights", "tokenizers"])
+def test_traces_of_other_weights_or_tokenizers_are_diffed_with_a_warning(traces, tmp_path, caplog, attribute, what):
+    other = mutated(traces, tmp_path, lambda f: f.attrs.__setitem__(attribute, "other"))
+    with caplog.at_level(logging.WARNING, logger="kvdiff"):
+        div = kvdiff.diff(traces["reference"], other)
+    assert div.tokens_identical
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and f"different {what} ({attribute} other vs" in warned[0]
+
+
+def _recast(dtype: str) -> Callable[[h5py.File], None]:
+    """Re-store every probe dataset as if the run had been in `dtype`."""
+    def change(f: h5py.File) -> None:
+        names = []
+        f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset)
+                     and name.split("/")[0] in ("layers", "final") and name.split("/")[-1] in ALL_POINTS else None)
+        for name in names:
+            data, _ = to_storage(torch.from_numpy(f[name][()]).to(getattr(torch, dtype)))
+            del f[name]
+            f[name] = data
+            f[name].attrs[DTYPE_ATTR] = dtype
+        f.attrs["dtype"] = dtype
+    return change
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_traces_of_different_dtypes_compare_at_the_looser_tolerance(traces, tmp_path, dtype):
+    other = mutated(traces, tmp_path, _recast(dtype))
+    report = kvdiff.diff(traces["reference"], other).to_json()
+    assert report["metadata"]["candidate"]["dtype"] == dtype and report["metadata"]["reference"]["dtype"] == "float32"
+    assert report["tolerances"]["default"] == {"float16": {"atol": 1e-5, "rtol": 1e-3},
+                                               "bfloat16": {"atol": 1e-5, "rtol": 1.6e-2}}[dtype]
+    assert report["tokens_identical"]
+    json.dumps(report, allow_nan=False)
+
+
+def test_a_trace_recording_fewer_points_is_compared_on_the_shared_ones(traces, tmp_path):
+    def drop_q(f: h5py.File) -> None:
+        f.attrs["points"] = json.dumps([p for p in json.loads(f.attrs["points"]) if p != "q"])
+        for layer in (0, 1):
+            del f[f"layers/{layer}/q"]
+
+    fewer = mutated(traces, tmp_path, drop_q)
+    for ref, cand in ((traces["reference"], fewer), (fewer, traces["reference"])):
+        report = kvdiff.diff(ref, cand).to_json()
+        assert report["tokens_identical"] and "q" not in report["heatmaps"] and "k" in report["heatmaps"]
+
+
+# ---- NaN and Inf: a finding, not a crash ------------------------------------------------------------
+
+def _non_finite(traces, tmp_path, name: str, row: int, value: float, both: bool = False):
+    cand = mutated(traces, tmp_path, _set_cell(name, row, 3, value))
+    ref = mutated(traces, tmp_path, _set_cell(name, row, 3, value), "ref.h5") if both else traces["reference"]
+    result = cli("diff", ref, cand, "--json", tmp_path / "report.json")
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    report = json.loads((tmp_path / "report.json").read_text())   # strict JSON: no NaN in the file
+    return report, [d for d in report["diagnoses"] if d["kind"] == "non_finite"]
+
+
+def test_nan_in_the_candidate_is_a_non_finite_diagnosis_naming_the_first_place(traces, tmp_path):
+    report, found = _non_finite(traces, tmp_path, "layers/1/attn_out", 5, np.nan)
+    assert len(found) == 1
+    assert found[0]["layer"] == 1 and found[0]["tensor"] == "attn_out" and found[0]["positions"] == [5, 5]
+    assert found[0]["traces"] == ["candidate"]
+    assert "NaN or Inf first appears at layer 1 position 5 attn_out in the candidate" in found[0]["evidence"]
+    assert [d["kind"] for d in report["diagnoses"]] == ["non_finite"]   # no other rule built on the NaN
+
+
+def test_inf_in_the_final_logits_is_found_there(traces, tmp_path):
+    report, found = _non_finite(traces, tmp_path, "final/logits", 7, np.inf)
+    assert len(found) == 1 and found[0]["layer"] is None and found[0]["tensor"] == "logits"
+    assert found[0]["positions"] == [7, 7] and report["first_divergence"]["tensor"] == "logits"
+
+
+def test_nan_in_both_traces_at_the_same_place(traces, tmp_path):
+    report, found = _non_finite(traces, tmp_path, "layers/0/v", 2, np.nan, both=True)
+    assert len(found) == 1 and found[0]["traces"] == ["reference", "candidate"]
+    assert found[0]["layer"] == 0 and found[0]["tensor"] == "v"
+
+
+def test_report_of_a_folder_without_a_finished_run(tmp_path):
+    assert_error(cli("report", tmp_path), 2, "holds no report.json: give a folder written by `kvdiff compare`")
+    (tmp_path / "report.json").write_text("{\"verdict\": ")
+    assert_error(cli("report", tmp_path), 2, "is not a kvdiff report")
