@@ -127,7 +127,7 @@ _KILLED_WRITER = textwrap.dedent("""
     pos = 0
     while True:
         w.write_rows("layers/0", "resid_pre", range(pos, pos + 64), torch.randn(64, 32))
-        w._file.flush()
+        w.flush()
         pos += 64
         if pos == 640:
             print("ready", flush=True)
