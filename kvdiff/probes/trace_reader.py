@@ -10,15 +10,19 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import h5py
 import numpy as np
 
 from kvdiff.errors import TraceError
 from kvdiff.probes.trace_format import (
-    DTYPE_ATTR, FINAL_GROUP, FORMAT_NAME, SCHEMA_VERSION, ChunkRecord, ProvenanceRecords, StepRecords,
+    DTYPE_ATTR, FORMAT_NAME, SCHEMA_VERSION, ChunkRecord, ProvenanceRecords, StepRecords,
     TraceMeta, from_storage, norm_weight_path, point_group,
 )
+
+
+Rows = slice | np.ndarray | None       # which of a trace's positions to read: a slice or indices into them
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,10 @@ def _read_meta(f: h5py.File) -> TraceMeta:
 
 
 class TraceReader:
-    """A finished trace. Open with `open_trace(path)`; arrays are aligned with `positions`."""
+    """A finished trace. Open with `open_trace(path)`; arrays are aligned with `positions`.
+
+    Reads are lazy and as narrow as asked: one layer, one point, or a block of rows of it.
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -94,29 +101,60 @@ class TraceReader:
             self._file.close()
             raise
 
-    def _rows(self, ds: h5py.Dataset) -> np.ndarray:
-        """The dataset's rows at `positions` (row index = global position)."""
-        pos = self.positions
+    def _rows(self, ds: h5py.Dataset, rows: Rows = None) -> np.ndarray:
+        """The dataset's rows at `positions[rows]` (row index = global position); every position by default.
+
+        The span from the first to the last wanted position is read, or only the wanted rows
+        when they fill less than half of it."""
+        pos = self.positions if rows is None else self.positions[rows]
         if pos.size == 0:
-            return np.zeros((0, *ds.shape[1:]), dtype=ds.dtype)
-        lo, hi = int(pos[0]), int(pos[-1]) + 1
-        block = ds[lo:hi]
-        data = block if hi - lo == pos.size else block[pos - lo]
+            return from_storage(np.zeros((0, *ds.shape[1:]), dtype=ds.dtype), ds.attrs.get(DTYPE_ATTR, str(ds.dtype)))
+        lo, hi = int(pos.min()), int(pos.max()) + 1
+        increasing = bool(np.all(pos[1:] > pos[:-1]))
+        if increasing and hi - lo == pos.size:
+            data = ds[lo:hi]
+        elif increasing and hi - lo > 2 * pos.size:
+            data = ds[pos]                 # sparse: read only the wanted rows
+        else:
+            data = ds[lo:hi][pos - lo]
         return from_storage(data, ds.attrs.get(DTYPE_ATTR, str(ds.dtype)))
 
-    def _group_points(self, group: str) -> dict[str, np.ndarray]:
+    def _group(self, layer: int | None) -> h5py.Group:
+        group = point_group(layer if layer is None else int(layer))
         if group not in self._file:
             raise TraceError(f"trace {self.path} holds no {group!r}: recorded layers are {list(self.meta.layers)}")
-        g = self._file[group]
-        return {name: self._rows(g[name]) for name in g if isinstance(g[name], h5py.Dataset)}
+        return self._file[group]
 
-    def layer(self, i: int) -> dict[str, np.ndarray]:
-        """Probe point -> (n_positions, ...) array for layer `i` (only that layer is read)."""
-        return self._group_points(point_group(int(i)))
+    def _dataset(self, layer: int | None, point: str) -> h5py.Dataset:
+        g = self._group(layer)
+        if not isinstance(g.get(point), h5py.Dataset):
+            raise TraceError(f"trace {self.path} holds no probe point {point!r} in {g.name}")
+        return g[point]
 
-    def final(self) -> dict[str, np.ndarray]:
-        """final_norm and logits (those recorded)."""
-        return self._group_points(FINAL_GROUP)
+    def points_in(self, layer: int | None) -> list[str]:
+        """The probe points recorded in `layer` (None: the final points), without reading them."""
+        g = self._group(layer)
+        return [name for name in g if isinstance(g[name], h5py.Dataset)]
+
+    def point(self, layer: int | None, name: str, rows: Rows = None) -> np.ndarray:
+        """(n, ...) rows of probe point `name` of `layer` (None: a final point) at `positions[rows]`:
+        `rows` is a slice or an index array into `positions`; every position by default."""
+        return self._rows(self._dataset(layer, name), rows)
+
+    def row_nbytes(self, layer: int | None, name: str) -> int:
+        """Bytes of one row of `name` as `point` returns it (bfloat16 rows come back as float32)."""
+        ds = self._dataset(layer, name)
+        itemsize = 4 if ds.attrs.get(DTYPE_ATTR) == "bfloat16" else ds.dtype.itemsize
+        return int(np.prod(ds.shape[1:], dtype=np.int64)) * itemsize
+
+    def layer(self, i: int, points: Iterable[str] | None = None, rows: Rows = None) -> dict[str, np.ndarray]:
+        """Probe point -> (n, ...) array for layer `i`: the `points` asked for (default all) at
+        `positions[rows]` (default all); nothing else is read."""
+        return {name: self.point(int(i), name, rows) for name in (self.points_in(i) if points is None else points)}
+
+    def final(self, points: Iterable[str] | None = None, rows: Rows = None) -> dict[str, np.ndarray]:
+        """final_norm and logits (those recorded, or the `points` asked for) at `positions[rows]`."""
+        return {name: self.point(None, name, rows) for name in (self.points_in(None) if points is None else points)}
 
     def norm_stats(self, layer: int | None) -> dict[str, dict[str, np.ndarray]]:
         """Norm name -> statistic name -> float64 (n_positions,) for `layer` (None: final norm)."""
