@@ -35,6 +35,11 @@ class DatasetInfo:
     stored_bytes: int     # bytes on disk (after compression)
 
 
+def _stored_dtype(ds: h5py.Dataset) -> str:
+    """The torch dtype a dataset's rows had when captured."""
+    return str(ds.attrs.get(DTYPE_ATTR, ds.dtype))
+
+
 def _open_file(path: Path) -> h5py.File:
     if not path.exists():
         raise TraceError(f"trace {path} not found: check the path, or record it first")
@@ -94,6 +99,7 @@ class TraceReader:
             _validate(self.path, self._file)
             self.meta = _read_meta(self._file)
             self.positions: np.ndarray = self._file["positions"][()]
+            self._datasets: dict[tuple[int | None, str], tuple[h5py.Dataset, str]] = {}
         except (KeyError, OSError) as exc:
             self._file.close()
             raise TraceError(f"trace {self.path} is damaged ({exc}); record it again") from None
@@ -101,14 +107,14 @@ class TraceReader:
             self._file.close()
             raise
 
-    def _rows(self, ds: h5py.Dataset, rows: Rows = None) -> np.ndarray:
+    def _rows(self, ds: h5py.Dataset, dtype: str, rows: Rows = None) -> np.ndarray:
         """The dataset's rows at `positions[rows]` (row index = global position); every position by default.
 
         The span from the first to the last wanted position is read, or only the wanted rows
         when they fill less than half of it."""
         pos = self.positions if rows is None else self.positions[rows]
         if pos.size == 0:
-            return from_storage(np.zeros((0, *ds.shape[1:]), dtype=ds.dtype), ds.attrs.get(DTYPE_ATTR, str(ds.dtype)))
+            return from_storage(np.zeros((0, *ds.shape[1:]), dtype=ds.dtype), dtype)
         lo, hi = int(pos.min()), int(pos.max()) + 1
         increasing = bool(np.all(pos[1:] > pos[:-1]))
         if increasing and hi - lo == pos.size:
@@ -117,7 +123,7 @@ class TraceReader:
             data = ds[pos]                 # sparse: read only the wanted rows
         else:
             data = ds[lo:hi][pos - lo]
-        return from_storage(data, ds.attrs.get(DTYPE_ATTR, str(ds.dtype)))
+        return from_storage(data, dtype)
 
     def _group(self, layer: int | None) -> h5py.Group:
         group = point_group(layer if layer is None else int(layer))
@@ -125,11 +131,15 @@ class TraceReader:
             raise TraceError(f"trace {self.path} holds no {group!r}: recorded layers are {list(self.meta.layers)}")
         return self._file[group]
 
-    def _dataset(self, layer: int | None, point: str) -> h5py.Dataset:
-        g = self._group(layer)
-        if not isinstance(g.get(point), h5py.Dataset):
-            raise TraceError(f"trace {self.path} holds no probe point {point!r} in {g.name}")
-        return g[point]
+    def _dataset(self, layer: int | None, point: str) -> tuple[h5py.Dataset, str]:
+        """A point's dataset and captured dtype, looked up once (h5py lookups cost more than small reads)."""
+        key = (layer if layer is None else int(layer), point)
+        if key not in self._datasets:
+            ds = self._group(layer).get(point)
+            if not isinstance(ds, h5py.Dataset):
+                raise TraceError(f"trace {self.path} holds no probe point {point!r} in {point_group(key[0])!r}")
+            self._datasets[key] = (ds, _stored_dtype(ds))
+        return self._datasets[key]
 
     def points_in(self, layer: int | None) -> list[str]:
         """The probe points recorded in `layer` (None: the final points), without reading them."""
@@ -139,12 +149,12 @@ class TraceReader:
     def point(self, layer: int | None, name: str, rows: Rows = None) -> np.ndarray:
         """(n, ...) rows of probe point `name` of `layer` (None: a final point) at `positions[rows]`:
         `rows` is a slice or an index array into `positions`; every position by default."""
-        return self._rows(self._dataset(layer, name), rows)
+        return self._rows(*self._dataset(layer, name), rows)
 
     def row_nbytes(self, layer: int | None, name: str) -> int:
         """Bytes of one row of `name` as `point` returns it (bfloat16 rows come back as float32)."""
-        ds = self._dataset(layer, name)
-        itemsize = 4 if ds.attrs.get(DTYPE_ATTR) == "bfloat16" else ds.dtype.itemsize
+        ds, dtype = self._dataset(layer, name)
+        itemsize = 4 if dtype == "bfloat16" else ds.dtype.itemsize
         return int(np.prod(ds.shape[1:], dtype=np.int64)) * itemsize
 
     def layer(self, i: int, points: Iterable[str] | None = None, rows: Rows = None) -> dict[str, np.ndarray]:
@@ -162,7 +172,7 @@ class TraceReader:
         if name not in self._file:
             return {}
         g = self._file[name]
-        return {norm: {stat: self._rows(g[norm][stat]) for stat in g[norm]} for norm in g}
+        return {norm: {stat: self._rows(g[norm][stat], _stored_dtype(g[norm][stat])) for stat in g[norm]} for norm in g}
 
     def norm_weight(self, layer: int | None, norm: str) -> tuple[np.ndarray, float]:
         """A norm module's weight and epsilon (norm: attn_norm, mlp_norm, final_norm, q_norm, k_norm)."""
@@ -206,7 +216,7 @@ class TraceReader:
 
         def visit(name: str, obj) -> None:
             if isinstance(obj, h5py.Dataset):
-                out.append(DatasetInfo(name, obj.shape, str(obj.attrs.get(DTYPE_ATTR, obj.dtype)),
+                out.append(DatasetInfo(name, obj.shape, _stored_dtype(obj),
                                        obj.id.get_storage_size()))
 
         self._file.visititems(visit)
