@@ -72,13 +72,18 @@ def _reason(exc: BaseException) -> str:
 
 
 def _write_error(exc: BaseException, path: Path) -> KvdiffError:
-    """What the caller sees for an exception raised while writing: kvdiff's own errors as they are."""
+    """What the caller sees for an exception raised while writing: kvdiff's own errors as they are,
+    others as a TraceWriteError caused by them."""
     if isinstance(exc, KvdiffError):
         return exc
     if isinstance(exc, OSError):
-        return TraceWriteError(f"cannot write trace {path}: {_reason(exc)}; "
-                               "free space on its disk or write the trace to another folder")
-    return TraceWriteError(f"writing trace {path} failed: {type(exc).__name__}: {_reason(exc)} (run with -v for details)")
+        error = TraceWriteError(f"cannot write trace {path}: {_reason(exc)}; "
+                                "free space on its disk or write the trace to another folder")
+    else:
+        error = TraceWriteError(f"writing trace {path} failed: {type(exc).__name__}: {_reason(exc)} "
+                                "(run with -v for details)")
+    error.__cause__ = exc
+    return error
 
 
 class TraceWriter:
@@ -113,7 +118,7 @@ class TraceWriter:
     def _raise_if_failed(self) -> None:
         if self._worker.error is not None:
             self.abort()
-            raise _write_error(self._worker.error, self.path) from self._worker.error
+            raise _write_error(self._worker.error, self.path)
 
     # -- rows --------------------------------------------------------------------------------
 
@@ -192,10 +197,7 @@ class TraceWriter:
             os.replace(self.tmp_path, self.path)
         except Exception as exc:
             self.abort()
-            error = _write_error(exc, self.path)
-            if error is exc:
-                raise
-            raise error from exc
+            raise _write_error(exc, self.path)
         except BaseException:
             self.abort()
             raise
