@@ -29,5 +29,11 @@ class TraceError(InputError):
     """A trace file is missing, foreign, truncated, incomplete or of a newer schema."""
 
 
+class TraceWriteError(TraceError):
+    """Writing a trace failed (disk full, file too large, an I/O error). Exit code 3."""
+
+    exit_code = 3
+
+
 class NotYetAvailableError(InputError):
     """A command whose capability is not built yet."""

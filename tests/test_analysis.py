@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kvdiff
+from kvdiff.analysis import compare
 from kvdiff.analysis.synthetic import Faults, SyntheticModel, write_trace
 from kvdiff.errors import InputError, TraceError
 from kvdiff.probes.trace import ChunkRecord
@@ -202,3 +203,10 @@ def test_bad_inputs_are_one_line_errors(traces, tmp_path, model):
     wide = write_trace(SyntheticModel(layers=3, hidden=48, heads=6, kv_heads=3), tmp_path / "w.h5", PROMPT, 2)
     with pytest.raises(InputError, match="different models"):
         kvdiff.diff(traces["reference"], wide)
+
+
+@pytest.mark.parametrize("name", ["local", "global", "stale", "norm", "noise", "nan"])
+def test_reading_one_row_at_a_time_gives_the_same_result(traces, monkeypatch, name):
+    whole = kvdiff.diff(traces["reference"], traces[name]).to_json()
+    monkeypatch.setattr(compare, "_BLOCK_BYTES", (1, 1))
+    assert kvdiff.diff(traces["reference"], traces[name]).to_json() == whole

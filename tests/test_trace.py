@@ -71,6 +71,26 @@ def test_sparse_positions_read_back_aligned(tmp_path):
         assert tr.provenance is None
 
 
+def test_single_points_and_row_blocks_read_back_aligned_with_positions(tmp_path):
+    path = tmp_path / "t.h5"
+    rows = torch.arange(400 * 32, dtype=torch.float32).reshape(400, 32)
+    kept = np.r_[0:10, 50:60, 390:400]
+    with TraceWriter(path, replace(make_meta(), layers=(0,))) as w:
+        w.write_rows("layers/0", "resid_pre", kept, rows[kept])
+        w.write_rows("layers/0", "k", kept, torch.ones(kept.size, 2, 8, dtype=torch.bfloat16))
+    with open_trace(path) as tr:
+        full = tr.point(0, "resid_pre")
+        assert np.array_equal(full, rows[kept].numpy()) and sorted(tr.points_in(0)) == ["k", "resid_pre"]
+        for rows_ in (slice(0, 10), slice(5, 15), slice(0, 30, 7), np.array([3, 12, 25]), np.array([25, 3, 12]),
+                      np.array([0, 29]), np.array([], dtype=np.int64)):
+            assert np.array_equal(tr.point(0, "resid_pre", rows_), full[rows_]), rows_
+        assert list(tr.layer(0, points=["k"], rows=slice(2, 4))) == ["k"]
+        assert tr.layer(0, points=["k"], rows=slice(2, 4))["k"].shape == (2, 2, 8)
+        assert tr.row_nbytes(0, "k") == 2 * 8 * 4 and tr.row_nbytes(0, "resid_pre") == 32 * 4   # bf16 reads as fp32
+        with pytest.raises(TraceError, match="no probe point 'q'"):
+            tr.point(0, "q")
+
+
 def test_a_point_missing_positions_is_an_integrity_error_and_leaves_no_file(tmp_path):
     path = tmp_path / "t.h5"
     w = TraceWriter(path, make_meta())
@@ -128,7 +148,7 @@ _KILLED_WRITER = textwrap.dedent("""
     pos = 0
     while True:
         w.write_rows("layers/0", "resid_pre", range(pos, pos + 64), torch.randn(64, 32))
-        w._file.flush()
+        w.flush()
         pos += 64
         if pos == 640:
             print("ready", flush=True)

@@ -1,20 +1,22 @@
 """Stage 2: compare aligned rows layer by layer, keeping only per-row scalars.
 
-Each layer of both traces is read, compared point by point and dropped before the next layer
-is read, so memory stays near two layers' data whatever the trace size. The norm checks ride
-along: they need each layer's norm inputs and outputs while they are loaded.
+Each layer (and then the final points) of both traces is read in blocks of aligned rows of about
+a quarter of one layer's data (capped at 8 MB) per trace, compared point by point and dropped
+before the next block is read, so memory stays under two layers' data whatever the trace length
+or vocabulary. The norm checks ride along: they need each block's norm inputs and outputs.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from kvdiff.analysis.align import Alignment
 from kvdiff.analysis.metrics import RowMetrics, row_metrics
-from kvdiff.analysis.norms import NormCheck, check_norm
+from kvdiff.analysis.norms import NormCheck, NormChecker
 from kvdiff.analysis.tolerance import NOT_COMPARED, Tier, Tolerances
 from kvdiff.probes.points import FINAL_POINTS, LAYER_POINTS
 from kvdiff.probes.trace import TraceReader
@@ -23,6 +25,8 @@ log = logging.getLogger(__name__)
 
 # Each norm's input point and output point, per layer; the final norm reads the last resid_post.
 NORM_IO = {"attn_norm": ("resid_pre", "attn_norm"), "mlp_norm": ("resid_mid", "mlp_norm")}
+_BLOCK_BYTES = (64 << 10, 8 << 20)   # rows read at once from each trace: a quarter layer, within these bounds
+_HDF5_CHUNK_ROWS = 128                # the writer's chunk height for rows of up to 8 KB
 
 
 @dataclass
@@ -46,10 +50,11 @@ class PointMap:
         return cls(point, layers, positions, np.full(shape, NOT_COMPARED, dtype=np.int8), nan, nan.copy(),
                    nan.copy(), np.ones(shape, bool), np.ones(shape, bool))
 
-    def fill(self, row: int, metrics: RowMetrics, tiers: np.ndarray, comparable: np.ndarray) -> None:
-        self.tier[row] = np.where(comparable, tiers, Tier.INCOMPARABLE)
-        self.max_abs[row], self.rel[row], self.cosine[row] = metrics.max_abs, metrics.rel, metrics.cosine
-        self.ref_finite[row], self.cand_finite[row] = metrics.ref_finite, metrics.cand_finite
+    def fill(self, row: int, cols: slice, metrics: RowMetrics, tiers: np.ndarray, comparable: np.ndarray) -> None:
+        """Layer row `row`, aligned positions `cols`; `comparable` is the mask of those positions."""
+        self.tier[row, cols] = np.where(comparable, tiers, Tier.INCOMPARABLE)
+        self.max_abs[row, cols], self.rel[row, cols], self.cosine[row, cols] = metrics.max_abs, metrics.rel, metrics.cosine
+        self.ref_finite[row, cols], self.cand_finite[row, cols] = metrics.ref_finite, metrics.cand_finite
 
     def row_of(self, layer: int | None) -> int:
         return self.layers.index(layer)
@@ -68,52 +73,81 @@ class Comparison:
     bytes_compared: int = 0
 
 
-def _take(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """rows[index], without a copy when the index is every row in order."""
-    if index.size == rows.shape[0] and (index.size == 0 or (index[0] == 0 and index[-1] == index.size - 1)):
-        return rows
-    return rows[index]
+def _row_nbytes(ref: TraceReader, cand: TraceReader, layer: int | None, points: Sequence[str]) -> int:
+    """Bytes of one aligned row of `points` of `layer` as read from the larger of the two traces."""
+    return sum(max(ref.row_nbytes(layer, p), cand.row_nbytes(layer, p)) for p in points)
+
+
+def _blocks(n: int, row_bytes: int, block_bytes: int) -> list[slice]:
+    """Slices of `n` aligned rows of about `block_bytes` each (whole HDF5 chunks of rows when they fit)."""
+    step = max(1, block_bytes // max(1, row_bytes))
+    if step >= _HDF5_CHUNK_ROWS:
+        step -= step % _HDF5_CHUNK_ROWS
+    return [slice(lo, min(n, lo + step)) for lo in range(0, max(n, 1), step)]
+
+
+def _read_blocks(ref: TraceReader, cand: TraceReader, alignment: Alignment, layer: int | None,
+                 points: Sequence[str], block_bytes: int,
+                 ) -> Iterator[tuple[slice, dict[str, np.ndarray], dict[str, np.ndarray]]]:
+    """Block by block of aligned positions: the columns, and `points` of `layer` in each trace there."""
+    for cols in _blocks(alignment.positions.size, _row_nbytes(ref, cand, layer, points), block_bytes):
+        ri, ci = alignment.ref_index[cols], alignment.cand_index[cols]
+        yield cols, {p: ref.point(layer, p, ri) for p in points}, {p: cand.point(layer, p, ci) for p in points}
+
+
+def _fill(out: Comparison, pmap: PointMap, row: int, cols: slice, x: np.ndarray, y: np.ndarray) -> None:
+    """Compare a block of aligned rows into `pmap` and count the bytes compared."""
+    out.bytes_compared += x.nbytes + y.nbytes
+    metrics = row_metrics(x, y)
+    pmap.fill(row, cols, metrics, metrics.tiers(out.tolerances.for_point(pmap.point)), out.alignment.comparable[cols])
+
+
+def _compare_layer(ref: TraceReader, cand: TraceReader, out: Comparison, row: int, layer: int,
+                   block_bytes: int) -> None:
+    shared = list(out.points)
+    checkers = {norm: NormChecker(ref, cand, layer, norm, out.tolerances)
+                for norm, (src, dst) in NORM_IO.items() if src in out.points and dst in out.points}
+    for cols, a, b in _read_blocks(ref, cand, out.alignment, layer, shared, block_bytes):
+        for norm, checker in checkers.items():
+            src, dst = NORM_IO[norm]
+            checker.add((a[src], a[dst]), (b[src], b[dst]))
+        for point in shared:
+            _fill(out, out.points[point], row, cols, a.pop(point), b.pop(point))
+    ref_stats, cand_stats = ref.norm_stats(layer), cand.norm_stats(layer)
+    out.norms += [c.finish(ref_stats.get(norm), cand_stats.get(norm), out.alignment) for norm, c in checkers.items()]
+
+
+def _compare_final(ref: TraceReader, cand: TraceReader, out: Comparison, block_bytes: int) -> None:
+    """The final points; the final norm's check reads the last layer's resid_post block by block."""
+    last = out.layers[-1] if out.layers and "resid_post" in out.points else None
+    checker = NormChecker(ref, cand, None, "final_norm", out.tolerances) \
+        if last is not None and "final_norm" in out.final else None
+    al = out.alignment
+    for cols, a, b in _read_blocks(ref, cand, al, None, list(out.final), block_bytes):
+        if checker is not None:
+            checker.add((ref.point(last, "resid_post", al.ref_index[cols]), a["final_norm"]),
+                        (cand.point(last, "resid_post", al.cand_index[cols]), b["final_norm"]))
+        for point, pmap in out.final.items():
+            _fill(out, pmap, 0, cols, a.pop(point), b.pop(point))
+    if checker is not None:
+        out.norms.append(checker.finish(ref.norm_stats(None).get("final_norm"),
+                                        cand.norm_stats(None).get("final_norm"), al))
 
 
 def compare(ref: TraceReader, cand: TraceReader, alignment: Alignment, tolerances: Tolerances) -> Comparison:
-    """Stream both traces layer by layer and fill the point maps and norm checks."""
+    """Stream both traces layer by layer, in row blocks, and fill the point maps and norm checks."""
     layers = [i for i in ref.meta.layers if i in set(cand.meta.layers)]
     pos = alignment.positions
-    comparable = alignment.comparable
     shared = [p for p in LAYER_POINTS if p in ref.meta.points and p in cand.meta.points]
     out = Comparison(alignment, tolerances, layers,
                      {p: PointMap.empty(p, list(layers), pos) for p in shared},
                      {p: PointMap.empty(p, [None], pos) for p in FINAL_POINTS
                       if p in ref.meta.points and p in cand.meta.points})
-    ri, ci = alignment.ref_index, alignment.cand_index
-    last_resid: tuple[np.ndarray, np.ndarray] | None = None
+    layer_bytes = pos.size * _row_nbytes(ref, cand, layers[0], shared) if layers else 0
+    block_bytes = min(max(layer_bytes // 4, _BLOCK_BYTES[0]), _BLOCK_BYTES[1])
     for row, layer in enumerate(layers):
-        a, b = ref.layer(layer), cand.layer(layer)
-        ref_stats, cand_stats = ref.norm_stats(layer), cand.norm_stats(layer)
-        for norm, (src, dst) in NORM_IO.items():
-            if src in a and dst in a and src in b and dst in b:
-                out.norms.append(check_norm(
-                    ref, cand, layer, norm, (a[src][ri], a[dst][ri]), (b[src][ci], b[dst][ci]),
-                    ref_stats.get(norm), cand_stats.get(norm), alignment, tolerances))
-        if layer == layers[-1] and "resid_post" in a and "resid_post" in b:
-            last_resid = (a["resid_post"][ri], b["resid_post"][ci])
-        for point in shared:
-            x, y = _take(a.pop(point), ri), _take(b.pop(point), ci)
-            out.bytes_compared += x.nbytes + y.nbytes
-            metrics = row_metrics(x, y)
-            out.points[point].fill(row, metrics, metrics.tiers(tolerances.for_point(point)), comparable)
-        del a, b
+        _compare_layer(ref, cand, out, row, layer, block_bytes)
         log.debug("layer %d compared", layer)
     if out.final:
-        a, b = ref.final(), cand.final()
-        if last_resid is not None and "final_norm" in a and "final_norm" in b:
-            out.norms.append(check_norm(
-                ref, cand, None, "final_norm", (last_resid[0], a["final_norm"][ri]),
-                (last_resid[1], b["final_norm"][ci]), ref.norm_stats(None).get("final_norm"),
-                cand.norm_stats(None).get("final_norm"), alignment, tolerances))
-        for point, pmap in out.final.items():
-            x, y = _take(a.pop(point), ri), _take(b.pop(point), ci)
-            out.bytes_compared += x.nbytes + y.nbytes
-            metrics = row_metrics(x, y)
-            pmap.fill(0, metrics, metrics.tiers(tolerances.for_point(point)), comparable)
+        _compare_final(ref, cand, out, block_bytes)
     return out

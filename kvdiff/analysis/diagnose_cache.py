@@ -37,9 +37,9 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
     if not cols.size:
         return []
     layer = inputs.first_layer
-    a, b = inputs.layer_rows(layer)
     point = "v" if v_bad is not None and v_bad[cols].any() else "k_pre_rope"
-    src, dist = _sources(a[point], b[point][cols], positions)
+    ref_rows, cand_rows = inputs.rows(layer, point)
+    src, dist = _sources(ref_rows, cand_rows[cols], positions)
     out = []
     for chunk, group in group_by_chunk(inputs, positions[cols]):
         sel = np.isin(positions[cols], group)

@@ -16,12 +16,12 @@ def _q_shift(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> np.ndarra
     none = np.full(cols.size, -(1 << 62), dtype=np.int64)
     if inputs.thetas is None or not cols.size:
         return none
-    a, b = inputs.layer_rows(layer)
+    ref_q, cand_q = (q[cols] for q in inputs.rows(layer, "q"))
     horizon = int(inputs.comparison.alignment.positions.max()) + 1
-    shift, _ = estimate_positions(a["q"][cols], b["q"][cols], inputs.thetas, horizon, -horizon)
-    back = rotate(b["q"][cols], -shift.astype(np.float64), inputs.thetas)
+    shift, _ = estimate_positions(ref_q, cand_q, inputs.thetas, horizon, -horizon)
+    back = rotate(cand_q, -shift.astype(np.float64), inputs.thetas)
     tol = inputs.comparison.tolerances.for_point("q")
-    ok = row_metrics(a["q"][cols], back).tiers(tol) <= Tier.NOISE
+    ok = row_metrics(ref_q, back).tiers(tol) <= Tier.NOISE
     return np.where(ok, shift, none)
 
 
@@ -68,7 +68,7 @@ def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
     row, cols, shifts = found
     cmp = inputs.comparison
     layer, positions = cmp.layers[row], cmp.alignment.positions
-    ref_rows, _ = inputs.layer_rows(layer)
+    ref_q, ref_k = inputs.rows(layer, "q")[0], inputs.rows(layer, "k")[0]
     out = []
     for chunk, group in group_by_chunk(inputs, positions[cols]):
         in_group = np.isin(positions[cols], group)
@@ -79,7 +79,7 @@ def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
         if start <= int(positions[0]):
             continue
         unattended = (int(positions[0]), start - 1)
-        mass = attention_mass(ref_rows["q"], ref_rows["k"], positions, gcols, unattended,
+        mass = attention_mass(ref_q, ref_k, positions, gcols, unattended,
                               inputs.reference.meta.attn_scale)
         _, attn_rel = inputs.worst("attn_out", row, gcols)
         lo, hi = int(group[0]), int(group[-1])

@@ -12,9 +12,9 @@ def _encoded(inputs: DiagnosisInputs, cols: np.ndarray) -> tuple[np.ndarray, np.
     """Encoded position and fit quality of the candidate's first-layer keys at columns `cols`."""
     if inputs.thetas is None:
         return None
-    _, b = inputs.layer_rows(inputs.first_layer)
+    k_pre, k = inputs.rows(inputs.first_layer, "k_pre_rope")[1], inputs.rows(inputs.first_layer, "k")[1]
     horizon = 2 * int(inputs.comparison.alignment.positions.max()) + 64
-    return estimate_positions(b["k_pre_rope"][cols], b["k"][cols], inputs.thetas, horizon)
+    return estimate_positions(k_pre[cols], k[cols], inputs.thetas, horizon)
 
 
 def diagnose_position_mismatch(inputs: DiagnosisInputs) -> list[Diagnosis]:

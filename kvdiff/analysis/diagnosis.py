@@ -37,7 +37,7 @@ class Diagnosis:
 
 @dataclass
 class DiagnosisInputs:
-    """The traces (re-read for a layer when a rule needs raw rows), the comparison and the chunks."""
+    """The traces (re-read point by point when a rule needs raw rows), the comparison and the chunks."""
 
     reference: TraceReader
     candidate: TraceReader
@@ -50,23 +50,24 @@ class DiagnosisInputs:
     def first_layer(self) -> int | None:
         return self.comparison.layers[0] if self.comparison.layers else None
 
-    def layer_rows(self, layer: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Reference and candidate rows of `layer` at the aligned positions (the last two layers kept)."""
-        if layer not in self._rows:
-            if len(self._rows) >= 2:
+    def rows(self, layer: int, point: str) -> tuple[np.ndarray, np.ndarray]:
+        """Reference and candidate rows of one probe point of `layer` at the aligned positions
+        (only that point is read; the last four points asked for are kept)."""
+        if (layer, point) not in self._rows:
+            if len(self._rows) >= 4:
                 self._rows.pop(next(iter(self._rows)))
-            ri, ci = self.comparison.alignment.ref_index, self.comparison.alignment.cand_index
-            a, b = self.reference.layer(layer), self.candidate.layer(layer)
-            self._rows[layer] = ({k: v[ri] for k, v in a.items()}, {k: v[ci] for k, v in b.items()})
-        return self._rows[layer]
+            al = self.comparison.alignment
+            self._rows[(layer, point)] = (self.reference.point(layer, point, al.ref_index),
+                                          self.candidate.point(layer, point, al.cand_index))
+        return self._rows[(layer, point)]
 
     @functools.cached_property
     def thetas(self) -> np.ndarray | None:
         """RoPE frequencies measured on the reference's first layer keys."""
         if self.first_layer is None or not {"k", "k_pre_rope"} <= set(self.comparison.points):
             return None
-        a, _ = self.layer_rows(self.first_layer)
-        return estimate_thetas(a["k_pre_rope"], a["k"], self.comparison.alignment.positions)
+        k_pre, k = self.rows(self.first_layer, "k_pre_rope")[0], self.rows(self.first_layer, "k")[0]
+        return estimate_thetas(k_pre, k, self.comparison.alignment.positions)
 
     def ok(self, point: str, row: int) -> np.ndarray | None:
         """Bool per aligned position: `point` at layer row `row` is bitwise or noise (None if not recorded)."""

@@ -45,15 +45,13 @@ def recompute_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, dtype: str
     return out.to(_TORCH_DTYPES.get(dtype, torch.float32)).float().numpy()
 
 
-def _recompute(trace: TraceReader, layer: int | None, norm: str, io: tuple[np.ndarray, np.ndarray],
-               tolerances: Tolerances) -> tuple[np.ndarray | None, np.ndarray | None]:
+def _weight(trace: TraceReader, layer: int | None, norm: str) -> tuple[np.ndarray, float, str] | None:
+    """The norm's weight, epsilon and the trace's dtype; None when the trace holds no weight."""
     try:
         weight, eps = trace.norm_weight(layer, norm)
     except TraceError:
-        return None, None
-    recomputed = recompute_rms_norm(io[0], weight, eps, trace.meta.dtype)
-    metrics = row_metrics(io[1], recomputed)
-    return metrics.rel, metrics.tiers(tolerances.for_point(norm)) <= Tier.NOISE
+        return None
+    return weight, eps, trace.meta.dtype
 
 
 def _stats_differ(ref: dict | None, cand: dict | None, alignment: Alignment,
@@ -72,15 +70,33 @@ def _stats_differ(ref: dict | None, cand: dict | None, alignment: Alignment,
     return differ, names
 
 
-def check_norm(ref: TraceReader, cand: TraceReader, layer: int | None, norm: str,
-               ref_io: tuple[np.ndarray, np.ndarray], cand_io: tuple[np.ndarray, np.ndarray],
-               ref_stats: dict | None, cand_stats: dict | None, alignment: Alignment,
-               tolerances: Tolerances) -> NormCheck:
-    """Check one norm: both traces' self-consistency, and input/output/statistics agreement."""
-    ref_rel, ref_ok = _recompute(ref, layer, norm, ref_io, tolerances)
-    cand_rel, cand_ok = _recompute(cand, layer, norm, cand_io, tolerances)
-    input_point = "resid_pre" if norm == "attn_norm" else "resid_mid" if norm == "mlp_norm" else "resid_post"
-    input_tier = row_metrics(ref_io[0], cand_io[0]).tiers(tolerances.for_point(input_point))
-    output_tier = row_metrics(ref_io[1], cand_io[1]).tiers(tolerances.for_point(norm))
-    differ, names = _stats_differ(ref_stats, cand_stats, alignment, tolerances, norm)
-    return NormCheck(layer, norm, ref_rel, cand_rel, ref_ok, cand_ok, input_tier, output_tier, differ, names)
+class NormChecker:
+    """Checks one norm over blocks of aligned rows: both traces' self-consistency (recomputed from
+    the recorded input and weights) and input/output agreement; `finish` adds the statistics."""
+
+    def __init__(self, ref: TraceReader, cand: TraceReader, layer: int | None, norm: str, tolerances: Tolerances):
+        self.layer, self.norm, self.tolerances = layer, norm, tolerances
+        self._weights = (_weight(ref, layer, norm), _weight(cand, layer, norm))
+        self._input_point = "resid_pre" if norm == "attn_norm" else "resid_mid" if norm == "mlp_norm" else "resid_post"
+        self._blocks: list[tuple[np.ndarray | None, ...]] = []
+
+    def _recompute(self, weight: tuple[np.ndarray, float, str] | None,
+                   io: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray | None, np.ndarray | None]:
+        if weight is None:
+            return None, None
+        metrics = row_metrics(io[1], recompute_rms_norm(io[0], *weight))
+        return metrics.rel, metrics.tiers(self.tolerances.for_point(self.norm)) <= Tier.NOISE
+
+    def add(self, ref_io: tuple[np.ndarray, np.ndarray], cand_io: tuple[np.ndarray, np.ndarray]) -> None:
+        """The next block of aligned rows: (norm input, norm output) of the reference and the candidate."""
+        ref_rel, ref_ok = self._recompute(self._weights[0], ref_io)
+        cand_rel, cand_ok = self._recompute(self._weights[1], cand_io)
+        input_tier = row_metrics(ref_io[0], cand_io[0]).tiers(self.tolerances.for_point(self._input_point))
+        output_tier = row_metrics(ref_io[1], cand_io[1]).tiers(self.tolerances.for_point(self.norm))
+        self._blocks.append((ref_rel, cand_rel, ref_ok, cand_ok, input_tier, output_tier))
+
+    def finish(self, ref_stats: dict | None, cand_stats: dict | None, alignment: Alignment) -> NormCheck:
+        """The NormCheck over every block added, in order, with the recorded statistics compared."""
+        joined = [None if parts[0] is None else np.concatenate(parts) for parts in zip(*self._blocks)]
+        differ, names = _stats_differ(ref_stats, cand_stats, alignment, self.tolerances, self.norm)
+        return NormCheck(self.layer, self.norm, *joined, differ, names)

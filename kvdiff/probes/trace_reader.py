@@ -10,6 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import h5py
 import numpy as np
@@ -17,9 +18,12 @@ import numpy as np
 from kvdiff.errors import TraceError
 from kvdiff.probes.trace_check import check_structure
 from kvdiff.probes.trace_format import (
-    DTYPE_ATTR, FINAL_GROUP, FORMAT_NAME, SCHEMA_VERSION, ChunkRecord, ProvenanceRecords, StepRecords,
+    DTYPE_ATTR, FORMAT_NAME, SCHEMA_VERSION, ChunkRecord, ProvenanceRecords, StepRecords,
     TraceMeta, from_storage, norm_weight_path, point_group,
 )
+
+
+Rows = slice | np.ndarray | None       # which of a trace's positions to read: a slice or indices into them
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,11 @@ class DatasetInfo:
     shape: tuple[int, ...]
     dtype: str            # the captured dtype (bfloat16 for uint16-coded rows)
     stored_bytes: int     # bytes on disk (after compression)
+
+
+def _stored_dtype(ds: h5py.Dataset) -> str:
+    """The torch dtype a dataset's rows had when captured."""
+    return str(ds.attrs.get(DTYPE_ATTR, ds.dtype))
 
 
 def _open_file(path: Path) -> h5py.File:
@@ -79,7 +88,10 @@ def _read_meta(f: h5py.File) -> TraceMeta:
 
 
 class TraceReader:
-    """A finished trace. Open with `open_trace(path)`; arrays are aligned with `positions`."""
+    """A finished trace. Open with `open_trace(path)`; arrays are aligned with `positions`.
+
+    Reads are lazy and as narrow as asked: one layer, one point, or a block of rows of it.
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -89,6 +101,7 @@ class TraceReader:
             self.meta = _read_meta(self._file)
             self.positions: np.ndarray = self._file["positions"][()]
             check_structure(self.path, self._file, self.meta, self.positions)
+            self._datasets: dict[tuple[int | None, str], tuple[h5py.Dataset, str]] = {}
         except (KeyError, OSError, TypeError, ValueError) as exc:
             self._file.close()
             raise TraceError(f"trace {self.path} is damaged ({exc}); record it again") from None
@@ -96,29 +109,64 @@ class TraceReader:
             self._file.close()
             raise
 
-    def _rows(self, ds: h5py.Dataset) -> np.ndarray:
-        """The dataset's rows at `positions` (row index = global position)."""
-        pos = self.positions
-        if pos.size == 0:
-            return np.zeros((0, *ds.shape[1:]), dtype=ds.dtype)
-        lo, hi = int(pos[0]), int(pos[-1]) + 1
-        block = ds[lo:hi]
-        data = block if hi - lo == pos.size else block[pos - lo]
-        return from_storage(data, ds.attrs.get(DTYPE_ATTR, str(ds.dtype)))
+    def _rows(self, ds: h5py.Dataset, dtype: str, rows: Rows = None) -> np.ndarray:
+        """The dataset's rows at `positions[rows]` (row index = global position); every position by default.
 
-    def _group_points(self, group: str) -> dict[str, np.ndarray]:
+        The span from the first to the last wanted position is read, or only the wanted rows
+        when they fill less than half of it."""
+        pos = self.positions if rows is None else self.positions[rows]
+        if pos.size == 0:
+            return from_storage(np.zeros((0, *ds.shape[1:]), dtype=ds.dtype), dtype)
+        lo, hi = int(pos.min()), int(pos.max()) + 1
+        increasing = bool(np.all(pos[1:] > pos[:-1]))
+        if increasing and hi - lo == pos.size:
+            data = ds[lo:hi]
+        elif increasing and hi - lo > 2 * pos.size:
+            data = ds[pos]                 # sparse: read only the wanted rows
+        else:
+            data = ds[lo:hi][pos - lo]
+        return from_storage(data, dtype)
+
+    def _group(self, layer: int | None) -> h5py.Group:
+        group = point_group(layer if layer is None else int(layer))
         if group not in self._file:
             raise TraceError(f"trace {self.path} holds no {group!r}: recorded layers are {list(self.meta.layers)}")
-        g = self._file[group]
-        return {name: self._rows(g[name]) for name in g if isinstance(g[name], h5py.Dataset)}
+        return self._file[group]
 
-    def layer(self, i: int) -> dict[str, np.ndarray]:
-        """Probe point -> (n_positions, ...) array for layer `i` (only that layer is read)."""
-        return self._group_points(point_group(int(i)))
+    def _dataset(self, layer: int | None, point: str) -> tuple[h5py.Dataset, str]:
+        """A point's dataset and captured dtype, looked up once (h5py lookups cost more than small reads)."""
+        key = (layer if layer is None else int(layer), point)
+        if key not in self._datasets:
+            ds = self._group(layer).get(point)
+            if not isinstance(ds, h5py.Dataset):
+                raise TraceError(f"trace {self.path} holds no probe point {point!r} in {point_group(key[0])!r}")
+            self._datasets[key] = (ds, _stored_dtype(ds))
+        return self._datasets[key]
 
-    def final(self) -> dict[str, np.ndarray]:
-        """final_norm and logits (those recorded)."""
-        return self._group_points(FINAL_GROUP)
+    def points_in(self, layer: int | None) -> list[str]:
+        """The probe points recorded in `layer` (None: the final points), without reading them."""
+        g = self._group(layer)
+        return [name for name in g if isinstance(g[name], h5py.Dataset)]
+
+    def point(self, layer: int | None, name: str, rows: Rows = None) -> np.ndarray:
+        """(n, ...) rows of probe point `name` of `layer` (None: a final point) at `positions[rows]`:
+        `rows` is a slice or an index array into `positions`; every position by default."""
+        return self._rows(*self._dataset(layer, name), rows)
+
+    def row_nbytes(self, layer: int | None, name: str) -> int:
+        """Bytes of one row of `name` as `point` returns it (bfloat16 rows come back as float32)."""
+        ds, dtype = self._dataset(layer, name)
+        itemsize = 4 if dtype == "bfloat16" else ds.dtype.itemsize
+        return int(np.prod(ds.shape[1:], dtype=np.int64)) * itemsize
+
+    def layer(self, i: int, points: Iterable[str] | None = None, rows: Rows = None) -> dict[str, np.ndarray]:
+        """Probe point -> (n, ...) array for layer `i`: the `points` asked for (default all) at
+        `positions[rows]` (default all); nothing else is read."""
+        return {name: self.point(int(i), name, rows) for name in (self.points_in(i) if points is None else points)}
+
+    def final(self, points: Iterable[str] | None = None, rows: Rows = None) -> dict[str, np.ndarray]:
+        """final_norm and logits (those recorded, or the `points` asked for) at `positions[rows]`."""
+        return {name: self.point(None, name, rows) for name in (self.points_in(None) if points is None else points)}
 
     def norm_stats(self, layer: int | None) -> dict[str, dict[str, np.ndarray]]:
         """Norm name -> statistic name -> float64 (n_positions,) for `layer` (None: final norm)."""
@@ -126,7 +174,7 @@ class TraceReader:
         if name not in self._file:
             return {}
         g = self._file[name]
-        return {norm: {stat: self._rows(g[norm][stat]) for stat in g[norm]} for norm in g}
+        return {norm: {stat: self._rows(g[norm][stat], _stored_dtype(g[norm][stat])) for stat in g[norm]} for norm in g}
 
     def norm_weight(self, layer: int | None, norm: str) -> tuple[np.ndarray, float]:
         """A norm module's weight and epsilon (norm: attn_norm, mlp_norm, final_norm, q_norm, k_norm)."""
@@ -170,7 +218,7 @@ class TraceReader:
 
         def visit(name: str, obj) -> None:
             if isinstance(obj, h5py.Dataset):
-                out.append(DatasetInfo(name, obj.shape, str(obj.attrs.get(DTYPE_ATTR, obj.dtype)),
+                out.append(DatasetInfo(name, obj.shape, _stored_dtype(obj),
                                        obj.id.get_storage_size()))
 
         self._file.visititems(visit)

@@ -1,5 +1,11 @@
 """TraceWriter: appends captured rows to an HDF5 trace as generation proceeds.
 
+Rows are copied to host memory when they are handed over and written to HDF5 by one background
+thread, so the model's forward does not wait for the disk; the writer's backlog is bounded
+(`max_queued_bytes`), and a capture that would pass the bound waits for the thread. An error on
+the thread (disk full, file too large) is raised in the caller at its next write or at `close`,
+as a TraceWriteError, and the unfinished file is deleted.
+
 The file is written under a temporary name in the target's folder; `close()` checks that every
 recorded point holds every recorded position, sets the `complete` attribute last, and renames
 the file into place. A writer that dies before that leaves only the temporary file, which
@@ -8,33 +14,83 @@ readers refuse as incomplete.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import re
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
-import h5py
 import numpy as np
 import torch
 
-from kvdiff.errors import TraceError
-from kvdiff.probes.selection import format_ranges
+from kvdiff.errors import KvdiffError, TraceError, TraceWriteError
+from kvdiff.probes.background import SerialWorker
 from kvdiff.probes.sink import ProbeIntegrityError
-from kvdiff.probes.trace_format import (
-    DTYPE_ATTR, FORMAT_NAME, SCHEMA_VERSION, ChunkRecord, TraceMeta, norm_weight_path, to_storage,
-)
+from kvdiff.probes.trace_file import Source, Step, TraceFile
+from kvdiff.probes.trace_format import ChunkRecord, TraceMeta, dtype_name, to_storage
 
 log = logging.getLogger(__name__)
 
-_CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
 _COMPRESSIONS = (None, "gzip", "lzf")
+DEFAULT_QUEUED_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """A private host copy of captured rows. From CUDA the copy runs asynchronously into pinned
+    memory until `copied` completes; `ready()` waits for it."""
+
+    tensor: torch.Tensor
+    copied: torch.cuda.Event | None = None
+
+    def ready(self) -> torch.Tensor:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.tensor
+
+
+def host_copy(rows: torch.Tensor) -> HostRows:
+    """Copy `rows` now, so that a buffer overwritten later cannot change what is written."""
+    rows = rows.detach()
+    if rows.is_cuda:
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(rows.device))
+        return HostRows(host, copied)
+    return HostRows(rows.to("cpu", copy=True, memory_format=torch.contiguous_format))
+
+
+def _reason(exc: BaseException) -> str:
+    """The OS's words for an I/O error, from an OSError or from HDF5's long error text."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    found = re.search(r"error message = '([^']*)'", str(exc))
+    return found.group(1) if found else (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+def _write_error(exc: BaseException, path: Path) -> KvdiffError:
+    """What the caller sees for an exception raised while writing: kvdiff's own errors as they are,
+    others as a TraceWriteError caused by them."""
+    if isinstance(exc, KvdiffError):
+        return exc
+    if isinstance(exc, OSError):
+        error = TraceWriteError(f"cannot write trace {path}: {_reason(exc)}; "
+                                "free space on its disk or write the trace to another folder")
+    else:
+        error = TraceWriteError(f"writing trace {path} failed: {type(exc).__name__}: {_reason(exc)} "
+                                "(run with -v for details)")
+    error.__cause__ = exc
+    return error
 
 
 class TraceWriter:
     """Writes one trace. Use as a context manager, or call `close()` / `abort()` yourself."""
 
-    def __init__(self, path: str | os.PathLike, meta: TraceMeta, compression: str | None = None):
+    def __init__(self, path: str | os.PathLike, meta: TraceMeta, compression: str | None = None,
+                 max_queued_bytes: int = DEFAULT_QUEUED_BYTES):
         if compression not in _COMPRESSIONS:
             raise TraceError(f"unknown compression {compression!r}: use none, gzip or lzf")
         self.path = Path(path)
@@ -43,83 +99,68 @@ class TraceWriter:
         self.meta = meta
         self.compression = compression
         self.tmp_path = self.path.parent / f".{self.path.name}.{os.getpid()}.partial"
-        # No chunk cache: rows go straight to the file, so a failed write (disk full) raises at once;
-        # HDF5 crashes the process when it cannot flush cached chunks at close.
-        self._file = h5py.File(self.tmp_path, "w", rdcc_nbytes=0)
-        self._filled: dict[str, np.ndarray] = {}     # dataset path -> bool mask over positions
-        self._provenance: dict[int, tuple[str, int, int, bool]] = {}
-        self._steps: list[tuple] = []
-        self._file.attrs["format"] = FORMAT_NAME
-        self._file.attrs["schema_version"] = SCHEMA_VERSION
-        self._file.attrs["complete"] = False
-        self._file.create_dataset("input_ids", data=np.asarray(meta.input_ids, dtype=np.int64))
+        try:
+            self._file = TraceFile(self.tmp_path, meta.input_ids, compression)
+        except OSError as exc:
+            raise TraceError(f"cannot write trace {self.path}: {_reason(exc)}") from exc
+        self._provenance: dict[int, Source] = {}
+        self._steps: list[Step] = []
+        self._open = True
+        self._worker = SerialWorker(f"kvdiff-trace {self.path.name}", max_queued_bytes)
+        weakref.finalize(self, self._worker.cancel)     # a writer dropped unclosed ends its thread
+
+    def _submit(self, job: Callable[[], None], nbytes: int) -> None:
+        if not self._open:
+            raise TraceError(f"trace {self.path} is already closed or aborted")
+        self._worker.submit(job, nbytes)
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._worker.error is not None:
+            self.abort()
+            raise _write_error(self._worker.error, self.path)
 
     # -- rows --------------------------------------------------------------------------------
 
-    def _dataset(self, name: str, row_shape: tuple[int, ...], dtype: np.dtype, torch_dtype: str) -> h5py.Dataset:
-        if name in self._file:
-            ds = self._file[name]
-            if ds.shape[1:] != row_shape or ds.dtype != dtype:
-                raise ProbeIntegrityError(
-                    f"{name}: rows of shape {row_shape} {dtype} after rows of {ds.shape[1:]} {ds.dtype}")
-            return ds
-        row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize)
-        chunk_rows = int(min(128, max(1, _CHUNK_BYTES // row_bytes)))
-        ds = self._file.create_dataset(
-            name, shape=(0, *row_shape), maxshape=(None, *row_shape), dtype=dtype,
-            chunks=(chunk_rows, *row_shape), compression=self.compression)
-        ds.attrs[DTYPE_ATTR] = torch_dtype
-        self._filled[name] = np.zeros(0, dtype=bool)
-        return ds
-
-    def _put(self, name: str, positions: np.ndarray, data: np.ndarray, torch_dtype: str) -> None:
-        """Write `data` rows at row index = global position, growing the dataset as needed."""
-        if data.shape[0] != positions.shape[0]:
-            raise ProbeIntegrityError(f"{name}: {data.shape[0]} rows for {positions.shape[0]} positions")
-        if positions.size == 0:
-            return
-        ds = self._dataset(name, data.shape[1:], data.dtype, torch_dtype)
-        if positions.size > 1 and not bool(np.all(positions[1:] > positions[:-1])):
-            order = np.argsort(positions, kind="stable")
-            positions, data = positions[order], data[order]
-        end = int(positions[-1]) + 1
-        if end > ds.shape[0]:
-            ds.resize(max(end, 2 * ds.shape[0]), axis=0)
-        if end - int(positions[0]) == positions.size:
-            ds[int(positions[0]):end] = data
-        else:
-            ds[positions] = data
-        filled = self._filled[name]
-        if filled.size < end:
-            filled = np.concatenate((filled, np.zeros(max(end, 2 * filled.size) - filled.size, dtype=bool)))
-        filled[positions] = True
-        self._filled[name] = filled
-
     def write_rows(self, group: str, point: str, positions: Sequence[int], rows: torch.Tensor) -> None:
         """Rows (T, ...) of `point` in `group` ('layers/<i>' or 'final') at global `positions`."""
-        data, torch_dtype = to_storage(rows)
-        self._put(f"{group}/{point}", np.asarray(positions, dtype=np.int64), data, torch_dtype)
+        pos = np.array(positions, dtype=np.int64).reshape(-1)
+        if rows.shape[0] != pos.size:
+            raise ProbeIntegrityError(f"{group}/{point}: {rows.shape[0]} rows for {pos.size} positions")
+        host, file = host_copy(rows), self._file
+
+        def job() -> None:
+            data, torch_dtype = to_storage(host.ready())
+            file.put(f"{group}/{point}", pos, data, torch_dtype)
+
+        self._submit(job, host.tensor.nbytes)
 
     def write_norm_stats(self, group: str, norm: str, positions: Sequence[int], stats: dict[str, np.ndarray]) -> None:
         """Per-token float64 statistics of norm module `norm` in `group`."""
-        pos = np.asarray(positions, dtype=np.int64)
-        for stat, values in stats.items():
-            self._put(f"{group}/norm_stats/{norm}/{stat}", pos, np.asarray(values, dtype=np.float64), "float64")
+        pos = np.array(positions, dtype=np.int64).reshape(-1)
+        copies = {stat: np.array(values, dtype=np.float64) for stat, values in stats.items()}
+        file = self._file
+
+        def job() -> None:
+            for stat, values in copies.items():
+                file.put(f"{group}/norm_stats/{norm}/{stat}", pos, values, "float64")
+
+        self._submit(job, sum(v.nbytes for v in copies.values()))
 
     def write_norm_weight(self, layer: int | None, norm: str, weight: torch.Tensor, eps: float) -> None:
         """A norm's weight (float32, or float64 for a float64 model) and epsilon."""
-        w = weight.detach().to("cpu", torch.float64 if weight.dtype == torch.float64 else torch.float32)
-        ds = self._file.create_dataset(norm_weight_path(layer, norm), data=w.numpy())
-        ds.attrs["eps"] = float(eps)
-        ds.attrs[DTYPE_ATTR] = str(weight.dtype).removeprefix("torch.")
+        w = weight.detach().to("cpu", torch.float64 if weight.dtype == torch.float64 else torch.float32,
+                               copy=True).numpy()
+        file, dtype = self._file, dtype_name(weight.dtype)
+        self._submit(lambda: file.put_norm_weight(layer, norm, w, eps, dtype), w.nbytes)
 
     # -- steps and provenance ----------------------------------------------------------------
 
     def append_step(self, step: int, position: int, token_id: int, topk_ids: np.ndarray,
                     topk_values: np.ndarray, margin: float) -> None:
         """One generated step (kept in memory: a few bytes a step; written at close)."""
-        self._steps.append((step, position, token_id, np.asarray(topk_ids, np.int64),
-                            np.asarray(topk_values, np.float32), float(margin)))
+        self._steps.append((step, position, token_id, np.array(topk_ids, np.int64),
+                            np.array(topk_values, np.float32), float(margin)))
 
     def write_provenance(self, positions: Sequence[int], chunk: str, prefill_id: int,
                          encoded_positions: Sequence[int], reused: bool) -> None:
@@ -132,56 +173,11 @@ class TraceWriter:
 
     # -- closing -----------------------------------------------------------------------------
 
-    def recorded_positions(self) -> np.ndarray:
-        """Sorted global positions that any dataset holds so far."""
-        if not self._filled:
-            return np.zeros(0, dtype=np.int64)
-        size = max(f.size for f in self._filled.values())
-        union = np.zeros(size, dtype=bool)
-        for filled in self._filled.values():
-            union[: filled.size] |= filled
-        return np.flatnonzero(union).astype(np.int64)
-
-    def _check_complete(self, positions: np.ndarray) -> None:
-        for name, filled in self._filled.items():
-            held = np.flatnonzero(filled)
-            if held.size != positions.size:
-                missing = np.setdiff1d(positions, held)
-                raise ProbeIntegrityError(
-                    f"{name} holds no rows for positions {format_ranges(missing)}: the probe did not fire there")
-
-    def _write_tables(self, positions: np.ndarray) -> None:
-        f = self._file
-        f.create_dataset("positions", data=positions)
-        f.create_dataset("generated_ids", data=np.asarray(self.meta.generated_ids, dtype=np.int64))
-        k = max((s[3].size for s in self._steps), default=0)
-        steps = f.create_group("steps")
-        steps.create_dataset("step", data=np.array([s[0] for s in self._steps], dtype=np.int64))
-        steps.create_dataset("position", data=np.array([s[1] for s in self._steps], dtype=np.int64))
-        steps.create_dataset("token_id", data=np.array([s[2] for s in self._steps], dtype=np.int64))
-        steps.create_dataset("topk_ids", data=np.array([s[3] for s in self._steps], dtype=np.int64).reshape(len(self._steps), k))
-        steps.create_dataset("topk_values", data=np.array([s[4] for s in self._steps], dtype=np.float32).reshape(len(self._steps), k))
-        steps.create_dataset("margin", data=np.array([s[5] for s in self._steps], dtype=np.float64))
-        if self._provenance:
-            prov = f.create_group("provenance")
-            keys = sorted(self._provenance)
-            rows = [self._provenance[p] for p in keys]
-            prov.create_dataset("positions", data=np.array(keys, dtype=np.int64))
-            prov.create_dataset("chunk", data=[r[0] for r in rows], dtype=h5py.string_dtype())
-            prov.create_dataset("prefill_id", data=np.array([r[1] for r in rows], dtype=np.int64))
-            prov.create_dataset("encoded_position", data=np.array([r[2] for r in rows], dtype=np.int64))
-            prov.create_dataset("reused", data=np.array([r[3] for r in rows], dtype=bool))
-
-    def _write_meta(self) -> None:
-        attrs = self._file.attrs
-        for name in TraceMeta.SCALARS:
-            value = getattr(self.meta, name)
-            # HDF5 strings cannot hold NUL (a model may generate one): it is stored as U+2400.
-            attrs[name] = value if isinstance(value, (int, float)) else str(value).replace("\0", "\u2400")
-        attrs["messages_json"] = json.dumps(self.meta.messages)
-        attrs["chunks_json"] = json.dumps([c.to_json() for c in self.meta.chunks])
-        attrs["points"] = json.dumps(list(self.meta.points))
-        attrs["layers"] = np.asarray(self.meta.layers, dtype=np.int64)
+    def flush(self) -> None:
+        """Wait until every row handed over is in the file, and flush the file to the OS."""
+        self._submit(self._file.flush, 0)
+        self._worker.wait_idle()
+        self._raise_if_failed()
 
     def close(self, generated_ids: Sequence[int] | None = None, text: str | None = None,
               chunks: Sequence[ChunkRecord] | None = None) -> Path:
@@ -192,31 +188,29 @@ class TraceWriter:
             self.meta.text = text
         if chunks is not None:
             self.meta.chunks = list(chunks)
+        if not self._open:
+            raise TraceError(f"trace {self.path} is already closed or aborted")
         try:
-            positions = self.recorded_positions()
-            self._check_complete(positions)
-            for name, filled in self._filled.items():
-                self._file[name].resize(int(positions[-1]) + 1 if positions.size else 0, axis=0)
-            self._write_tables(positions)
-            self._write_meta()
-            self._file.attrs["complete"] = True
-            self._file.close()
+            self._worker.stop()      # every row written; from here this thread alone uses the file
+            self._raise_if_failed()
+            n_positions = self._file.finish(self.meta, self._steps, self._provenance)
+            os.replace(self.tmp_path, self.path)
+        except Exception as exc:
+            self.abort()
+            raise _write_error(exc, self.path)
         except BaseException:
             self.abort()
             raise
-        os.replace(self.tmp_path, self.path)
-        log.info("trace written: %s (%d positions, %.1f MB)", self.path, positions.size,
-                 self.path.stat().st_size / 1e6)
+        self._open = False
+        log.info("trace written: %s (%d positions, %.1f MB; peak write backlog %.0f MB)", self.path, n_positions,
+                 self.path.stat().st_size / 1e6, self._worker.peak_backlog / 1e6)
         return self.path
 
     def abort(self) -> None:
-        """Drop the unfinished trace: close and delete the temporary file."""
-        if self._file.id.valid:
-            try:
-                self._file.close()
-            except (OSError, RuntimeError):  # the failure that led here (disk full) fails the close too
-                log.debug("closing unfinished trace %s failed", self.tmp_path, exc_info=True)
-        self.tmp_path.unlink(missing_ok=True)
+        """Drop the unfinished trace: stop the writer thread, close and delete the temporary file."""
+        self._open = False
+        self._worker.cancel()
+        self._file.discard()
 
     def __enter__(self) -> "TraceWriter":
         return self
@@ -224,5 +218,5 @@ class TraceWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
-        elif self._file.id.valid:
+        elif self._open:
             self.close()

@@ -1,0 +1,221 @@
+"""TraceFile: every h5py call of one trace being written, for TraceWriter.
+
+h5py must not be used on one file from two threads at once; TraceWriter opens a TraceFile
+before its writer thread starts, lets only that thread call it, and finishes or discards it
+after the thread has ended.
+
+HDF5 writes through `_LatchingFile` (h5py's file-object driver): an OS error (disk full, file
+too large) is kept there instead of being returned to HDF5, and TraceFile raises it after the
+call. HDF5 2.0 crashes the process when it closes a file after a failed write from its chunk
+cache; this way it never sees one, and the unfinished file can be closed and deleted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping
+
+import h5py
+import numpy as np
+
+from kvdiff.probes.selection import format_ranges
+from kvdiff.probes.sink import ProbeIntegrityError
+from kvdiff.probes.trace_format import (
+    DTYPE_ATTR, FORMAT_NAME, SCHEMA_VERSION, TraceMeta, norm_weight_path,
+)
+
+_CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
+
+Step = tuple[int, int, int, np.ndarray, np.ndarray, float]   # step, position, token, top-k ids, values, margin
+Source = tuple[str, int, int, bool]                          # chunk, prefill id, encoded position, reused
+
+
+class _LatchingFile:
+    """An unbuffered file that keeps its first write error and from then on drops writes."""
+
+    def __init__(self, path: Path):
+        self._raw = open(path, "w+b", buffering=0)
+        self.error: OSError | None = None
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def read(self, size: int) -> bytes:
+        data = self._raw.read(size)
+        return data + bytes(size - len(data))          # past the end reads as zeros, as in HDF5's own driver
+
+    def write(self, data) -> int:
+        if self.error is None:
+            try:
+                return self._raw.write(data)
+            except OSError as exc:
+                self.error = exc
+        return len(data)
+
+    def truncate(self, size: int) -> int:
+        if self.error is None:
+            try:
+                return self._raw.truncate(size)
+            except OSError as exc:
+                self.error = exc
+        return size
+
+    def flush(self) -> None:
+        """Writes are unbuffered: nothing to do."""
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+class TraceFile:
+    """An open, incomplete trace at `tmp_path`: rows go in by global position; `finish` completes it."""
+
+    def __init__(self, tmp_path: Path, input_ids: np.ndarray, compression: str | None):
+        self.tmp_path = tmp_path
+        self.compression = compression
+        self._io = _LatchingFile(tmp_path)
+        try:
+            self._file = h5py.File(self._io, "w", rdcc_nbytes=2 * _CHUNK_BYTES)
+        except BaseException:
+            self._io.close()
+            tmp_path.unlink(missing_ok=True)
+            raise
+        self._filled: dict[str, np.ndarray] = {}     # dataset path -> bool mask over positions
+        self._file.attrs["format"] = FORMAT_NAME
+        self._file.attrs["schema_version"] = SCHEMA_VERSION
+        self._file.attrs["complete"] = False
+        self._file.create_dataset("input_ids", data=np.asarray(input_ids, dtype=np.int64))
+        self._check_io()
+
+    def _check_io(self) -> None:
+        """Raise the OS error a write of the file met, if any."""
+        if self._io.error is not None:
+            raise self._io.error
+
+    def _dataset(self, name: str, row_shape: tuple[int, ...], dtype: np.dtype, torch_dtype: str) -> h5py.Dataset:
+        if name in self._file:
+            ds = self._file[name]
+            if ds.shape[1:] != row_shape or ds.dtype != dtype:
+                raise ProbeIntegrityError(
+                    f"{name}: rows of shape {row_shape} {dtype} after rows of {ds.shape[1:]} {ds.dtype}")
+            return ds
+        row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize)
+        chunk_rows = int(min(128, max(1, _CHUNK_BYTES // row_bytes)))
+        ds = self._file.create_dataset(
+            name, shape=(0, *row_shape), maxshape=(None, *row_shape), dtype=dtype,
+            chunks=(chunk_rows, *row_shape), compression=self.compression)
+        ds.attrs[DTYPE_ATTR] = torch_dtype
+        self._filled[name] = np.zeros(0, dtype=bool)
+        return ds
+
+    def put(self, name: str, positions: np.ndarray, data: np.ndarray, torch_dtype: str) -> None:
+        """Write `data` rows at row index = global position, growing the dataset as needed."""
+        if positions.size == 0:
+            return
+        ds = self._dataset(name, data.shape[1:], data.dtype, torch_dtype)
+        if positions.size > 1 and not bool(np.all(positions[1:] > positions[:-1])):
+            order = np.argsort(positions, kind="stable")
+            positions, data = positions[order], data[order]
+        end = int(positions[-1]) + 1
+        if end > ds.shape[0]:
+            ds.resize(max(end, 2 * ds.shape[0]), axis=0)
+        if end - int(positions[0]) == positions.size:
+            ds[int(positions[0]):end] = data
+        else:
+            ds[positions] = data
+        filled = self._filled[name]
+        if filled.size < end:
+            filled = np.concatenate((filled, np.zeros(max(end, 2 * filled.size) - filled.size, dtype=bool)))
+        filled[positions] = True
+        self._filled[name] = filled
+        self._check_io()
+
+    def put_norm_weight(self, layer: int | None, norm: str, weight: np.ndarray, eps: float, dtype: str) -> None:
+        ds = self._file.create_dataset(norm_weight_path(layer, norm), data=weight)
+        ds.attrs["eps"] = float(eps)
+        ds.attrs[DTYPE_ATTR] = dtype
+        self._check_io()
+
+    def flush(self) -> None:
+        self._file.flush()
+        self._check_io()
+
+    def _recorded_positions(self) -> np.ndarray:
+        """Sorted global positions that any dataset holds."""
+        if not self._filled:
+            return np.zeros(0, dtype=np.int64)
+        size = max(f.size for f in self._filled.values())
+        union = np.zeros(size, dtype=bool)
+        for filled in self._filled.values():
+            union[: filled.size] |= filled
+        return np.flatnonzero(union).astype(np.int64)
+
+    def _check_complete(self, positions: np.ndarray) -> None:
+        for name, filled in self._filled.items():
+            held = np.flatnonzero(filled)
+            if held.size != positions.size:
+                missing = np.setdiff1d(positions, held)
+                raise ProbeIntegrityError(
+                    f"{name} holds no rows for positions {format_ranges(missing)}: the probe did not fire there")
+
+    def _write_tables(self, positions: np.ndarray, meta: TraceMeta, steps: list[Step],
+                      provenance: Mapping[int, Source]) -> None:
+        f = self._file
+        f.create_dataset("positions", data=positions)
+        f.create_dataset("generated_ids", data=np.asarray(meta.generated_ids, dtype=np.int64))
+        k = max((s[3].size for s in steps), default=0)
+        g = f.create_group("steps")
+        g.create_dataset("step", data=np.array([s[0] for s in steps], dtype=np.int64))
+        g.create_dataset("position", data=np.array([s[1] for s in steps], dtype=np.int64))
+        g.create_dataset("token_id", data=np.array([s[2] for s in steps], dtype=np.int64))
+        g.create_dataset("topk_ids", data=np.array([s[3] for s in steps], dtype=np.int64).reshape(len(steps), k))
+        g.create_dataset("topk_values", data=np.array([s[4] for s in steps], dtype=np.float32).reshape(len(steps), k))
+        g.create_dataset("margin", data=np.array([s[5] for s in steps], dtype=np.float64))
+        if provenance:
+            prov = f.create_group("provenance")
+            keys = sorted(provenance)
+            rows = [provenance[p] for p in keys]
+            prov.create_dataset("positions", data=np.array(keys, dtype=np.int64))
+            prov.create_dataset("chunk", data=[r[0] for r in rows], dtype=h5py.string_dtype())
+            prov.create_dataset("prefill_id", data=np.array([r[1] for r in rows], dtype=np.int64))
+            prov.create_dataset("encoded_position", data=np.array([r[2] for r in rows], dtype=np.int64))
+            prov.create_dataset("reused", data=np.array([r[3] for r in rows], dtype=bool))
+
+    def _write_meta(self, meta: TraceMeta) -> None:
+        attrs = self._file.attrs
+        for name in TraceMeta.SCALARS:
+            value = getattr(meta, name)
+            # HDF5 strings cannot hold NUL (a model may generate one): it is stored as U+2400.
+            attrs[name] = value if isinstance(value, (int, float)) else str(value).replace("\0", "\u2400")
+        attrs["messages_json"] = json.dumps(meta.messages)
+        attrs["chunks_json"] = json.dumps([c.to_json() for c in meta.chunks])
+        attrs["points"] = json.dumps(list(meta.points))
+        attrs["layers"] = np.asarray(meta.layers, dtype=np.int64)
+
+    def finish(self, meta: TraceMeta, steps: list[Step], provenance: Mapping[int, Source]) -> int:
+        """Check every dataset holds every recorded position, write the tables and metadata, set
+        `complete` last and close the file. Returns the number of recorded positions."""
+        positions = self._recorded_positions()
+        self._check_complete(positions)
+        for name in self._filled:
+            self._file[name].resize(int(positions[-1]) + 1 if positions.size else 0, axis=0)
+        self._write_tables(positions, meta, steps, provenance)
+        self._write_meta(meta)
+        self._file.attrs["complete"] = True
+        self._file.close()
+        self._io.close()
+        self._check_io()
+        return int(positions.size)
+
+    def discard(self) -> None:
+        """Close the file if open and delete it."""
+        try:
+            if self._file.id.valid:
+                self._file.close()
+        finally:
+            self._io.close()
+            self.tmp_path.unlink(missing_ok=True)

@@ -1,0 +1,145 @@
+"""The trace writer's background thread: bounded backlog, bit-exact data, errors in the caller."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvdiff.errors import TraceError, TraceWriteError
+from kvdiff.probes import trace_writer
+from kvdiff.probes.background import SerialWorker
+from kvdiff.probes.sink import ProbeIntegrityError
+from kvdiff.probes.trace import TraceWriter, open_trace
+
+from test_trace import make_meta
+
+
+def test_submit_waits_while_the_backlog_would_pass_the_bound():
+    worker = SerialWorker("test", max_bytes=100)
+    gate = threading.Event()
+    worker.submit(gate.wait, 60)
+    worker.submit(lambda: None, 30)
+    blocked = threading.Thread(target=worker.submit, args=(lambda: None, 30))
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive() and worker.backlog == 90
+    gate.set()
+    blocked.join(5)
+    assert not blocked.is_alive()
+    worker.wait_idle()
+    assert worker.peak_backlog == 90
+    worker.submit(lambda: None, 500)          # larger than the bound: admitted once the backlog is empty
+    worker.stop()
+    assert worker.backlog == 0 and worker.error is None and worker.peak_backlog == 500
+
+
+def test_a_failed_job_stops_the_worker_and_drops_later_jobs():
+    worker = SerialWorker("test", max_bytes=10)
+    ran = []
+    worker.submit(lambda: 1 / 0, 5)
+    worker.submit(lambda: ran.append(1), 5)
+    worker.wait_idle()
+    worker.submit(lambda: ran.append(2), 5)
+    worker.stop()
+    assert isinstance(worker.error, ZeroDivisionError) and ran == [] and worker.backlog == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_written_through_a_tiny_backlog_round_trip_bit_for_bit(tmp_path, dtype):
+    g = torch.Generator().manual_seed(1)
+    rows = (torch.randn(300, 2, 8, generator=g) * 1e3).to(dtype)
+    path = tmp_path / "t.h5"
+    with TraceWriter(path, make_meta(str(dtype)[6:]), max_queued_bytes=1024) as w:
+        for lo in range(0, 300, 7):                         # blocks arrive out of order and transposed
+            block = rows[lo:lo + 7].transpose(0, 1).contiguous().transpose(0, 1)
+            w.write_rows("layers/1", "k", range(lo, lo + block.shape[0]), block)
+            block.fill_(0)                                    # the caller reuses its buffer at once
+    with open_trace(path) as tr:
+        got = tr.layer(1)["k"]
+    want = rows.float().numpy() if dtype == torch.bfloat16 else rows.numpy()
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+class _LateCopy:
+    """Stands in for a CUDA event: the rows only arrive in the host buffer when it is waited on."""
+
+    def __init__(self, host: torch.Tensor, rows: torch.Tensor):
+        self.host, self.rows = host, rows
+
+    def synchronize(self) -> None:
+        self.host.copy_(self.rows)
+
+
+def test_the_writer_waits_for_an_asynchronous_copy_before_reading_it(tmp_path, monkeypatch):
+    def late_copy(rows):
+        host = torch.zeros_like(rows)
+        return trace_writer.HostRows(host, _LateCopy(host, rows.clone()))
+
+    monkeypatch.setattr(trace_writer, "host_copy", late_copy)
+    rows = torch.randn(5, 32)
+    with TraceWriter(tmp_path / "t.h5", make_meta()) as w:
+        w.write_rows("layers/0", "resid_pre", range(5), rows)
+    with open_trace(tmp_path / "t.h5") as tr:
+        assert np.array_equal(tr.layer(0)["resid_pre"], rows.numpy())
+
+
+def test_an_error_on_the_writer_thread_is_raised_at_the_next_write_and_leaves_no_file(tmp_path):
+    w = TraceWriter(tmp_path / "t.h5", make_meta())
+    w.write_rows("layers/0", "resid_pre", range(4), torch.zeros(4, 32))
+    w.write_rows("layers/0", "resid_pre", range(4, 8), torch.zeros(4, 16))   # fails on the thread
+    with pytest.raises(ProbeIntegrityError, match=r"layers/0/resid_pre: rows of shape \(16,\)"):
+        for pos in range(8, 10_000):
+            w.write_rows("layers/0", "resid_pre", [pos], torch.zeros(1, 32))
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(TraceError, match="already closed or aborted"):
+        w.close()
+
+
+_FILE_TOO_LARGE = textwrap.dedent("""
+    import os, resource, signal, sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_trace import make_meta
+    from kvdiff.errors import TraceError
+    from kvdiff.probes.trace import TraceWriter
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    w = TraceWriter({path!r}, make_meta())
+    try:
+        for pos in range(0, 200_000, 64):
+            w.write_rows("layers/0", "resid_pre", range(pos, pos + 64), torch.randn(64, 32))
+        w.close()
+    except TraceError as exc:
+        print(type(exc).__name__, exc.exit_code, exc, sep="|")
+    print(os.listdir(os.path.dirname({path!r})))
+""")
+
+
+def test_a_full_disk_on_the_writer_thread_is_a_one_line_trace_error_and_leaves_no_file(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    script = _FILE_TOO_LARGE.format(tests=os.path.dirname(__file__), path=str(folder / "t.h5"))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    error, listing = out.stdout.splitlines()
+    name, code, message = error.split("|")
+    assert issubclass(getattr(sys.modules["kvdiff.errors"], name), TraceError) and name == TraceWriteError.__name__
+    assert code == "3" and "File too large" in message and "free space" in message
+    assert listing == "[]" and list(folder.iterdir()) == []
+
+
+def test_a_folder_removed_before_close_is_a_trace_write_error(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    w = TraceWriter(folder / "t.h5", make_meta())
+    w.write_rows("layers/0", "resid_pre", range(4), torch.zeros(4, 32))
+    w.flush()
+    (folder / w.tmp_path.name).unlink()
+    folder.rmdir()
+    with pytest.raises(TraceWriteError, match="No such file or directory") as info:
+        w.close()
+    assert "\n" not in str(info.value) and not folder.exists()
