@@ -79,11 +79,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.
     out = torch.empty_like(q)
     # Every block walks all key tiles: a tile past a row's last visible key is fully masked and
     # leaves its state bit-for-bit unchanged, so the number of keys never changes a row's bits.
-    _attention_kernel[(-(-T // BLOCK_M), H)](
-        q, k, v, vis, out, T, L, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), vis.stride(0),
-        out.stride(0), out.stride(1),
-        GROUPS=H // KVH, D=D, IEEE=q.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N)
+    with torch.cuda.device(q.device):   # Triton launches on the current device, not the tensors'
+        _attention_kernel[(-(-T // BLOCK_M), H)](
+            q, k, v, vis, out, T, L, scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), vis.stride(0),
+            out.stride(0), out.stride(1),
+            GROUPS=H // KVH, D=D, IEEE=q.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N)
     return out
 
 
@@ -107,6 +108,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, H, rows.stride(0), out.stride(0),
-                                           float(eps), BLOCK=triton.next_power_of_2(H))
+        with torch.cuda.device(x.device):
+            _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, H, rows.stride(0), out.stride(0),
+                                               float(eps), BLOCK=triton.next_power_of_2(H))
     return out.view(*x.shape[:-1], H)

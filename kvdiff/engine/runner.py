@@ -107,7 +107,7 @@ class ModelRunner:
         keys = self._keys(groups)
         plan = None if self.exact else CascadePlan.build(spans, keys, dev)
         x = a.embed_tokens(tokens)
-        cos, sin = a.rope(x, encoded)
+        cos, sin = (t.to(x.device) for t in a.rope(x, encoded))   # the rotary module may sit on another GPU
         probes = _Probes(groups, spans, positions)
         probes.begin()
         layers = a.layers[: num_layers or len(a.layers)]
@@ -219,12 +219,16 @@ class _Probes:
         for sink, s, pos, _ in self.views:
             if not (sink.wants("final_norm", None) or sink.wants("logits", None)):
                 continue
-            idx = torch.tensor([where[r] for r in range(s.start, s.stop)], device=inp.device)
+            idx = [where[r] for r in range(s.start, s.stop)]
+
+            def rows(t: torch.Tensor) -> torch.Tensor:   # the final modules may sit on different GPUs
+                return t.index_select(0, torch.tensor(idx, device=t.device))
+
             if sink.wants("final_norm", None):
-                sink.capture("final_norm", None, normed.index_select(0, idx), pos)
-                sink.capture_norm("final_norm", None, inp.index_select(0, idx), normed.index_select(0, idx), pos)
+                sink.capture("final_norm", None, rows(normed), pos)
+                sink.capture_norm("final_norm", None, rows(inp), rows(normed), pos)
             if sink.wants("logits", None):
-                sink.capture("logits", None, logits.index_select(0, idx), pos)
+                sink.capture("logits", None, rows(logits), pos)
 
     def end(self) -> None:
         for sink, _, _, _ in self.views:
