@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvdiff.probes.points import LAYER_POINTS
+from kvdiff.probes.recorder import norm_statistics
 from kvdiff.probes.trace import ChunkRecord, TraceMeta, TraceWriter
 
 
@@ -125,13 +126,6 @@ class SyntheticModel:
             torch.set_num_threads(threads)
 
 
-def _norm_stats(x: torch.Tensor, y: torch.Tensor) -> dict[str, np.ndarray]:
-    xd, yd = x.double(), y.double()
-    return {"input_rms": xd.pow(2).mean(-1).sqrt().numpy(), "mean": xd.mean(-1).numpy(),
-            "variance": xd.var(-1, unbiased=False).numpy(), "max_abs": xd.abs().amax(-1).numpy(),
-            "output_rms": yd.pow(2).mean(-1).sqrt().numpy()}
-
-
 def write_trace(model: SyntheticModel, path: str | Path, prompt: list[int], steps: int, *,
                 strategy: str = "reference", faults: Faults | None = None,
                 chunks: list[ChunkRecord] | None = None, provenance: list[tuple] | None = None) -> Path:
@@ -152,11 +146,11 @@ def write_trace(model: SyntheticModel, path: str | Path, prompt: list[int], step
             for point in LAYER_POINTS:
                 w.write_rows(f"layers/{i}", point, positions, c[point])
             for norm, (x, y) in cap["norms"][i].items():
-                w.write_norm_stats(f"layers/{i}", norm, positions, _norm_stats(x, y))
+                w.write_norm_stats(f"layers/{i}", norm, positions, norm_statistics(x, y))
                 w.write_norm_weight(i, norm, model.weights[i]["n1" if norm == "attn_norm" else "n2"], model.eps)
         for point, value in cap["final"].items():
             w.write_rows("final", point, positions, value)
-        w.write_norm_stats("final", "final_norm", positions, _norm_stats(*cap["final_norm_io"]))
+        w.write_norm_stats("final", "final_norm", positions, norm_statistics(*cap["final_norm_io"]))
         w.write_norm_weight(None, "final_norm", model.final_w, model.eps)
         for step, (p, logits) in enumerate(rows):
             top = logits.topk(5)

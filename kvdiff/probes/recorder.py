@@ -18,11 +18,12 @@ from kvdiff.probes.trace_format import ChunkRecord, point_group
 from kvdiff.probes.trace_writer import TraceWriter
 
 
-def norm_statistics(norm_input: torch.Tensor, norm_output: torch.Tensor) -> dict[str, np.ndarray]:
-    """Per-row fp64 statistics over the last dim: input RMS, mean, (population) variance and
-    max-abs of the input, RMS of the output."""
-    x = norm_input.detach().reshape(-1, norm_input.shape[-1]).to("cpu", torch.float64)
-    y = norm_output.detach().reshape(-1, norm_output.shape[-1]).to("cpu", torch.float64)
+def norm_statistics(norm_input: torch.Tensor, norm_output: torch.Tensor) -> torch.Tensor:
+    """Per-row fp64 statistics over the last dim, one row per NORM_STATS name (input RMS, mean,
+    population variance and max-abs of the input, RMS of the output): (5, T) float64, computed
+    where the input lives, so a GPU run copies five numbers per token instead of two rows."""
+    x = norm_input.detach().reshape(-1, norm_input.shape[-1]).to(torch.float64)
+    y = norm_output.detach().reshape(-1, norm_output.shape[-1]).to(x.device, torch.float64)
     variance, mean = torch.var_mean(x, -1, correction=0)
     stats = {
         "input_rms": x.square().mean(-1).sqrt(),
@@ -31,7 +32,7 @@ def norm_statistics(norm_input: torch.Tensor, norm_output: torch.Tensor) -> dict
         "max_abs": x.abs().amax(-1),
         "output_rms": y.square().mean(-1).sqrt(),
     }
-    return {name: stats[name].numpy() for name in NORM_STATS}
+    return torch.stack([stats[name] for name in NORM_STATS])
 
 
 class TraceRecorder:
@@ -118,12 +119,12 @@ class TraceRecorder:
         self._in_forward(f"norm {norm!r} of layer {layer}")
         self._fired[("stats:" + norm, layer)] += 1
         stats = norm_statistics(norm_input, norm_output)
-        if stats["mean"].shape[0] != len(positions):
-            raise ProbeIntegrityError(f"norm {norm!r} of layer {layer}: {stats['mean'].shape[0]} rows "
+        if stats.shape[1] != len(positions):
+            raise ProbeIntegrityError(f"norm {norm!r} of layer {layer}: {stats.shape[1]} rows "
                                       f"for {len(positions)} positions")
         pos, mask = self._kept(positions)
         if mask is not None:
-            stats = {k: v[mask] for k, v in stats.items()}
+            stats = stats[:, torch.from_numpy(mask).to(stats.device)]
         self.writer.write_norm_stats(point_group(layer), norm, pos, stats)
 
     def provenance(self, positions: Sequence[int], source: Provenance) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from kvdiff.errors import KvdiffError, TraceError, TraceWriteError
 from kvdiff.probes.background import SerialWorker
+from kvdiff.probes.points import NORM_STATS
 from kvdiff.probes.sink import ProbeIntegrityError
 from kvdiff.probes.trace_file import Source, Step, TraceFile
 from kvdiff.probes.trace_format import ChunkRecord, TraceMeta, dtype_name, to_storage
@@ -135,17 +136,19 @@ class TraceWriter:
 
         self._submit(job, host.tensor.nbytes)
 
-    def write_norm_stats(self, group: str, norm: str, positions: Sequence[int], stats: dict[str, np.ndarray]) -> None:
-        """Per-token float64 statistics of norm module `norm` in `group`."""
+    def write_norm_stats(self, group: str, norm: str, positions: Sequence[int], stats: torch.Tensor) -> None:
+        """Per-token float64 statistics of norm module `norm` in `group`: one row of `stats`
+        (S, T) per NORM_STATS name, in that order (recorder.norm_statistics makes them)."""
         pos = np.array(positions, dtype=np.int64).reshape(-1)
-        copies = {stat: np.array(values, dtype=np.float64) for stat, values in stats.items()}
+        host = host_copy(stats.to(torch.float64))
         file = self._file
 
         def job() -> None:
-            for stat, values in copies.items():
-                file.put(f"{group}/norm_stats/{norm}/{stat}", pos, values, "float64")
+            values = host.ready().numpy()
+            for stat, row in zip(NORM_STATS, values):
+                file.put(f"{group}/norm_stats/{norm}/{stat}", pos, row, "float64")
 
-        self._submit(job, sum(v.nbytes for v in copies.values()))
+        self._submit(job, host.tensor.numel() * 8)
 
     def write_norm_weight(self, layer: int | None, norm: str, weight: torch.Tensor, eps: float) -> None:
         """A norm's weight (float32, or float64 for a float64 model) and epsilon."""
