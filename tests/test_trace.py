@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 
 import h5py
 import numpy as np
@@ -61,8 +62,8 @@ def test_rows_round_trip_bit_for_bit(tmp_path, dtype):
 
 def test_sparse_positions_read_back_aligned(tmp_path):
     path = tmp_path / "t.h5"
-    rows = torch.arange(40, dtype=torch.float32).reshape(10, 4)
-    with TraceWriter(path, make_meta()) as w:
+    rows = torch.arange(500, dtype=torch.float32).reshape(10, 50)
+    with TraceWriter(path, replace(make_meta(), points=("logits",))) as w:
         w.write_rows("final", "logits", [9, 2, 5], rows[[9, 2, 5]])
     with open_trace(path) as tr:
         assert tr.positions.tolist() == [2, 5, 9]
@@ -89,7 +90,7 @@ def test_an_exception_inside_the_writer_context_leaves_no_file(tmp_path):
 
 
 def _complete_trace(path) -> None:
-    with TraceWriter(path, make_meta()) as w:
+    with TraceWriter(path, replace(make_meta(), points=("resid_pre",), layers=(0,))) as w:
         w.write_rows("layers/0", "resid_pre", range(200), torch.randn(200, 32))
 
 

@@ -11,8 +11,8 @@ from kvdiff.errors import InputError
 from kvdiff.probes.points import ALL_POINTS, FINAL_POINTS, POINT_ORDER
 
 
-def parse_ranges(spec: str, what: str) -> list[int]:
-    """'0-3,29' -> [0, 1, 2, 3, 29]."""
+def parse_ranges(spec: str, what: str, limit: int | None = None) -> list[int]:
+    """'0-3,29' -> [0, 1, 2, 3, 29]; a range reaching `limit` is refused before it is expanded."""
     out: list[int] = []
     for part in spec.replace(" ", "").split(","):
         if not part:
@@ -24,6 +24,8 @@ def parse_ranges(spec: str, what: str) -> list[int]:
             raise InputError(f"bad {what} {part!r} in {spec!r}: use numbers and ranges like 0-3,29") from None
         if lo < 0 or hi < lo:
             raise InputError(f"bad {what} range {part!r}: give first-last with 0 <= first <= last")
+        if limit is not None and hi >= limit:
+            raise InputError(f"{what} {part!r} out of range: the model has {what}s 0-{limit - 1}")
         out.extend(range(lo, hi + 1))
     return out
 
@@ -39,9 +41,9 @@ def format_ranges(positions: Iterable[int]) -> str:
     return ",".join(str(s) if s == e else f"{s}-{e}" for s, e in zip(starts, ends))
 
 
-def _as_ints(value: str | int | Iterable[int], what: str) -> list[int]:
+def _as_ints(value: str | int | Iterable[int], what: str, limit: int | None = None) -> list[int]:
     if isinstance(value, str):
-        return parse_ranges(value, what)
+        return parse_ranges(value, what, limit)
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
@@ -69,7 +71,7 @@ class Selection:
                 raise InputError(f"unknown probe point(s) {', '.join(unknown) or '(none)'}: "
                                  f"choose from {', '.join(ALL_POINTS)}")
             points = tuple(sorted(set(names), key=POINT_ORDER.__getitem__))
-        chosen = list(range(num_layers)) if layers is None else sorted(set(_as_ints(layers, "layer")))
+        chosen = list(range(num_layers)) if layers is None else sorted(set(_as_ints(layers, "layer", num_layers)))
         bad = [i for i in chosen if not 0 <= i < num_layers]
         if bad:
             raise InputError(f"layer(s) {bad} out of range: the model has layers 0-{num_layers - 1}")
