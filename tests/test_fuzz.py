@@ -214,3 +214,25 @@ def test_kvdiff_never_unpickles_or_evaluates(tmp_path):
         del f["input_ids"]
         f.create_dataset("input_ids", data=np.array([f.ref] * 3, dtype=h5py.ref_dtype))
     assert "input_ids must be a 1-D integer dataset" in _malformed(path)
+
+
+def test_gate_cases_get_distinct_folders_inside_the_output_folder(tmp_path):
+    """Case names '.' and '..', and names that sanitize alike, once shared or escaped the folder
+    (a passing '.' case removed every failing case's report)."""
+    from types import SimpleNamespace
+
+    from kvdiff.gate.cases import GateCase
+    from kvdiff.gate.runner import run_cases
+
+    def fake_compare(messages, out, model_cache, passes):
+        out.mkdir(parents=True)
+        (out / "report.json").write_text("{}")
+        return SimpleNamespace(divergence=SimpleNamespace(tokens_identical=passes), summary="tokens differ")
+
+    names = ["a b", "a_b", "A_B", "..", "."]
+    cases = [GateCase(name, [], {"passes": name == "."}) for name in names]
+    outcomes = run_cases(cases, tmp_path / "gate", compare_fn=fake_compare)
+    assert [o.status for o in outcomes] == ["failed"] * 4 + ["passed"]
+    folders = [o.report_dir for o in outcomes[:4]]
+    assert [f.name for f in folders] == ["a_b", "a_b-2", "A_B-3", "case"]
+    assert all(f.parent == tmp_path / "gate" and (f / "report.json").exists() for f in folders)

@@ -29,8 +29,18 @@ class CaseOutcome:
     report_dir: Path | None = None
 
 
-def _safe_dirname(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "case"
+def _case_dirnames(names: list[str]) -> list[str]:
+    """A folder name per case: only safe characters, never '.' or '..', and distinct even where two
+    case names differ only in characters that were replaced."""
+    out: list[str] = []
+    for name in names:
+        base = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "case"
+        unique, n = base, 1
+        while unique.lower() in (o.lower() for o in out):      # case-insensitive file systems
+            n += 1
+            unique = f"{base}-{n}"
+        out.append(unique)
+    return out
 
 
 def run_cases(cases: list[GateCase], out_dir: Path, compare_fn: Callable | None = None,
@@ -45,8 +55,8 @@ def run_cases(cases: list[GateCase], out_dir: Path, compare_fn: Callable | None 
     compare_fn = compare_fn or compare
     models: dict = {}
     outcomes: list[CaseOutcome] = []
-    for case in cases:
-        case_dir = out_dir / _safe_dirname(case.name)
+    for case, dirname in zip(cases, _case_dirnames([c.name for c in cases])):
+        case_dir = out_dir / dirname
         start = time.perf_counter()
         try:
             result = compare_fn(case.messages, out=case_dir, model_cache=models, **case.options)
