@@ -38,13 +38,10 @@ def _configure_logging(verbose: int, quiet: bool) -> None:
     hf_logging.disable_progress_bar()
 
 
-def _one_line(text: str) -> str:
-    """`text` with line breaks and other control characters escaped: one printable line."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-
-
 def _fail(message: str, code: int) -> None:
-    typer.echo(f"kvdiff: error: {_one_line(message)}", err=True)
+    from kvdiff.reports.view import printable
+
+    typer.echo(f"kvdiff: error: {printable(message, keep='')}", err=True)      # one line, whatever the message holds
     raise typer.Exit(code)
 
 

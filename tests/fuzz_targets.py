@@ -50,7 +50,9 @@ ATTRS = ("format", "schema_version", "complete", "kvdiff_version", "model_name",
          "numerics", "text", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size",
          "attn_scale", "messages_json", "chunks_json", "points", "layers", "eps", "kvdiff_dtype")
 SPECIAL_NUMBERS = (math.nan, math.inf, -math.inf, -1, 0, 1, 2 ** 31, 2 ** 62, -(2 ** 63), 1e38, -1e-45, 65504)
-NAMES = ALL_POINTS + NORM_STATS + ("0", "1", "2", "99", "-1", "layers", "final", "norms", "steps", "provenance",
+HOSTILE_TEXT = ("[/bold]", "[red]x[/red]", "[link=file:///etc/passwd]x", "\x1b[31mred", "a\nb", "\u2028", "\x85",
+                "\u202e", "<script>alert(1)</script>", "%s%n{0}", "\x00")
+NAMES = HOSTILE_TEXT + ALL_POINTS + NORM_STATS + ("0", "1", "2", "99", "-1", "layers", "final", "norms", "steps", "provenance",
                                    "positions", "input_ids", "generated_ids", "norm_stats", "chunk")
 
 
@@ -391,8 +393,9 @@ def _mark_unpickled() -> None:
 
 PICKLE_PAYLOAD = pickle.dumps(Unpicklable())
 
+texts = st.text(max_size=12) | st.sampled_from(HOSTILE_TEXT)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    st.none() | st.booleans() | st.integers() | st.floats() | texts,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12)
 
@@ -448,6 +451,7 @@ attr_values = st.one_of(
     st.floats(),
     st.booleans(),
     st.text(max_size=30),
+    st.sampled_from(HOSTILE_TEXT),
     json_texts,
     st.binary(min_size=1, max_size=12).map(np.bytes_),
     st.just(np.void(PICKLE_PAYLOAD)),
@@ -461,7 +465,7 @@ spans = st.tuples(st.integers(0, 12), st.integers(0, 12)).map(sorted)
 valid_chunk_tables = st.lists(st.builds(
     lambda name, span, cache, enc: {"name": name, "positions": span, "hash": name, "cache": cache,
                                     "encoded_positions": enc},
-    st.sampled_from(["system", "user", "x", ""]), spans, st.sampled_from(["hit", "miss"]), spans), max_size=4)
+    st.sampled_from(("system", "user", "x", "") + HOSTILE_TEXT), spans, st.sampled_from(["hit", "miss"]), spans), max_size=4)
 object_index = st.integers(0, 400)
 trace_mutations = st.one_of(
     st.builds(Overwrite, fractions, st.integers(1, 255).map(lambda b: bytes([b])), st.booleans(), st.just(True)),
@@ -479,8 +483,8 @@ trace_mutations = st.one_of(
     st.builds(Recode, object_index, st.sampled_from(("float16", "float64", "bfloat16"))),
     st.builds(Scale, object_index, fractions, st.sampled_from((1 + 1e-7, 1.001, 2.0, -1.0, 0.0, math.inf))),
     st.builds(Keep, st.sets(st.sampled_from(ALL_POINTS)).map(tuple), st.sets(st.integers(0, 1)).map(tuple)),
-    st.builds(SetProvenance, st.lists(st.tuples(small_ints, st.sampled_from(["system", "user", "", "z"]), small_ints,
-                                                small_ints, st.booleans()), max_size=12).map(tuple)),
+    st.builds(SetProvenance, st.lists(st.tuples(small_ints, st.sampled_from(("system", "user", "", "z") + HOSTILE_TEXT),
+                                                small_ints, small_ints, st.booleans()), max_size=12).map(tuple)),
     st.builds(SetSteps, st.lists(small_ints, max_size=5).map(tuple), st.integers(0, 6),
               st.sampled_from(SPECIAL_NUMBERS)),
     st.builds(SetAttr, st.just(-1), st.just("chunks_json"), valid_chunk_tables.map(json.dumps)),
@@ -581,7 +585,7 @@ GOOD_CASE = {"name": "seeds", "system": "You are a helpful assistant.", "prompt"
              "strategy": "prefix", "numerics": "exact", "max_new_tokens": 4, "model": "tiny-llama",
              "capture": "k,v", "layers": "0-1"}
 odd_text = st.text(alphabet=st.characters(codec="utf-8"), max_size=12) | st.sampled_from(
-    ["", " ", "\x00", "\u202e", "\ufeff", "é", "😀" * 3, "a" * 300, "0-99999999999", "-1", "0-3,29", "k,v,zz", "nan"])
+    ("", " ", "\ufeff", "é", "😀" * 3, "a" * 300, "0-99999999999", "-1", "0-3,29", "k,v,zz", "nan") + HOSTILE_TEXT)
 toml_scalars = st.one_of(
     odd_text, st.integers(-(2 ** 63), 2 ** 63 - 1), st.integers(-2, 40), st.floats(), st.booleans(),
     st.sampled_from(["prefix", "none", "blend", "exact", "fast", "float32", "bf16", "cpu", "cuda:9", "tiny-llama"]))

@@ -236,3 +236,12 @@ def test_gate_cases_get_distinct_folders_inside_the_output_folder(tmp_path):
     folders = [o.report_dir for o in outcomes[:4]]
     assert [f.name for f in folders] == ["a_b", "a_b-2", "A_B-3", "case"]
     assert all(f.parent == tmp_path / "gate" and (f / "report.json").exists() for f in folders)
+
+
+def test_inspect_shows_trace_text_literally(tmp_path):
+    """Rich markup in a trace's strings once crashed `kvdiff inspect` (MarkupError) or styled its output."""
+    path = _copy(tmp_path)
+    with h5py.File(path, "r+") as f:
+        f.attrs["model_name"] = "[/bold] [red]x\n\x1b[31m"
+    result = runner.invoke(app, ["inspect", str(path)])
+    assert result.exit_code == 0 and r"[/bold] [red]x\n\x1b[31m" in result.stdout
