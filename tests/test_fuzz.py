@@ -245,3 +245,14 @@ def test_inspect_shows_trace_text_literally(tmp_path):
         f.attrs["model_name"] = "[/bold] [red]x\n\x1b[31m"
     result = runner.invoke(app, ["inspect", str(path)])
     assert result.exit_code == 0 and r"[/bold] [red]x\n\x1b[31m" in result.stdout
+
+
+def test_junit_xml_parses_whatever_the_case_names_hold(tmp_path):
+    """A case name with \\x00 or \\uffff (valid TOML escapes) once made the JUnit file unparsable."""
+    import xml.etree.ElementTree as ET
+
+    from kvdiff.gate.runner import CaseOutcome, write_junit
+
+    write_junit([CaseOutcome("a\x00b\x1b\uffff", "error", 0.1, "boom\x07")], tmp_path / "junit.xml")
+    (case,) = ET.parse(tmp_path / "junit.xml").getroot().iter("testcase")
+    assert case.attrib["name"] == r"a\x00b\x1b\uffff" and case.find("error").attrib["message"] == r"boom\x07"

@@ -84,6 +84,10 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+# Characters XML 1.0 cannot hold, even escaped (ElementTree writes them as they are).
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
 def write_junit(outcomes: list[CaseOutcome], path: Path, suite: str = "kvdiff-gate") -> None:
     """Write JUnit XML: one testcase per gate case, <failure> or <error> where it did not pass."""
     root = ET.Element(
@@ -103,4 +107,5 @@ def write_junit(outcomes: list[CaseOutcome], path: Path, suite: str = "kvdiff-ga
             ET.SubElement(case, "error", message=o.message).text = o.message
     path.parent.mkdir(parents=True, exist_ok=True)
     xml = ET.tostring(root, encoding="unicode", xml_declaration=True)
+    xml = _NOT_XML.sub(lambda m: repr(m.group())[1:-1], xml)      # a case name may hold \x00: written as an escape
     write_text_atomically(path, xml, "the JUnit report")
