@@ -162,6 +162,16 @@ def test_a_trace_without_positions_diffs(tmp_path):
     assert code in (0, 1)
 
 
+def test_huge_finite_rows_keep_their_metrics():
+    """Squares of float32 elements beyond ~1e19 overflowed to a NaN rel for finite rows (metrics.py)."""
+    from kvdiff.analysis.metrics import row_metrics
+
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    y = x * np.float32(1.001)
+    small, huge = row_metrics(x, y), row_metrics(x * np.float32(1e30), y * np.float32(1e30))
+    assert huge.finite.all() and np.allclose(huge.rel, small.rel, rtol=1e-3) and np.allclose(huge.cosine, small.cosine)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float64", "bfloat16"])
 def test_traces_storing_a_point_in_different_dtypes_diff(tmp_path, dtype):
     """Rows of one point in float32 in one trace and another dtype in the other (metrics.py)."""
@@ -229,12 +239,12 @@ def test_gate_cases_get_distinct_folders_inside_the_output_folder(tmp_path):
         (out / "report.json").write_text("{}")
         return SimpleNamespace(divergence=SimpleNamespace(tokens_identical=passes), summary="tokens differ")
 
-    names = ["a b", "a_b", "A_B", "..", "."]
+    names = ["a b", "a_b", "A_B", "..", "a" * 300, "."]
     cases = [GateCase(name, [], {"passes": name == "."}) for name in names]
     outcomes = run_cases(cases, tmp_path / "gate", compare_fn=fake_compare)
-    assert [o.status for o in outcomes] == ["failed"] * 4 + ["passed"]
-    folders = [o.report_dir for o in outcomes[:4]]
-    assert [f.name for f in folders] == ["a_b", "a_b-2", "A_B-3", "case"]
+    assert [o.status for o in outcomes] == ["failed"] * 5 + ["passed"]
+    folders = [o.report_dir for o in outcomes[:5]]
+    assert [f.name for f in folders] == ["a_b", "a_b-2", "A_B-3", "case", "a" * 100]
     assert all(f.parent == tmp_path / "gate" and (f / "report.json").exists() for f in folders)
 
 
@@ -245,6 +255,14 @@ def test_inspect_shows_trace_text_literally(tmp_path):
         f.attrs["model_name"] = "[/bold] [red]x\n\x1b[31m"
     result = runner.invoke(app, ["inspect", str(path)])
     assert result.exit_code == 0 and r"[/bold] [red]x\n\x1b[31m" in result.stdout
+
+
+def test_an_output_folder_name_too_long_is_an_input_error(tmp_path):
+    """ENAMETOOLONG came from Path.exists() outside the handler (compare.py prepare_out_dir)."""
+    from kvdiff.compare import prepare_out_dir
+
+    with pytest.raises(kvdiff.InputError, match="cannot create output folder .*File name too long"):
+        prepare_out_dir(tmp_path / ("a" * 300), "prefix")
 
 
 def test_junit_xml_parses_whatever_the_case_names_hold(tmp_path):

@@ -30,11 +30,11 @@ class CaseOutcome:
 
 
 def _case_dirnames(names: list[str]) -> list[str]:
-    """A folder name per case: only safe characters, never '.' or '..', and distinct even where two
-    case names differ only in characters that were replaced."""
+    """A folder name per case: only safe characters, at most 100 of them, never '.' or '..', and
+    distinct even where two case names differ only in characters that were replaced or cut."""
     out: list[str] = []
     for name in names:
-        base = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "case"
+        base = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:100] or "case"
         unique, n = base, 1
         while unique.lower() in (o.lower() for o in out):      # case-insensitive file systems
             n += 1
