@@ -1,17 +1,19 @@
 """Fuzz targets: mutated traces fed to `kvdiff diff` and `kvdiff inspect`, mutated case files fed
 to `kvdiff gate`, each run in-process through the typer app.
 
-The property (`check`): the command exits 0, 1, 2 or 3; no exception escapes; no traceback is
-printed; on 2 or 3 stderr is exactly one `kvdiff: error: ...` line, and not the CLI's catch-all
-line for unexpected exceptions (a crash the product did not explain). The gate target also fails
-on a case that crashed inside the runner (reported there as an error outcome) and on JUnit XML
-that does not parse.
+The property (`check`, `invoke`): the command exits 0, 1, 2 or 3; no exception escapes; no
+traceback is printed and kvdiff's code raises no warning (numpy's on NaN would print two lines);
+on 2 or 3 stderr is exactly one `kvdiff: error: ...` line, and not the CLI's catch-all line for
+unexpected exceptions (a crash the product did not explain). The gate target also fails on a case
+that crashed inside the runner (reported there as an error outcome) and on JUnit XML that does not
+parse; models are not loaded there, so valid cases end at model loading as error outcomes.
 
 Used by tests/test_fuzz.py (a short deterministic run in CI) and scripts/fuzz.py (the long run).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -38,22 +40,21 @@ from kvdiff.analysis.synthetic import Faults, SyntheticModel, write_trace
 from kvdiff.cli import app
 from kvdiff.errors import ModelLoadError
 from kvdiff.probes.points import ALL_POINTS, NORM_STATS
-from kvdiff.probes.trace import ChunkRecord
+from kvdiff.probes.trace import ChunkRecord, TraceMeta
 
 CATCH_ALL = "kvdiff: error: unexpected "
 PROMPT = list(range(3, 11))
 STEPS = 3
 CHUNKS = [ChunkRecord("system", (0, 3), "s", "hit", (0, 3)), ChunkRecord("user", (4, 7), "u", "miss", (0, 3))]
 PROVENANCE = [([0, 1, 2, 3], "system", 0, [0, 1, 2, 3], True), ([4, 5, 6, 7], "user", 1, [0, 1, 2, 3], False)]
-ATTRS = ("format", "schema_version", "complete", "kvdiff_version", "model_name", "model_fingerprint",
-         "tokenizer_fingerprint", "dtype", "device", "torch_version", "transformers_version", "strategy",
-         "numerics", "text", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size",
-         "attn_scale", "messages_json", "chunks_json", "points", "layers", "eps", "kvdiff_dtype")
+ATTRS = ("format", "schema_version", "complete") + TraceMeta.SCALARS + (
+    "messages_json", "chunks_json", "points", "layers", "eps", "kvdiff_dtype")
 SPECIAL_NUMBERS = (math.nan, math.inf, -math.inf, -1, 0, 1, 2 ** 31, 2 ** 62, -(2 ** 63), 1e38, -1e-45, 65504)
 HOSTILE_TEXT = ("[/bold]", "[red]x[/red]", "[link=file:///etc/passwd]x", "\x1b[31mred", "a\nb", "\u2028", "\x85",
                 "\u202e", "<script>alert(1)</script>", "%s%n{0}", "\x00")
-NAMES = HOSTILE_TEXT + ALL_POINTS + NORM_STATS + ("0", "1", "2", "99", "-1", "layers", "final", "norms", "steps", "provenance",
-                                   "positions", "input_ids", "generated_ids", "norm_stats", "chunk")
+NAMES = HOSTILE_TEXT + ALL_POINTS + NORM_STATS + (
+    "0", "1", "2", "99", "-1", "layers", "final", "norms", "steps", "provenance", "positions", "input_ids",
+    "generated_ids", "norm_stats", "chunk")
 
 
 # -- seed traces ------------------------------------------------------------------------------
@@ -100,6 +101,7 @@ def _describe(path: Path) -> Seed:
 def seeds() -> dict[str, Seed]:
     """Small valid traces of the synthetic decoder, written once per process."""
     folder = Path(tempfile.mkdtemp(prefix="kvdiff-fuzz-seeds-"))
+    atexit.register(shutil.rmtree, folder, True)
     model = SyntheticModel(layers=2, hidden=16, heads=4, kv_heads=2, vocab=32, seed=3)
     reference = write_trace(model, folder / "reference.h5", PROMPT, STEPS)
     candidate = write_trace(model, folder / "candidate.h5", PROMPT, STEPS, strategy="isolated-local",

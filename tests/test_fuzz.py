@@ -98,6 +98,8 @@ def test_malformed_attributes_are_one_line_trace_errors(tmp_path, attr, value, m
     (lambda f: (f.__delitem__("final/logits"), f.create_dataset("final/logits", data=np.zeros((10, 5), np.float32))),
      "/final/logits has shape (10, 5), expected (10 or more, 32) rows"),
     (lambda f: f["layers/0/k"].attrs.__setitem__("kvdiff_dtype", "bfloat16"), "marked kvdiff_dtype='bfloat16'"),
+    (lambda f: (f.__delitem__("layers/0/norm_stats/attn_norm/mean"), f.create_dataset("layers/0/norm_stats/attn_norm/mean", data=2.0)),
+     "/layers/0/norm_stats/attn_norm/mean has shape ()"),
     (lambda f: (f.__delitem__("input_ids"), f.create_dataset("input_ids", data=np.array([1, 99]))),
      "input_ids holds values outside 0..31"),
     (lambda f: (f.__delitem__("positions"), f.create_dataset("positions", data=np.array([3, 2]))),

@@ -183,7 +183,7 @@ def _check_rows(path: Path, ds: h5py.Dataset, row_shape: tuple[int, ...], rows: 
     if not isinstance(captured, str) or _STORED_AS.get(captured) != str(ds.dtype):
         raise malformed(path, f"{ds.name} holds {ds.dtype} rows marked {DTYPE_ATTR}={captured!r}; "
                               f"rows must be float16, float32, float64, or bfloat16 coded as uint16")
-    if ds.shape[1:] != row_shape or ds.shape[0] < rows:
+    if ds.ndim != 1 + len(row_shape) or ds.shape[1:] != row_shape or ds.shape[0] < rows:
         raise malformed(path, f"{ds.name} has shape {ds.shape}, expected ({rows} or more, "
                               f"{', '.join(map(str, row_shape))}) rows")
 
@@ -243,7 +243,7 @@ def _check_provenance(path: Path, f: h5py.File) -> None:
     for name in ("positions", "chunk", "prefill_id", "encoded_position", "reused"):
         ds = _dataset(path, f, f"provenance/{name}")
         text = h5py.check_string_dtype(ds.dtype) is not None
-        if ds.shape != count or text != (name == "chunk") or (not text and ds.dtype.kind not in "biu"):
+        if ds.ndim != 1 or ds.shape != count or text != (name == "chunk") or (not text and ds.dtype.kind not in "biu"):
             raise malformed(path, f"{ds.name} must be a 1-D {'string' if name == 'chunk' else 'integer'} dataset "
                                   f"as long as provenance/positions, not {ds.shape} {ds.dtype}")
 
