@@ -30,8 +30,11 @@ _NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
 
 def _error_line(message: str) -> None:
-    """Print `message` as the one error line on stderr (line breaks inside it become spaces)."""
-    typer.echo("kvdiff: error: " + " ".join(message.split()), err=True)
+    """Print `message` as the one error line on stderr (line breaks inside it become spaces,
+    other control characters escapes)."""
+    from kvdiff.reports.view import printable
+
+    typer.echo("kvdiff: error: " + printable(" ".join(message.split()), keep=""), err=True)
 
 
 class _Commands(TyperGroup):

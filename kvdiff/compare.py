@@ -80,12 +80,12 @@ def prepare_out_dir(out: Path | str | None, strategy: str) -> Path:
     """A fresh folder for one run: `out` if new or empty, else a new one under ./kvdiff-runs/."""
     if out is not None:
         out = Path(out)
-        if out.exists():
-            if not out.is_dir():
-                raise InputError(f"--out {out} exists and is not a folder")
-            if any(out.iterdir()):
-                raise InputError(f"--out {out} already holds files (an earlier run?): choose a new folder or empty it")
-        try:
+        try:                                # a name too long for the file system fails already in exists()
+            if out.exists():
+                if not out.is_dir():
+                    raise InputError(f"--out {out} exists and is not a folder")
+                if any(out.iterdir()):
+                    raise InputError(f"--out {out} already holds files (an earlier run?): choose a new folder or empty it")
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise InputError(f"cannot create output folder {out}: {exc.strerror}") from None

@@ -127,6 +127,8 @@ def test_selection_strings_are_parsed_and_checked():
         Selection.parse(30, capture="kv")
     with pytest.raises(kvdiff.InputError, match="out of range"):
         Selection.parse(30, layers="28-30")
+    with pytest.raises(kvdiff.InputError, match="0-99999999999 out of range: the model has layers 0-29"):
+        Selection.parse(30, layers="0-99999999999")      # refused before the range is expanded
 
 
 def test_a_declared_probe_that_never_fires_is_an_error_and_leaves_no_trace(tiny_llama, tmp_path):

@@ -137,8 +137,9 @@ def _compare_final(ref: TraceReader, cand: TraceReader, out: Comparison, block_b
 def compare(ref: TraceReader, cand: TraceReader, alignment: Alignment, tolerances: Tolerances) -> Comparison:
     """Stream both traces layer by layer, in row blocks, and fill the point maps and norm checks."""
     layers = [i for i in ref.meta.layers if i in set(cand.meta.layers)]
+    shared = [p for p in LAYER_POINTS if p in ref.meta.points and p in cand.meta.points] if layers else []
+    layers = layers if shared else []          # a trace of final points only holds no layer groups
     pos = alignment.positions
-    shared = [p for p in LAYER_POINTS if p in ref.meta.points and p in cand.meta.points]
     out = Comparison(alignment, tolerances, layers,
                      {p: PointMap.empty(p, list(layers), pos) for p in shared},
                      {p: PointMap.empty(p, [None], pos) for p in FINAL_POINTS

@@ -13,13 +13,16 @@ from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_
 
 
 def _sources(ref: np.ndarray, cand: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each candidate row, the reference position whose row is nearest, and the relative distance."""
+    """For each candidate row, the reference position whose row is nearest, and the relative distance
+    (Inf for a candidate row that holds NaN or Inf, or overflows)."""
     r = ref.reshape(ref.shape[0], -1).astype(np.float64)
     c = cand.reshape(cand.shape[0], -1).astype(np.float64)
-    dist = (c * c).sum(1)[:, None] - 2 * c @ r.T + (r * r).sum(1)[None, :]
-    best = dist.argmin(axis=1)
-    scale = np.maximum((c * c).sum(1), 1e-300)
-    return positions[best], np.sqrt(np.maximum(dist[np.arange(c.shape[0]), best], 0) / scale)
+    with np.errstate(invalid="ignore", over="ignore"):
+        dist = (c * c).sum(1)[:, None] - 2 * c @ r.T + (r * r).sum(1)[None, :]
+        dist[~np.isfinite(dist)] = np.inf
+        best = dist.argmin(axis=1)
+        rel = np.sqrt(np.maximum(dist[np.arange(c.shape[0]), best], 0) / np.maximum((c * c).sum(1), 1e-300))
+    return positions[best], np.where(np.isnan(rel), np.inf, rel)
 
 
 def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
@@ -32,7 +35,7 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
     if same_input is not None:
         bad = bad & same_input
     positions = inputs.comparison.alignment.positions
-    cached = np.array([inputs.chunks.cached(int(p)) is not False for p in positions])
+    cached = np.array([inputs.chunks.cached(int(p)) is not False for p in positions], dtype=bool)
     cols = np.flatnonzero(bad & cached & inputs.comparison.alignment.comparable)
     if not cols.size:
         return []

@@ -37,7 +37,8 @@ def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
     recomputed = [c for c in checks if c.cand_recompute_rel is not None]
     parts = []
     if recomputed:
-        worst = max(float(np.nanmax(np.where(comparable, c.cand_recompute_rel, 0.0))) for c in recomputed)
+        worst = max(float(np.fmax.reduce(np.where(comparable, c.cand_recompute_rel, 0.0), initial=np.nan))
+                    for c in recomputed)
         parts.append(f"recomputing {len(recomputed)} norms of the candidate from their recorded inputs and weights "
                      f"gives max rel {fmt(worst)}")
     for name, bad in (("reference", bad_ref), ("candidate", bad_cand)):

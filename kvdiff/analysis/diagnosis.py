@@ -83,9 +83,11 @@ class DiagnosisInputs:
         return (pmap.tier[row] == Tier.DIVERGENT) & pmap.ref_finite[row] & pmap.cand_finite[row]
 
     def worst(self, point: str, row: int, cols: np.ndarray) -> tuple[float, float]:
-        """Largest max_abs and rel of `point` over columns `cols` of layer row `row`."""
+        """Largest max_abs and rel of `point` over columns `cols` of layer row `row` (NaN where every
+        row holds NaN or Inf)."""
         pmap: PointMap = self.comparison.points[point]
-        return float(np.nanmax(pmap.max_abs[row, cols])), float(np.nanmax(pmap.rel[row, cols]))
+        worst = lambda values: float(np.fmax.reduce(values, initial=np.nan))
+        return worst(pmap.max_abs[row, cols]), worst(pmap.rel[row, cols])
 
 
 def group_by_chunk(inputs: DiagnosisInputs, positions: np.ndarray) -> list[tuple[str | None, np.ndarray]]:

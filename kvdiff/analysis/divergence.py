@@ -31,6 +31,15 @@ def _finite(v: float | None) -> float | None:
     return None if v is None or not math.isfinite(v) else float(v)
 
 
+def _strict(value):
+    """`value` with every NaN or Inf float (in nested dicts and lists) as None, for strict JSON."""
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return _finite(value) if isinstance(value, float) else value
+
+
 def _tier_labels(tiers: np.ndarray) -> list:
     labels = {int(t): t.label for t in Tier}
     return [_tier_labels(t) for t in tiers] if tiers.ndim > 1 else [labels.get(int(t)) for t in tiers]
@@ -120,7 +129,7 @@ class Divergence:
             "first_token_divergence": self._token_divergence_json(),
             "first_bit_difference": loc(self.first_bit_difference),
             "first_divergence": loc(self.first_divergence),
-            "diagnoses": [d.to_json() for d in self.diagnoses],
+            "diagnoses": [_strict(d.to_json()) for d in self.diagnoses],     # details may hold NaN (NaN traces)
             "chunks": [c.to_json() for c in self.chunks],
             "comparable_until": al.comparable_until,
             "alignment": {"positions_compared": int(al.positions.size), "only_reference": al.only_reference.tolist(),

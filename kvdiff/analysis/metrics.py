@@ -65,6 +65,13 @@ def _block(x: np.ndarray, y: np.ndarray, out: dict[str, np.ndarray], lo: int, hi
     out["xy"][lo:hi] = _rowsum64(ad)
 
 
+def _outputs(n: int) -> dict[str, np.ndarray]:
+    """Zeroed per-row accumulators that `_block` fills."""
+    out = {k: np.zeros(n) for k in ("max_abs", "scale", "cand_max", "dd", "xx", "yy", "xy")}
+    out["bitwise"] = np.zeros(n, dtype=bool)
+    return out
+
+
 def row_metrics(reference: np.ndarray, candidate: np.ndarray) -> RowMetrics:
     """Metrics of rows `reference[i]` vs `candidate[i]`; arrays (n, ...) of float dtypes (upcast to
     the wider of float32 and float64)."""
@@ -74,14 +81,22 @@ def row_metrics(reference: np.ndarray, candidate: np.ndarray) -> RowMetrics:
     dtype = np.float64 if np.float64 in (reference.dtype, candidate.dtype) else np.float32   # traces may differ
     x = np.ascontiguousarray(reference, dtype=dtype).reshape(n, width)
     y = np.ascontiguousarray(candidate, dtype=dtype).reshape(n, width)
-    out = {k: np.zeros(n) for k in ("max_abs", "scale", "cand_max", "dd", "xx", "yy", "xy")}
-    out["bitwise"] = np.zeros(n, dtype=bool)
+    out = _outputs(n)
     step = max(1, _BLOCK_BYTES // max(1, x.shape[1] * x.itemsize))
     with np.errstate(invalid="ignore", over="ignore"):
         for lo in range(0, n, step):
             _block(x[lo:lo + step], y[lo:lo + step], out, lo, min(n, lo + step))
         ref_finite, cand_finite = np.isfinite(out["scale"]), np.isfinite(out["cand_max"])
         finite = ref_finite & cand_finite
+        # Squares of finite elements beyond ~1e19 (float32) overflow; rel and cosine do not depend
+        # on scale, so those rows are summed again divided by their largest element.
+        redo = np.flatnonzero(finite & ~np.isfinite(out["dd"] + out["xx"] + out["yy"]))
+        if redo.size:
+            s = np.maximum(out["scale"][redo], out["cand_max"][redo])[:, None]
+            scaled = _outputs(redo.size)
+            _block(x[redo] / s, y[redo] / s, scaled, 0, redo.size)
+            for key in ("dd", "xx", "yy", "xy"):
+                out[key][redo] = scaled[key]
         dd, xx, yy, xy = out["dd"], out["xx"], out["yy"], out["xy"]
         denom = xx + yy
         rel = np.where(denom > 0, dd / np.where(denom > 0, denom, 1.0), np.where(dd > 0, np.inf, 0.0))

@@ -62,8 +62,10 @@ def _stats_differ(ref: dict | None, cand: dict | None, alignment: Alignment,
     differ = np.zeros(alignment.positions.size, dtype=bool)
     names = []
     for stat in sorted(set(ref) & set(cand)):
-        a, b = ref[stat][alignment.ref_index], cand[stat][alignment.cand_index]
-        bad = ~(np.abs(a - b) <= tol.bound(np.abs(a)))
+        a = np.asarray(ref[stat][alignment.ref_index], dtype=np.float64)
+        b = np.asarray(cand[stat][alignment.cand_index], dtype=np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):      # the same bits (NaN, Inf included) do not differ
+            bad = ~((a.view(np.int64) == b.view(np.int64)) | (np.abs(a - b) <= tol.bound(np.abs(a))))
         if bad.any():
             names.append(stat)
             differ |= bad

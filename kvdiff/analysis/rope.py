@@ -17,16 +17,33 @@ import numpy as np
 def _complex(x: np.ndarray) -> np.ndarray:
     """(..., d) real -> (..., d/2) complex pairs (i, i + d/2)."""
     half = x.shape[-1] // 2
-    return x[..., :half].astype(np.float64) + 1j * x[..., half:].astype(np.float64)
+    z = np.empty((*x.shape[:-1], half), dtype=np.complex128)
+    z.real, z.imag = x[..., :half], x[..., half:]
+    return z
+
+
+def _finite_rows(*arrays: np.ndarray) -> np.ndarray:
+    """Bool per row (first axis): every element of every array is finite."""
+    return np.logical_and.reduce([np.isfinite(a.reshape(a.shape[0], -1)).all(axis=1) for a in arrays])
+
+
+def _unit_scale(x: np.ndarray) -> np.ndarray:
+    """Finite rows (n, heads, d) divided by their largest |element|: same angles, no overflow."""
+    x = x.astype(np.float64)
+    return x / np.maximum(np.abs(x).max(axis=(1, 2), keepdims=True, initial=0.0), 1e-300)
 
 
 def rotations(k_pre: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Per row and pair: sum over heads of k * conj(k_pre), (n, d/2) complex (magnitude = weight)."""
-    return (_complex(k) * np.conj(_complex(k_pre))).sum(axis=1)
+    """Per finite row and pair: sum over heads of k * conj(k_pre), (n, d/2) complex (magnitude =
+    weight, relative within a row: rows are scaled to a largest element of 1)."""
+    return (_complex(_unit_scale(k)) * np.conj(_complex(_unit_scale(k_pre)))).sum(axis=1)
 
 
 def estimate_thetas(k_pre: np.ndarray, k: np.ndarray, positions: np.ndarray) -> np.ndarray | None:
-    """RoPE frequencies (d/2,) from rows at known `positions` (needs two consecutive positions)."""
+    """RoPE frequencies (d/2,) from rows at known `positions` (needs two consecutive positions with
+    finite keys)."""
+    finite = _finite_rows(k_pre, k)
+    k_pre, k, positions = k_pre[finite], k[finite], positions[finite]
     if positions.size < 2:
         return None
     r = rotations(k_pre, k)
@@ -47,23 +64,26 @@ def estimate_positions(k_pre: np.ndarray, k: np.ndarray, thetas: np.ndarray, max
     """The rotation (in positions) from `k_pre` to `k` per row, in [min_position, max_position],
     and the fit quality in [0, 1].
 
-    Quality is the matched-filter score over the sum of weights: 1 for an exact rotation.
+    Quality is the matched-filter score over the sum of weights: 1 for an exact rotation, 0 for a row
+    holding NaN or Inf (its position is reported as `min_position`).
     """
-    r = rotations(k_pre, k)
+    finite = np.flatnonzero(_finite_rows(k_pre, k))
+    r = rotations(k_pre[finite], k[finite])
     candidates = np.arange(min_position, max_position + 1, dtype=np.float64)
     phase = np.exp(-1j * candidates[:, None] * thetas[None, :])           # (C, d/2)
-    best = np.zeros(r.shape[0], dtype=np.int64)
-    quality = np.zeros(r.shape[0])
+    best = np.full(k.shape[0], min_position, dtype=np.int64)
+    quality = np.zeros(k.shape[0])
     for lo in range(0, r.shape[0], batch):
-        chunk = r[lo:lo + batch]
+        chunk, rows = r[lo:lo + batch], finite[lo:lo + batch]
         scores = (chunk @ phase.T).real                                   # (b, C)
-        best[lo:lo + batch] = scores.argmax(axis=1) + min_position
+        best[rows] = scores.argmax(axis=1) + min_position
         weight = np.abs(chunk).sum(axis=1)
-        quality[lo:lo + batch] = scores.max(axis=1) / np.maximum(weight, 1e-300)
+        quality[rows] = scores.max(axis=1) / np.maximum(weight, 1e-300)
     return best, quality
 
 
 def rotate(x: np.ndarray, delta: np.ndarray, thetas: np.ndarray) -> np.ndarray:
     """Rows (n, heads, d) rotated by a further `delta` (n,) positions; float32 result."""
-    z = _complex(x) * np.exp(1j * delta[:, None, None] * thetas[None, None, :])
+    with np.errstate(invalid="ignore", over="ignore"):     # rows holding NaN or Inf stay non-finite
+        z = _complex(x) * np.exp(1j * delta[:, None, None] * thetas[None, None, :])
     return np.concatenate([z.real, z.imag], axis=-1).astype(np.float32)

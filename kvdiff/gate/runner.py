@@ -29,18 +29,18 @@ class CaseOutcome:
     report_dir: Path | None = None
 
 
-def _safe_dirname(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "case"
-
-
-def _unique(name: str, used: set[str]) -> str:
-    """`name`, or `name-2`, `name-3`... if taken: two case names that clean to one folder never share it."""
-    unique, n = name, 1
-    while unique in used:
-        n += 1
-        unique = f"{name}-{n}"
-    used.add(unique)
-    return unique
+def _case_dirnames(names: list[str]) -> list[str]:
+    """A folder name per case: only safe characters, at most 100 of them, never '.' or '..', and
+    distinct even where two case names differ only in characters that were replaced or cut."""
+    out: list[str] = []
+    for name in names:
+        base = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:100] or "case"
+        unique, n = base, 1
+        while unique.lower() in (o.lower() for o in out):      # case-insensitive file systems
+            n += 1
+            unique = f"{base}-{n}"
+        out.append(unique)
+    return out
 
 
 def run_cases(cases: list[GateCase], out_dir: Path, compare_fn: Callable | None = None,
@@ -55,9 +55,8 @@ def run_cases(cases: list[GateCase], out_dir: Path, compare_fn: Callable | None 
     compare_fn = compare_fn or compare
     models: dict = {}
     outcomes: list[CaseOutcome] = []
-    used: set[str] = set()
-    for case in cases:
-        case_dir = out_dir / _unique(_safe_dirname(case.name), used)
+    for case, dirname in zip(cases, _case_dirnames([c.name for c in cases])):
+        case_dir = out_dir / dirname
         start = time.perf_counter()
         try:
             result = compare_fn(case.messages, out=case_dir, model_cache=models, **case.options)
@@ -85,6 +84,10 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+# Characters XML 1.0 cannot hold, even escaped (ElementTree writes them as they are).
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
 def write_junit(outcomes: list[CaseOutcome], path: Path, suite: str = "kvdiff-gate") -> None:
     """Write JUnit XML: one testcase per gate case, <failure> or <error> where it did not pass."""
     root = ET.Element(
@@ -104,4 +107,5 @@ def write_junit(outcomes: list[CaseOutcome], path: Path, suite: str = "kvdiff-ga
             ET.SubElement(case, "error", message=o.message).text = o.message
     path.parent.mkdir(parents=True, exist_ok=True)
     xml = ET.tostring(root, encoding="unicode", xml_declaration=True)
+    xml = _NOT_XML.sub(lambda m: repr(m.group())[1:-1], xml)      # a case name may hold \x00: written as an escape
     write_text_atomically(path, xml, "the JUnit report")

@@ -6,10 +6,12 @@ from collections import defaultdict
 
 from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from kvdiff.probes.points import POINT_ORDER
 from kvdiff.probes.selection import format_ranges
 from kvdiff.probes.trace_reader import TraceReader
+from kvdiff.reports.view import printable
 
 
 def _mb(n: int) -> str:
@@ -36,15 +38,15 @@ def describe_trace(tr: TraceReader) -> Group:
         ("layers", format_ranges(m.layers)),
     ]
     for key, value in rows:
-        summary.add_row(key, value)
+        summary.add_row(key, Text(printable(value, keep="")))         # trace text is never read as markup
     parts = [summary]
     if m.chunks:
         chunks = Table(title="chunks", title_justify="left")
         for col in ("name", "positions", "encoded at", "cache", "hash"):
             chunks.add_column(col)
         for c in m.chunks:
-            chunks.add_row(c.name, f"{c.positions[0]}-{c.positions[1]}",
-                           f"{c.encoded_positions[0]}-{c.encoded_positions[1]}", c.cache, c.hash[:16])
+            chunks.add_row(Text(printable(c.name, keep="")), f"{c.positions[0]}-{c.positions[1]}",
+                           f"{c.encoded_positions[0]}-{c.encoded_positions[1]}", c.cache, Text(printable(c.hash[:16], keep="")))
         parts.append(chunks)
     sizes: dict[str, list] = defaultdict(lambda: [0, 0, None, ""])
     for ds in tr.datasets():

@@ -6,7 +6,6 @@ arrays are read only when asked for, so a large trace never loads whole.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +15,10 @@ import h5py
 import numpy as np
 
 from kvdiff.errors import TraceError
-from kvdiff.probes.trace_check import check_structure
+from kvdiff.probes.trace_checks import as_int, check_layout, read_attr, read_meta, read_positions
 from kvdiff.probes.trace_format import (
-    DTYPE_ATTR, FORMAT_NAME, SCHEMA_VERSION, ChunkRecord, ProvenanceRecords, StepRecords,
-    TraceMeta, from_storage, norm_weight_path, point_group,
+    DTYPE_ATTR, FORMAT_NAME, SCHEMA_VERSION, ProvenanceRecords, StepRecords, from_storage,
+    norm_weight_path, point_group,
 )
 
 
@@ -56,35 +55,16 @@ def _open_file(path: Path) -> h5py.File:
 
 
 def _validate(path: Path, f: h5py.File) -> None:
-    if f.attrs.get("format") != FORMAT_NAME:
+    name = read_attr(path, f, "format", None)
+    if not isinstance(name, str) or name != FORMAT_NAME:
         raise TraceError(f"{path} is an HDF5 file but not a kvdiff trace (no format={FORMAT_NAME!r})")
-    version = int(f.attrs.get("schema_version", -1))
+    version = as_int(path, "schema_version", read_attr(path, f, "schema_version"), low=1, high=2 ** 64)
     if version > SCHEMA_VERSION:
         raise TraceError(f"trace {path} has schema {version}, newer than this kvdiff reads "
                          f"({SCHEMA_VERSION}): upgrade kvdiff")
-    if version < 1:
-        raise TraceError(f"trace {path} has an invalid schema version {version}")
-    if not bool(f.attrs.get("complete", False)):
+    complete = read_attr(path, f, "complete", False)
+    if not (isinstance(complete, np.bool_) and complete):
         raise TraceError(f"trace {path} is incomplete: its writer did not finish (killed or failed); record it again")
-
-
-def _read_meta(f: h5py.File) -> TraceMeta:
-    a = f.attrs
-    ints = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")
-    scalars = {}
-    for name in TraceMeta.SCALARS:
-        value = a[name]
-        scalars[name] = int(value) if name in ints else float(value) if name == "attn_scale" else str(value)
-    return TraceMeta(
-        **scalars,
-        messages=json.loads(a["messages_json"]),
-        chunks=[ChunkRecord.from_json(c) for c in json.loads(a["chunks_json"])],
-        input_ids=f["input_ids"][()],
-        generated_ids=f["generated_ids"][()],
-        points=tuple(json.loads(a["points"])),
-        layers=tuple(int(i) for i in a["layers"]),
-        schema_version=int(a["schema_version"]),
-    )
 
 
 class TraceReader:
@@ -98,16 +78,24 @@ class TraceReader:
         self._file = _open_file(self.path)
         try:
             _validate(self.path, self._file)
-            self.meta = _read_meta(self._file)
-            self.positions: np.ndarray = self._file["positions"][()]
-            check_structure(self.path, self._file, self.meta, self.positions)
+            self.meta = read_meta(self.path, self._file)
+            self.positions: np.ndarray = read_positions(self.path, self._file)
+            check_layout(self.path, self._file, self.meta, self.positions)
             self._datasets: dict[tuple[int | None, str], tuple[h5py.Dataset, str]] = {}
-        except (KeyError, OSError, TypeError, ValueError) as exc:
+        except (KeyError, OSError, RuntimeError) as exc:     # HDF5 cannot read the file's structure
             self._file.close()
             raise TraceError(f"trace {self.path} is damaged ({exc}); record it again") from None
         except TraceError:
             self._file.close()
             raise
+
+    def _read(self, ds: h5py.Dataset, index=()) -> np.ndarray:
+        """`ds[index]`; data HDF5 cannot read (a damaged file) is a TraceError."""
+        try:
+            return ds[index]
+        except (OSError, RuntimeError) as exc:
+            raise TraceError(f"trace {self.path} is damaged: HDF5 cannot read {ds.name} ({exc}); "
+                             f"record it again") from None
 
     def _rows(self, ds: h5py.Dataset, dtype: str, rows: Rows = None) -> np.ndarray:
         """The dataset's rows at `positions[rows]` (row index = global position); every position by default.
@@ -120,11 +108,11 @@ class TraceReader:
         lo, hi = int(pos.min()), int(pos.max()) + 1
         increasing = bool(np.all(pos[1:] > pos[:-1]))
         if increasing and hi - lo == pos.size:
-            data = ds[lo:hi]
+            data = self._read(ds, slice(lo, hi))
         elif increasing and hi - lo > 2 * pos.size:
-            data = ds[pos]                 # sparse: read only the wanted rows
+            data = self._read(ds, pos)     # sparse: read only the wanted rows
         else:
-            data = ds[lo:hi][pos - lo]
+            data = self._read(ds, slice(lo, hi))[pos - lo]
         return from_storage(data, dtype)
 
     def _group(self, layer: int | None) -> h5py.Group:
@@ -182,12 +170,12 @@ class TraceReader:
         if name not in self._file:
             raise TraceError(f"trace {self.path} holds no weight for norm {norm!r} of layer {layer}")
         ds = self._file[name]
-        return ds[()], float(ds.attrs["eps"])
+        return self._read(ds), float(ds.attrs["eps"])
 
     @property
     def steps(self) -> StepRecords:
         g = self._file["steps"]
-        return StepRecords(**{name: g[name][()] for name in
+        return StepRecords(**{name: self._read(g[name]) for name in
                               ("step", "position", "token_id", "topk_ids", "topk_values", "margin")})
 
     @property
@@ -196,9 +184,9 @@ class TraceReader:
         if "provenance" not in self._file:
             return None
         g = self._file["provenance"]
-        index = {int(p): i for i, p in enumerate(g["positions"][()])}
-        chunk, prefill, encoded, reused = (g["chunk"].asstr()[()], g["prefill_id"][()],
-                                           g["encoded_position"][()], g["reused"][()])
+        index = {int(p): i for i, p in enumerate(self._read(g["positions"]))}
+        chunk = [name.decode("utf-8", "replace") for name in self._read(g["chunk"])]
+        prefill, encoded, reused = self._read(g["prefill_id"]), self._read(g["encoded_position"]), self._read(g["reused"])
         rows = [index.get(int(p)) for p in self.positions]
         return ProvenanceRecords(
             chunk=[str(chunk[r]) if r is not None else "" for r in rows],
@@ -221,7 +209,11 @@ class TraceReader:
                 out.append(DatasetInfo(name, obj.shape, _stored_dtype(obj),
                                        obj.id.get_storage_size()))
 
-        self._file.visititems(visit)
+        try:
+            self._file.visititems(visit)
+        except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:   # what h5py raises on damage
+            raise TraceError(f"trace {self.path} is damaged: HDF5 cannot list its datasets ({exc}); "
+                             f"record it again") from None
         return out
 
     def close(self) -> None:

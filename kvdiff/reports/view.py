@@ -83,10 +83,11 @@ class ReportView:
         return points[0] if points else None
 
 
-def printable(text: str) -> str:
-    """`text` with control characters (other than newline and tab) shown as escapes."""
+def printable(text: str, keep: str = "\n\t") -> str:
+    """`text` with control characters and line or paragraph separators (other than those in `keep`)
+    shown as escapes."""
     return "".join(
-        c if c in "\n\t" or unicodedata.category(c) != "Cc" else repr(c)[1:-1] for c in text
+        c if c in keep or unicodedata.category(c) not in ("Cc", "Zl", "Zp") else repr(c)[1:-1] for c in text
     )
 
 

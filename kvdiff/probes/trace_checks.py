@@ -1,0 +1,292 @@
+"""Structural checks of an opened trace: the rules of docs/trace-format.md the reader and the
+analysis rely on.
+
+A trace damaged on disk or written by another engine is refused here with one line naming the
+object and the rule it breaks (TraceError, exit code 2), instead of failing somewhere in the
+analysis. Attributes, ids and positions are read; probe datasets are checked by dtype and shape
+only, never loaded. Nothing is unpickled or evaluated: attributes must be plain strings and
+numbers, and JSON attributes are parsed as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from kvdiff.errors import TraceError
+from kvdiff.probes.model_meta import ModelDims
+from kvdiff.probes.points import ALL_POINTS, FINAL_NORMS, FINAL_POINTS, LAYER_NORMS, LAYER_POINTS, NORM_STATS
+from kvdiff.probes.trace_format import DTYPE_ATTR, FINAL_GROUP, ChunkRecord, TraceMeta
+
+_REQUIRED = object()
+_MAX_INT = 2 ** 62                     # ids, positions and sizes stay far from int64 overflow
+_STORED_AS = {"bfloat16": "uint16", "float16": "float16", "float32": "float32", "float64": "float64"}  # kvdiff_dtype -> HDF5
+
+
+def malformed(path: Path, problem: str) -> TraceError:
+    """The one-line refusal of a trace that breaks the format."""
+    return TraceError(f"trace {path} is malformed: {problem}; record it again, or fix its writer "
+                      f"(docs/trace-format.md)")
+
+
+def read_attr(path: Path, obj: h5py.HLObject, name: str, default=_REQUIRED):
+    """An attribute's value (`default` when absent, if given); one HDF5 cannot decode is refused."""
+    try:
+        if name in obj.attrs:
+            return obj.attrs[name]
+    except (OSError, TypeError, ValueError) as exc:
+        raise malformed(path, f"attribute {name!r} of {obj.name} cannot be read ({exc})") from None
+    if default is _REQUIRED:
+        raise malformed(path, f"attribute {name!r} of {obj.name} is missing")
+    return default
+
+
+def as_text(path: Path, name: str, value) -> str:
+    """A string attribute (HDF5 variable- or fixed-length, UTF-8)."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise malformed(path, f"attribute {name!r} is not UTF-8 text") from None
+    if not isinstance(value, str):
+        raise malformed(path, f"attribute {name!r} must be a string, not {type(value).__name__}")
+    return str(value)
+
+
+def as_int(path: Path, name: str, value, low: int = 0, high: int = _MAX_INT) -> int:
+    """An integer attribute within [low, high]."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise malformed(path, f"attribute {name!r} must be an integer, not {type(value).__name__}")
+    if not low <= int(value) <= high:
+        raise malformed(path, f"attribute {name!r} is {int(value)}, outside {low}..{high}")
+    return int(value)
+
+
+def as_float(path: Path, name: str, value) -> float:
+    """A finite number attribute."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(value):
+        raise malformed(path, f"attribute {name!r} must be a finite number, not {value!r}")
+    return float(value)
+
+
+def as_json(path: Path, name: str, value, kind: type):
+    """A JSON attribute whose top-level value is a `kind` (list or dict)."""
+    try:
+        data = json.loads(as_text(path, name, value))
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise malformed(path, f"attribute {name!r} is not valid JSON ({exc})") from None
+    if not isinstance(data, kind):
+        raise malformed(path, f"attribute {name!r} must be a JSON {kind.__name__}")
+    return data
+
+
+def _check_span(path: Path, what: str, value) -> None:
+    if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)
+            and 0 <= value[0] <= value[1] < _MAX_INT):
+        raise malformed(path, f"{what} must be [first, last] with 0 <= first <= last, not {value!r}")
+
+
+def parse_messages(path: Path, value) -> list[dict]:
+    """messages_json: a list of {role, content} strings."""
+    messages = as_json(path, "messages_json", value, list)
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise malformed(path, f"message {i} of messages_json must be an object with string role and content")
+    return messages
+
+
+def parse_chunks(path: Path, value) -> list[ChunkRecord]:
+    """chunks_json: the chunk table."""
+    out = []
+    for i, c in enumerate(as_json(path, "chunks_json", value, list)):
+        where = f"chunk {i} of chunks_json"
+        if not (isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("hash"), str)):
+            raise malformed(path, f"{where} must be an object with string name and hash")
+        if c.get("cache") not in ("hit", "miss"):
+            raise malformed(path, f"{where} has cache {c.get('cache')!r}, not 'hit' or 'miss'")
+        for key in ("positions", "encoded_positions"):
+            _check_span(path, f"{where} {key}", c.get(key))
+        out.append(ChunkRecord.from_json(c))
+    return out
+
+
+def parse_points(path: Path, value) -> tuple[str, ...]:
+    """points: known probe point names, each once."""
+    points = as_json(path, "points", value, list)
+    unknown = [p for p in points if p not in ALL_POINTS]
+    if unknown:
+        raise malformed(path, f"attribute 'points' lists unknown probe point(s) {unknown!r}")
+    if len(set(points)) != len(points):
+        raise malformed(path, "attribute 'points' lists a probe point twice")
+    return tuple(points)
+
+
+def parse_layers(path: Path, value, num_layers: int) -> tuple[int, ...]:
+    """layers: increasing layer ids below num_layers."""
+    if not (isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu"):
+        raise malformed(path, "attribute 'layers' must be a 1-D integer array")
+    layers = tuple(int(i) for i in value)
+    if any(not 0 <= i < num_layers for i in layers) or any(a >= b for a, b in zip(layers, layers[1:])):
+        raise malformed(path, f"attribute 'layers' must be increasing ids in 0..{num_layers - 1}, not {list(layers)}")
+    return layers
+
+
+def _member(path: Path, f: h5py.Group, name: str, kind: type, required: bool = True):
+    """The dataset or group at `name` (None if absent and not required); anything else is refused."""
+    obj = f.get(name)
+    if obj is None and not required:
+        return None
+    if not isinstance(obj, kind):
+        where = posixpath.join(f.name, name)
+        what = "dataset" if kind is h5py.Dataset else "group"
+        raise malformed(path, f"{where} is missing" if obj is None else f"{where} is not a {what}")
+    return obj
+
+
+def _dataset(path: Path, f: h5py.Group, name: str) -> h5py.Dataset:
+    """The dataset at `name`, its HDF5 type readable as a numpy dtype."""
+    ds = _member(path, f, name, h5py.Dataset)
+    try:
+        ds.dtype
+    except (TypeError, ValueError) as exc:
+        raise malformed(path, f"the type of {ds.name} cannot be read ({exc})") from None
+    return ds
+
+
+def read_ints(path: Path, f: h5py.Group, name: str, high: int = _MAX_INT) -> np.ndarray:
+    """A 1-D integer dataset with values in 0..high-1, as int64."""
+    ds = _dataset(path, f, name)
+    if ds.ndim != 1 or ds.dtype.kind not in "iu":
+        raise malformed(path, f"{name} must be a 1-D integer dataset, not {ds.shape} {ds.dtype}")
+    values = ds[()]
+    if values.size and (int(values.min()) < 0 or int(values.max()) >= high):
+        raise malformed(path, f"{name} holds values outside 0..{high - 1}")
+    return values.astype(np.int64)
+
+
+def read_positions(path: Path, f: h5py.Group) -> np.ndarray:
+    """/positions: strictly increasing non-negative positions."""
+    positions = read_ints(path, f, "positions")
+    if positions.size > 1 and not bool(np.all(positions[1:] > positions[:-1])):
+        raise malformed(path, "positions must be strictly increasing")
+    return positions
+
+
+def _check_rows(path: Path, ds: h5py.Dataset, row_shape: tuple[int, ...], rows: int) -> None:
+    """A probe or statistics dataset: float rows (or bfloat16 coded as uint16) of `row_shape`."""
+    captured = read_attr(path, ds, DTYPE_ATTR, str(ds.dtype))
+    if not isinstance(captured, str) or _STORED_AS.get(captured) != str(ds.dtype):
+        raise malformed(path, f"{ds.name} holds {ds.dtype} rows marked {DTYPE_ATTR}={captured!r}; "
+                              f"rows must be float16, float32, float64, or bfloat16 coded as uint16")
+    if ds.ndim != 1 + len(row_shape) or ds.shape[1:] != row_shape or ds.shape[0] < rows:
+        raise malformed(path, f"{ds.name} has shape {ds.shape}, expected ({rows} or more, "
+                              f"{', '.join(map(str, row_shape))}) rows")
+
+
+def _check_group(path: Path, g: h5py.Group, points: tuple[str, ...], norms: tuple[str, ...],
+                 dims: ModelDims, rows: int) -> None:
+    """A layer group or the final group: exactly the listed points, and norm statistics."""
+    extra = sorted(set(g) - set(points) - {"norm_stats"})
+    if extra:
+        raise malformed(path, f"{g.name} holds {extra}, which the attribute 'points' does not list")
+    for point in points:
+        _check_rows(path, _dataset(path, g, point), dims.point_shape(point), rows)
+    stats = _member(path, g, "norm_stats", h5py.Group, required=False)
+    for norm in stats or ():
+        if norm not in norms:
+            raise malformed(path, f"{stats.name}/{norm!r} is not a norm of {', '.join(norms)}")
+        for stat in _member(path, stats, norm, h5py.Group):
+            if stat not in NORM_STATS:
+                raise malformed(path, f"{stats.name}/{norm}/{stat!r} is not a norm statistic")
+            _check_rows(path, _dataset(path, stats[norm], stat), (), rows)
+
+
+def _check_norm_weights(path: Path, f: h5py.File, dims: ModelDims) -> None:
+    """norms/<i>/<norm>: 1-D float weights of the norm's width with a finite eps."""
+    norms = _member(path, f, "norms", h5py.Group, required=False)
+    for layer in norms or ():
+        group = _member(path, norms, layer, h5py.Group)
+        for name in group:
+            ds = _dataset(path, group, name)
+            width = dims.head_dim if name in ("q_norm", "k_norm") else dims.hidden_size
+            if ds.dtype.kind != "f" or ds.shape != (width,):
+                raise malformed(path, f"{ds.name} must be a float dataset of shape ({width},)")
+            as_float(path, f"eps of {ds.name}", read_attr(path, ds, "eps"))
+
+
+def _check_steps(path: Path, f: h5py.File) -> None:
+    """steps/: one row per generated step in each field, top-k fields (G, k)."""
+    _member(path, f, "steps", h5py.Group)
+    fields = {name: _dataset(path, f, f"steps/{name}") for name in
+              ("step", "position", "token_id", "topk_ids", "topk_values", "margin")}
+    count = fields["step"].shape[0] if fields["step"].ndim else -1
+    for name, ds in fields.items():
+        ndim = 2 if name.startswith("topk") else 1
+        kind = "f" if name in ("topk_values", "margin") else "iu"
+        if ds.ndim != ndim or ds.shape[0] != count or ds.dtype.kind not in kind:
+            raise malformed(path, f"{ds.name} must be {ndim}-D {'float' if kind == 'f' else 'integer'} "
+                                  f"with one row per step, not {ds.shape} {ds.dtype}")
+    if fields["topk_ids"].shape != fields["topk_values"].shape:
+        raise malformed(path, "steps/topk_ids and steps/topk_values differ in shape")
+
+
+def _check_provenance(path: Path, f: h5py.File) -> None:
+    """provenance/ (optional): a string chunk name and integer fields, one row per listed position."""
+    if _member(path, f, "provenance", h5py.Group, required=False) is None:
+        return
+    count = _dataset(path, f, "provenance/positions").shape[:1]
+    for name in ("positions", "chunk", "prefill_id", "encoded_position", "reused"):
+        ds = _dataset(path, f, f"provenance/{name}")
+        text = h5py.check_string_dtype(ds.dtype) is not None
+        if ds.ndim != 1 or ds.shape != count or text != (name == "chunk") or (not text and ds.dtype.kind not in "biu"):
+            raise malformed(path, f"{ds.name} must be a 1-D {'string' if name == 'chunk' else 'integer'} dataset "
+                                  f"as long as provenance/positions, not {ds.shape} {ds.dtype}")
+
+
+def read_meta(path: Path, f: h5py.File) -> TraceMeta:
+    """The root attributes and the id datasets, each checked for its type and range."""
+    attr = lambda name: read_attr(path, f, name)
+    dims = {name: as_int(path, name, attr(name), low=1) for name in
+            ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")}
+    if dims["num_heads"] % dims["num_kv_heads"]:
+        raise malformed(path, f"num_heads {dims['num_heads']} is not a multiple of num_kv_heads {dims['num_kv_heads']}")
+    if dims["head_dim"] % 2:
+        raise malformed(path, f"head_dim {dims['head_dim']} is odd (RoPE rotates pairs of elements)")
+    texts = {name: as_text(path, name, attr(name)) for name in TraceMeta.SCALARS if name not in dims and name != "attn_scale"}
+    return TraceMeta(
+        **dims, **texts, attn_scale=as_float(path, "attn_scale", attr("attn_scale")),
+        messages=parse_messages(path, attr("messages_json")),
+        chunks=parse_chunks(path, attr("chunks_json")),
+        input_ids=read_ints(path, f, "input_ids", dims["vocab_size"]),
+        generated_ids=read_ints(path, f, "generated_ids", dims["vocab_size"]),
+        points=parse_points(path, attr("points")),
+        layers=parse_layers(path, attr("layers"), dims["num_layers"]),
+        schema_version=as_int(path, "schema_version", attr("schema_version"), low=1))
+
+
+def check_layout(path: Path, f: h5py.File, meta: TraceMeta, positions: np.ndarray) -> None:
+    """Every probe, statistics, weight, step and provenance dataset has the place, dtype and shape
+    the format gives it."""
+    rows = int(positions[-1]) + 1 if positions.size else 0
+    layers = meta.layers
+    dims = ModelDims(meta.num_layers, meta.num_heads, meta.num_kv_heads, meta.head_dim, meta.hidden_size,
+                     meta.vocab_size, meta.attn_scale)
+    layer_points = tuple(p for p in meta.points if p in LAYER_POINTS)
+    final_points = tuple(p for p in meta.points if p in FINAL_POINTS)
+    groups = _member(path, f, "layers", h5py.Group, required=False)
+    stray = sorted(set(groups or ()) - {str(i) for i in layers})
+    if stray:
+        raise malformed(path, f"layers/ holds {stray}, which the attribute 'layers' does not list")
+    for i in layers if layer_points else ():
+        _check_group(path, _member(path, f, f"layers/{i}", h5py.Group), layer_points, LAYER_NORMS, dims, rows)
+    final = _member(path, f, FINAL_GROUP, h5py.Group, required=bool(final_points))
+    if final is not None:
+        _check_group(path, final, final_points, FINAL_NORMS, dims, rows)
+    _check_norm_weights(path, f, dims)
+    _check_steps(path, f)
+    _check_provenance(path, f)
