@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -54,7 +55,8 @@ def test_rows_written_through_a_tiny_backlog_round_trip_bit_for_bit(tmp_path, dt
     g = torch.Generator().manual_seed(1)
     rows = (torch.randn(300, 2, 8, generator=g) * 1e3).to(dtype)
     path = tmp_path / "t.h5"
-    with TraceWriter(path, make_meta(str(dtype)[6:]), max_queued_bytes=1024) as w:
+    meta = replace(make_meta(str(dtype)[6:]), layers=(1,), points=("k",))
+    with TraceWriter(path, meta, max_queued_bytes=1024) as w:
         for lo in range(0, 300, 7):                         # blocks arrive out of order and transposed
             block = rows[lo:lo + 7].transpose(0, 1).contiguous().transpose(0, 1)
             w.write_rows("layers/1", "k", range(lo, lo + block.shape[0]), block)
@@ -82,7 +84,7 @@ def test_the_writer_waits_for_an_asynchronous_copy_before_reading_it(tmp_path, m
 
     monkeypatch.setattr(trace_writer, "host_copy", late_copy)
     rows = torch.randn(5, 32)
-    with TraceWriter(tmp_path / "t.h5", make_meta()) as w:
+    with TraceWriter(tmp_path / "t.h5", replace(make_meta(), layers=(0,), points=("resid_pre",))) as w:
         w.write_rows("layers/0", "resid_pre", range(5), rows)
     with open_trace(tmp_path / "t.h5") as tr:
         assert np.array_equal(tr.layer(0)["resid_pre"], rows.numpy())

@@ -45,6 +45,8 @@ def _open_file(path: Path) -> h5py.File:
         raise TraceError(f"trace {path} not found: check the path, or record it first")
     if not path.is_file():
         raise TraceError(f"trace {path} is not a file")
+    if path.name.endswith(".partial"):   # TraceWriter's temporary name: renamed only once complete
+        raise TraceError(f"trace {path} is incomplete: its writer did not finish (killed or failed); record it again")
     if not h5py.is_hdf5(path):
         raise TraceError(f"{path} is not an HDF5 file, so not a kvdiff trace")
     try:
