@@ -67,6 +67,18 @@ def _malformed(path) -> str:
     return str(info.value)
 
 
+def test_undecodable_text_is_malformed_not_printed(tmp_path):
+    """Bytes that are not UTF-8 in a string attribute reach Python as lone surrogates, which crashed
+    `kvdiff inspect` when printed."""
+    path = _copy(tmp_path)
+    with h5py.File(path, "r+") as f:
+        f.attrs.create("strategy", b"\xc1prefix", dtype=h5py.string_dtype("utf-8"))
+    assert "attribute 'strategy' is not UTF-8 text" in _malformed(path)
+    result = runner.invoke(app, ["inspect", str(path)])
+    fuzz_targets.check(result, ["inspect"])
+    assert result.exit_code == 2
+
+
 @pytest.mark.parametrize("attr, value, message", [
     ("format", np.array(["kvdiff-trace", "x"], dtype=h5py.string_dtype()), "not a kvdiff trace"),
     ("schema_version", "1", "'schema_version' must be an integer"),

@@ -46,15 +46,14 @@ def read_attr(path: Path, obj: h5py.HLObject, name: str, default=_REQUIRED):
 
 
 def as_text(path: Path, name: str, value) -> str:
-    """A string attribute (HDF5 variable- or fixed-length, UTF-8)."""
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise malformed(path, f"attribute {name!r} is not UTF-8 text") from None
-    if not isinstance(value, str):
+    """A string attribute (HDF5 variable- or fixed-length, UTF-8; h5py hands undecodable bytes over
+    as lone surrogates)."""
+    if not isinstance(value, (bytes, str)):
         raise malformed(path, f"attribute {name!r} must be a string, not {type(value).__name__}")
-    return str(value)
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value.encode("utf-8"), "utf-8")
+    except UnicodeError:
+        raise malformed(path, f"attribute {name!r} is not UTF-8 text") from None
 
 
 def as_int(path: Path, name: str, value, low: int = 0, high: int = _MAX_INT) -> int:

@@ -84,10 +84,10 @@ class ReportView:
 
 
 def printable(text: str, keep: str = "\n\t") -> str:
-    """`text` with control characters and line or paragraph separators (other than those in `keep`)
-    shown as escapes."""
+    """`text` with control characters, line or paragraph separators (other than those in `keep`) and
+    lone surrogates (undecodable bytes) shown as escapes."""
     return "".join(
-        c if c in keep or unicodedata.category(c) not in ("Cc", "Zl", "Zp") else repr(c)[1:-1] for c in text
+        c if c in keep or unicodedata.category(c) not in ("Cc", "Cs", "Zl", "Zp") else repr(c)[1:-1] for c in text
     )
 
 
