@@ -112,7 +112,7 @@ def seeds() -> dict[str, Seed]:
 
 # -- trace mutations --------------------------------------------------------------------------
 
-def _pick(seq, index: int):
+def _pick(seq: tuple[str, ...], index: int) -> str:
     return seq[index % len(seq)]
 
 
@@ -146,11 +146,11 @@ class Truncate:
         path.write_bytes(data[: int(self.fraction * len(data))])
 
 
-def _h5_write(path: Path):
+def _h5_write(path: Path) -> h5py.File:
     return h5py.File(path, "r+")
 
 
-def _ignore_h5_refusal():
+def _ignore_h5_refusal() -> contextlib.suppress:
     """Mutations h5py refuses (a name it cannot create, a value it cannot store, an object an
     earlier mutation removed) are no-ops."""
     return contextlib.suppress(ValueError, TypeError, KeyError, OSError, RuntimeError, OverflowError)
@@ -385,7 +385,7 @@ class Unpicklable:
 
     ran = False
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return (_mark_unpickled, ())
 
 
@@ -686,7 +686,7 @@ case_files = st.one_of(
 class _CaseCrashes(logging.Handler):
     """Collects the gate runner's log records of cases that crashed (not a KvdiffError)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.crashes: list[str] = []
 
@@ -699,7 +699,7 @@ class _NoModels(ModelLoadError):
     """What the fuzzed gate gets instead of a model: valid cases stop at loading, as an error outcome."""
 
 
-def _no_model(name, *args, **kwargs):
+def _no_model(name: str, *args, **kwargs) -> None:
     raise _NoModels(f"fuzzing: not loading model {name!r}")
 
 

@@ -23,16 +23,17 @@ from kvdiff.cli import app
 from kvdiff.errors import TraceError
 from kvdiff.probes.trace import open_trace
 
+# The CI profile: deterministic (derandomized, no example database), no deadline on a busy machine.
+settings.register_profile("kvdiff-fuzz-ci", derandomize=True, database=None, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 CI_EXAMPLES = {"diff": 120, "inspect": 80, "gate": 200}
 runner = CliRunner()
 
 
 @pytest.mark.parametrize("target", list(CI_EXAMPLES))
 def test_fuzzed_inputs_never_crash_the_cli(target):
-    test = settings(max_examples=CI_EXAMPLES[target], derandomize=True, database=None, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])(
-        fuzz_targets.fuzz_test(target))
-    test()
+    profile = settings(settings.get_profile("kvdiff-fuzz-ci"), max_examples=CI_EXAMPLES[target])
+    profile(fuzz_targets.fuzz_test(target))()
 
 
 def test_the_property_flags_a_crash_into_the_catch_all(monkeypatch, tmp_path):

@@ -24,7 +24,8 @@ from kvdiff.probes.trace_format import DTYPE_ATTR, FINAL_GROUP, ChunkRecord, Tra
 
 _REQUIRED = object()
 _MAX_INT = 2 ** 62                     # ids, positions and sizes stay far from int64 overflow
-_STORED_AS = {"bfloat16": "uint16", "float16": "float16", "float32": "float32", "float64": "float64"}  # kvdiff_dtype -> HDF5
+# kvdiff_dtype -> the HDF5 dtype its rows are stored in
+_STORED_AS = {"bfloat16": "uint16", "float16": "float16", "float32": "float32", "float64": "float64"}
 
 
 def malformed(path: Path, problem: str) -> TraceError:
@@ -33,7 +34,7 @@ def malformed(path: Path, problem: str) -> TraceError:
                       f"(docs/trace-format.md)")
 
 
-def read_attr(path: Path, obj: h5py.HLObject, name: str, default=_REQUIRED):
+def read_attr(path: Path, obj: h5py.HLObject, name: str, default: object = _REQUIRED) -> object:
     """An attribute's value (`default` when absent, if given); one HDF5 cannot decode is refused."""
     try:
         if name in obj.attrs:
@@ -45,7 +46,7 @@ def read_attr(path: Path, obj: h5py.HLObject, name: str, default=_REQUIRED):
     return default
 
 
-def as_text(path: Path, name: str, value) -> str:
+def as_text(path: Path, name: str, value: object) -> str:
     """A string attribute (HDF5 variable- or fixed-length, UTF-8; h5py hands undecodable bytes over
     as lone surrogates)."""
     if not isinstance(value, (bytes, str)):
@@ -56,7 +57,7 @@ def as_text(path: Path, name: str, value) -> str:
         raise malformed(path, f"attribute {name!r} is not UTF-8 text") from None
 
 
-def as_int(path: Path, name: str, value, low: int = 0, high: int = _MAX_INT) -> int:
+def as_int(path: Path, name: str, value: object, low: int = 0, high: int = _MAX_INT) -> int:
     """An integer attribute within [low, high]."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise malformed(path, f"attribute {name!r} must be an integer, not {type(value).__name__}")
@@ -65,7 +66,7 @@ def as_int(path: Path, name: str, value, low: int = 0, high: int = _MAX_INT) -> 
     return int(value)
 
 
-def as_float(path: Path, name: str, value) -> float:
+def as_float(path: Path, name: str, value: object) -> float:
     """A finite number attribute."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
             or not np.isfinite(value):
@@ -73,7 +74,7 @@ def as_float(path: Path, name: str, value) -> float:
     return float(value)
 
 
-def as_json(path: Path, name: str, value, kind: type):
+def as_json(path: Path, name: str, value: object, kind: type) -> list | dict:
     """A JSON attribute whose top-level value is a `kind` (list or dict)."""
     try:
         data = json.loads(as_text(path, name, value))
@@ -84,13 +85,13 @@ def as_json(path: Path, name: str, value, kind: type):
     return data
 
 
-def _check_span(path: Path, what: str, value) -> None:
+def _check_span(path: Path, what: str, value: object) -> None:
     if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)
             and 0 <= value[0] <= value[1] < _MAX_INT):
         raise malformed(path, f"{what} must be [first, last] with 0 <= first <= last, not {value!r}")
 
 
-def parse_messages(path: Path, value) -> list[dict]:
+def parse_messages(path: Path, value: object) -> list[dict]:
     """messages_json: a list of {role, content} strings."""
     messages = as_json(path, "messages_json", value, list)
     for i, m in enumerate(messages):
@@ -99,7 +100,7 @@ def parse_messages(path: Path, value) -> list[dict]:
     return messages
 
 
-def parse_chunks(path: Path, value) -> list[ChunkRecord]:
+def parse_chunks(path: Path, value: object) -> list[ChunkRecord]:
     """chunks_json: the chunk table."""
     out = []
     for i, c in enumerate(as_json(path, "chunks_json", value, list)):
@@ -114,7 +115,7 @@ def parse_chunks(path: Path, value) -> list[ChunkRecord]:
     return out
 
 
-def parse_points(path: Path, value) -> tuple[str, ...]:
+def parse_points(path: Path, value: object) -> tuple[str, ...]:
     """points: known probe point names, each once."""
     points = as_json(path, "points", value, list)
     unknown = [p for p in points if p not in ALL_POINTS]
@@ -125,7 +126,7 @@ def parse_points(path: Path, value) -> tuple[str, ...]:
     return tuple(points)
 
 
-def parse_layers(path: Path, value, num_layers: int) -> tuple[int, ...]:
+def parse_layers(path: Path, value: object, num_layers: int) -> tuple[int, ...]:
     """layers: increasing layer ids below num_layers."""
     if not (isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu"):
         raise malformed(path, "attribute 'layers' must be a 1-D integer array")
@@ -135,7 +136,7 @@ def parse_layers(path: Path, value, num_layers: int) -> tuple[int, ...]:
     return layers
 
 
-def _member(path: Path, f: h5py.Group, name: str, kind: type, required: bool = True):
+def _member(path: Path, f: h5py.Group, name: str, kind: type, required: bool = True) -> h5py.HLObject | None:
     """The dataset or group at `name` (None if absent and not required); anything else is refused."""
     obj = f.get(name)
     if obj is None and not required:
@@ -256,7 +257,8 @@ def read_meta(path: Path, f: h5py.File) -> TraceMeta:
         raise malformed(path, f"num_heads {dims['num_heads']} is not a multiple of num_kv_heads {dims['num_kv_heads']}")
     if dims["head_dim"] % 2:
         raise malformed(path, f"head_dim {dims['head_dim']} is odd (RoPE rotates pairs of elements)")
-    texts = {name: as_text(path, name, attr(name)) for name in TraceMeta.SCALARS if name not in dims and name != "attn_scale"}
+    texts = {name: as_text(path, name, attr(name)) for name in TraceMeta.SCALARS
+             if name not in dims and name != "attn_scale"}
     return TraceMeta(
         **dims, **texts, attn_scale=as_float(path, "attn_scale", attr("attn_scale")),
         messages=parse_messages(path, attr("messages_json")),
