@@ -299,7 +299,9 @@ class Recode:
             if not isinstance(ds, h5py.Dataset) or "kvdiff_dtype" not in ds.attrs or ds.dtype != np.float32:
                 return
             data = ds[()]
-            coded = (data.view(np.uint32) >> 16).astype(np.uint16) if self.dtype == "bfloat16" else data.astype(self.dtype)
+            with np.errstate(over="ignore"):        # huge float32 values become Inf in float16
+                coded = (data.view(np.uint32) >> 16).astype(np.uint16) if self.dtype == "bfloat16" \
+                    else data.astype(self.dtype)
             del f[name]
             f.create_dataset(name, data=coded).attrs["kvdiff_dtype"] = self.dtype
 
