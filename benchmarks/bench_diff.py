@@ -3,7 +3,8 @@
 Writes a reference and a candidate trace (SmolLM2-135M shapes: 30 layers, hidden 576, 9 query
 heads, 3 KV heads of 64, vocab 49152 unless --vocab says otherwise) with TraceWriter, then times
 the diff. The candidate matches the reference bitwise up to a position, carries rounding-size
-noise after it, and diverges in the last quarter, so every stage does its work.
+noise after it, and diverges in the last quarter, so every stage does its work. Memory: the
+diff's peak resident memory (Linux) and, from a second run, the peak of traced allocations.
 
     python benchmarks/bench_diff.py --positions 1700 --dir /tmp/kvdiff-bench
 """
