@@ -3,7 +3,8 @@
 Writes a reference and a candidate trace (SmolLM2-135M shapes: 30 layers, hidden 576, 9 query
 heads, 3 KV heads of 64, vocab 49152 unless --vocab says otherwise) with TraceWriter, then times
 the diff. The candidate matches the reference bitwise up to a position, carries rounding-size
-noise after it, and diverges in the last quarter, so every stage does its work.
+noise after it, and diverges in the last quarter, so every stage does its work. Memory: the
+diff's peak resident memory (Linux) and, from a second run, the peak of traced allocations.
 
     python benchmarks/bench_diff.py --positions 1700 --dir /tmp/kvdiff-bench
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import resource
 import time
 import tracemalloc
 from pathlib import Path
@@ -65,6 +65,18 @@ def write_pair(folder: Path, positions: int, vocab: int) -> tuple[Path, Path]:
     return paths
 
 
+def reset_peak_rss() -> None:
+    """Start the resident-memory high-water mark afresh (Linux), so writing the traces does not count."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss() -> int:
+    """Bytes of the resident-memory high-water mark since the last reset (Linux VmHWM)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--positions", type=int, default=1700)
@@ -84,10 +96,11 @@ def main() -> None:
         n = int(tr.positions.size)
     layer_bytes = n * (8 * HIDDEN + HEADS * HEAD_DIM + 3 * KV_HEADS * HEAD_DIM) * 4
     final_bytes = n * (HIDDEN + args.vocab) * 4
+    reset_peak_rss()
     t = time.perf_counter()
     div = kvdiff.diff(ref, cand)
     seconds = time.perf_counter() - t
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss = peak_rss()
     tracemalloc.start()                      # a second run, traced, for the peak (tracing slows it)
     kvdiff.diff(ref, cand)
     _, peak = tracemalloc.get_traced_memory()
@@ -96,8 +109,8 @@ def main() -> None:
     log.info("traces: %.2f GB + %.2f GB on disk", ref.stat().st_size / 1e9, cand.stat().st_size / 1e9)
     log.info("diff: %.1f s, %.0f MB/s over both traces (%.2f GB compared)", seconds, compared / seconds / 1e6, compared / 1e9)
     log.info("one layer of one trace: %.1f MB; final points of one trace: %.1f MB", layer_bytes / 1e6, final_bytes / 1e6)
-    log.info("peak traced allocations: %.1f MB (%.2fx one layer); max RSS after the untraced run %.1f MB",
-             peak / 1e6, peak / layer_bytes, rss / 1e3)
+    log.info("peak traced allocations: %.1f MB (%.2fx one layer); peak resident memory of the untraced run %.1f MB",
+             peak / 1e6, peak / layer_bytes, rss / 1e6)
     log.info("first divergence: %s", div.first_divergence)
 
 

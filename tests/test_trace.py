@@ -91,6 +91,23 @@ def test_single_points_and_row_blocks_read_back_aligned_with_positions(tmp_path)
             tr.point(0, "q")
 
 
+def test_points_read_once_leave_no_chunk_cache_behind(tmp_path):
+    """The reader keeps datasets open between reads; HDF5 must not keep their chunks with them."""
+    def resident() -> int:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    meta = make_meta()
+    meta.layers = tuple(range(40))
+    with TraceWriter(tmp_path / "t.h5", meta) as w:
+        for layer in meta.layers:
+            w.write_rows(f"layers/{layer}", "resid_pre", range(256), torch.randn(256, 2048))   # 2 MB a layer
+    with open_trace(tmp_path / "t.h5") as tr:
+        before = resident()
+        for layer in meta.layers:
+            tr.point(layer, "resid_pre")
+        assert resident() - before < 20e6
+
+
 def test_a_point_missing_positions_is_an_integrity_error_and_leaves_no_file(tmp_path):
     path = tmp_path / "t.h5"
     w = TraceWriter(path, make_meta())

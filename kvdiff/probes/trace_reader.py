@@ -50,7 +50,7 @@ def _open_file(path: Path) -> h5py.File:
     if not h5py.is_hdf5(path):
         raise TraceError(f"{path} is not an HDF5 file, so not a kvdiff trace")
     try:
-        return h5py.File(path, "r")
+        return h5py.File(path, "r", rdcc_nbytes=0)      # no chunk cache: open datasets would each keep MBs
     except OSError as exc:
         why = "truncated" if "truncated" in str(exc) else "corrupt"
         raise TraceError(f"trace {path} is {why}: HDF5 cannot open it; record it again") from None
