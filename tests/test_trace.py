@@ -96,8 +96,7 @@ def test_points_read_once_leave_no_chunk_cache_behind(tmp_path):
     def resident() -> int:
         return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-    meta = make_meta()
-    meta.layers = tuple(range(40))
+    meta = replace(make_meta(), num_layers=40, hidden_size=2048, layers=tuple(range(40)), points=("resid_pre",))
     with TraceWriter(tmp_path / "t.h5", meta) as w:
         for layer in meta.layers:
             w.write_rows(f"layers/{layer}", "resid_pre", range(256), torch.randn(256, 2048))   # 2 MB a layer
