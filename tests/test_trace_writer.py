@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvdiff.errors import TraceError, TraceWriteError
-from kvdiff.probes import trace_writer
+from kvdiff.probes import staging, trace_writer
 from kvdiff.probes.background import SerialWorker
 from kvdiff.probes.sink import ProbeIntegrityError
 from kvdiff.probes.trace import TraceWriter, open_trace
@@ -67,6 +67,28 @@ def test_rows_written_through_a_tiny_backlog_round_trip_bit_for_bit(tmp_path, dt
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
+def test_rows_arriving_one_position_at_a_time_are_written_once_per_hdf5_chunk(tmp_path, monkeypatch):
+    import h5py
+    writes = []
+    original = h5py.Dataset.__setitem__
+    monkeypatch.setattr(h5py.Dataset, "__setitem__", lambda ds, sel, val: (writes.append(ds.name), original(ds, sel, val)))
+    g = torch.Generator().manual_seed(2)
+    rows = torch.randn(300, 2, 8, generator=g)                # 64-byte rows: 128 rows a chunk
+    path = tmp_path / "t.h5"
+    meta = replace(make_meta(), layers=(1,), points=("k",))
+    with TraceWriter(path, meta) as w:
+        for p in range(300):                                   # decode steps: one row each
+            w.write_rows("layers/1", "k", [p], rows[p:p + 1])
+        rows[[5, 200, 299]] = -rows[[5, 200, 299]]
+        w.write_rows("layers/1", "k", [299, 5, 200], rows[[299, 5, 200]])   # a later row replaces an earlier one
+        rows[299] = 7.0
+        w.write_rows("layers/1", "k", [299], rows[299:300])
+    with open_trace(path) as tr:
+        assert np.array_equal(tr.layer(1)["k"], rows.numpy())
+    row_writes = [n for n in writes if n == "/layers/1/k"]
+    assert len(row_writes) == 5      # chunks ending at 128 and 256, rows 256-299, the scattered write, row 299
+
+
 class _LateCopy:
     """Stands in for a CUDA event: the rows only arrive in the host buffer when it is waited on."""
 
@@ -80,8 +102,9 @@ class _LateCopy:
 def test_the_writer_waits_for_an_asynchronous_copy_before_reading_it(tmp_path, monkeypatch):
     def late_copy(rows):
         host = torch.zeros_like(rows)
-        return trace_writer.HostRows(host, _LateCopy(host, rows.clone()))
+        return staging.HostRows(host, _LateCopy(host, rows.clone()))
 
+    monkeypatch.setattr(staging, "STAGED_ROWS_BYTES", 0)          # every capture copied alone
     monkeypatch.setattr(trace_writer, "host_copy", late_copy)
     rows = torch.randn(5, 32)
     with TraceWriter(tmp_path / "t.h5", replace(make_meta(), layers=(0,), points=("resid_pre",))) as w:
@@ -90,10 +113,33 @@ def test_the_writer_waits_for_an_asynchronous_copy_before_reading_it(tmp_path, m
         assert np.array_equal(tr.layer(0)["resid_pre"], rows.numpy())
 
 
+def test_the_writer_waits_for_staged_copies_before_reading_them(tmp_path, monkeypatch):
+    late = []
+    stage_add = staging.Stage.add
+
+    def add_late(stage, rows):
+        host = stage_add(stage, torch.zeros_like(rows))
+        late.append(_LateCopy(host, rows.clone()))
+        return host
+
+    monkeypatch.setattr(staging.Stage, "add", add_late)
+    monkeypatch.setattr(staging.Stage, "seal", lambda stage: setattr(stage, "copied", list(late)))
+    rows, x = torch.randn(5, 32), torch.randn(5, 32) * 3
+    with TraceWriter(tmp_path / "t.h5", replace(make_meta(), layers=(0,), points=("resid_pre",))) as w:
+        w.write_rows("layers/0", "resid_pre", range(5), rows)
+        w.write_norm("layers/0", "attn_norm", range(5), x, x * 2)
+    with open_trace(tmp_path / "t.h5") as tr:
+        assert np.array_equal(tr.layer(0)["resid_pre"], rows.numpy())
+        stats = tr.norm_stats(0)["attn_norm"]
+    np.testing.assert_allclose(stats["input_rms"], x.double().square().mean(-1).sqrt().numpy(), rtol=1e-12)
+    np.testing.assert_allclose(stats["output_rms"], 2 * stats["input_rms"], rtol=1e-12)
+
+
 def test_an_error_on_the_writer_thread_is_raised_at_the_next_write_and_leaves_no_file(tmp_path):
     w = TraceWriter(tmp_path / "t.h5", make_meta())
     w.write_rows("layers/0", "resid_pre", range(4), torch.zeros(4, 32))
     w.write_rows("layers/0", "resid_pre", range(4, 8), torch.zeros(4, 16))   # fails on the thread
+    w.commit()                                                                 # as at the end of a forward
     with pytest.raises(ProbeIntegrityError, match=r"layers/0/resid_pre: rows of shape \(16,\)"):
         for pos in range(8, 10_000):
             w.write_rows("layers/0", "resid_pre", [pos], torch.zeros(1, 32))

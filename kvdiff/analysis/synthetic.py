@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from kvdiff.probes.points import LAYER_POINTS
-from kvdiff.probes.recorder import norm_statistics
 from kvdiff.probes.trace import ChunkRecord, TraceMeta, TraceWriter
 
 
@@ -146,11 +145,11 @@ def write_trace(model: SyntheticModel, path: str | Path, prompt: list[int], step
             for point in LAYER_POINTS:
                 w.write_rows(f"layers/{i}", point, positions, c[point])
             for norm, (x, y) in cap["norms"][i].items():
-                w.write_norm_stats(f"layers/{i}", norm, positions, norm_statistics(x, y))
+                w.write_norm(f"layers/{i}", norm, positions, x, y)
                 w.write_norm_weight(i, norm, model.weights[i]["n1" if norm == "attn_norm" else "n2"], model.eps)
         for point, value in cap["final"].items():
             w.write_rows("final", point, positions, value)
-        w.write_norm_stats("final", "final_norm", positions, norm_statistics(*cap["final_norm_io"]))
+        w.write_norm("final", "final_norm", positions, *cap["final_norm_io"])
         w.write_norm_weight(None, "final_norm", model.final_w, model.eps)
         for step, (p, logits) in enumerate(rows):
             top = logits.topk(5)

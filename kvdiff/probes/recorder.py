@@ -10,29 +10,12 @@ import numpy as np
 import torch
 
 from kvdiff.probes.model_meta import ModelDims, build_meta, norm_eps, norm_modules
-from kvdiff.probes.points import FINAL_NORMS, LAYER_NORMS, NORM_STATS, READ_POINTS
+from kvdiff.probes.points import FINAL_NORMS, LAYER_NORMS, READ_POINTS
 from kvdiff.probes.selection import Selection, format_ranges
 from kvdiff.probes.sink import ProbeIntegrityError, Provenance
 from kvdiff.probes.spec import ProbeSpec, default_spec
 from kvdiff.probes.trace_format import ChunkRecord, point_group
 from kvdiff.probes.trace_writer import TraceWriter
-
-
-def norm_statistics(norm_input: torch.Tensor, norm_output: torch.Tensor) -> torch.Tensor:
-    """Per-row fp64 statistics over the last dim, one row per NORM_STATS name (input RMS, mean,
-    population variance and max-abs of the input, RMS of the output): (5, T) float64, computed
-    where the input lives, so a GPU run copies five numbers per token instead of two rows."""
-    x = norm_input.detach().reshape(-1, norm_input.shape[-1]).to(torch.float64)
-    y = norm_output.detach().reshape(-1, norm_output.shape[-1]).to(x.device, torch.float64)
-    variance, mean = torch.var_mean(x, -1, correction=0)
-    stats = {
-        "input_rms": x.square().mean(-1).sqrt(),
-        "mean": mean,
-        "variance": variance,
-        "max_abs": x.abs().amax(-1),
-        "output_rms": y.square().mean(-1).sqrt(),
-    }
-    return torch.stack([stats[name] for name in NORM_STATS])
 
 
 class TraceRecorder:
@@ -118,14 +101,16 @@ class TraceRecorder:
             return
         self._in_forward(f"norm {norm!r} of layer {layer}")
         self._fired[("stats:" + norm, layer)] += 1
-        stats = norm_statistics(norm_input, norm_output)
-        if stats.shape[1] != len(positions):
-            raise ProbeIntegrityError(f"norm {norm!r} of layer {layer}: {stats.shape[1]} rows "
-                                      f"for {len(positions)} positions")
+        x = norm_input.reshape(-1, norm_input.shape[-1])
+        y = norm_output.reshape(-1, norm_output.shape[-1])
+        if x.shape[0] != len(positions) or y.shape[0] != len(positions):
+            raise ProbeIntegrityError(f"norm {norm!r} of layer {layer}: {x.shape[0]} input and {y.shape[0]} output "
+                                      f"rows for {len(positions)} positions")
         pos, mask = self._kept(positions)
         if mask is not None:
-            stats = stats[:, torch.from_numpy(mask).to(stats.device)]
-        self.writer.write_norm_stats(point_group(layer), norm, pos, stats)
+            keep = torch.from_numpy(mask)
+            x, y = x[keep.to(x.device)], y[keep.to(y.device)]
+        self.writer.write_norm(point_group(layer), norm, pos, x, y)
 
     def provenance(self, positions: Sequence[int], source: Provenance) -> None:
         pos, mask = self._kept(positions)
@@ -160,6 +145,7 @@ class TraceRecorder:
                     raise ProbeIntegrityError(f"{what} {point!r} fired {count} times at layer {layer} in one forward "
                                               f"over positions {where}: a module is called more than once")
         self._positions = None
+        self.writer.commit()
 
     # -- finishing ---------------------------------------------------------------------------
 

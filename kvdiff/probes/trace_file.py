@@ -8,11 +8,17 @@ HDF5 writes through `_LatchingFile` (h5py's file-object driver): an OS error (di
 too large) is kept there instead of being returned to HDF5, and TraceFile raises it after the
 call. HDF5 2.0 crashes the process when it closes a file after a failed write from its chunk
 cache; this way it never sees one, and the unfinished file can be closed and deleted.
+
+Rows that extend a dataset's last write (a decode step's one row per point) are held in memory
+and written when they reach the end of an HDF5 chunk: one write per chunk instead of a
+read-modify-write of the chunk per step. The rows held are at most about one chunk
+(`_CHUNK_BYTES`) per dataset; `flush` and `finish` write them.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -29,6 +35,51 @@ _CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
 
 Step = tuple[int, int, int, np.ndarray, np.ndarray, float]   # step, position, token, top-k ids, values, margin
 Source = tuple[str, int, int, bool]                          # chunk, prefill id, encoded position, reused
+
+
+@dataclass
+class _Column:
+    """One dataset being written: its handle, facts h5py would look up on every call (rows
+    allocated, chunk rows), which positions hold rows, and the rows held back from `held_start`."""
+
+    ds: h5py.Dataset
+    row_shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_rows: int
+    allocated: int = 0
+    filled: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    held: list[np.ndarray] = field(default_factory=list)
+    held_start: int = 0
+    held_count: int = 0
+
+    @property
+    def held_end(self) -> int:
+        return self.held_start + self.held_count
+
+    def mark_filled(self, positions: np.ndarray, end: int) -> None:
+        if self.filled.size < end:
+            grown = np.zeros(max(end, 2 * self.filled.size), dtype=bool)
+            grown[: self.filled.size] = self.filled
+            self.filled = grown
+        self.filled[positions] = True
+
+    def grow(self, end: int) -> None:
+        if end > self.allocated:
+            self.allocated = max(end, 2 * self.allocated)
+            self.ds.resize(self.allocated, axis=0)
+
+    def hold(self, start: int, data: np.ndarray) -> None:
+        if not self.held:
+            self.held_start = start
+        self.held.append(data)
+        self.held_count += data.shape[0]
+
+    def write_held(self) -> None:
+        if not self.held:
+            return
+        self.grow(self.held_end)
+        self.ds[self.held_start:self.held_end] = self.held[0] if len(self.held) == 1 else np.concatenate(self.held)
+        self.held, self.held_count = [], 0
 
 
 class _LatchingFile:
@@ -84,7 +135,7 @@ class TraceFile:
             self._io.close()
             tmp_path.unlink(missing_ok=True)
             raise
-        self._filled: dict[str, np.ndarray] = {}     # dataset path -> bool mask over positions
+        self._columns: dict[str, _Column] = {}
         self._file.attrs["format"] = FORMAT_NAME
         self._file.attrs["schema_version"] = SCHEMA_VERSION
         self._file.attrs["complete"] = False
@@ -96,42 +147,50 @@ class TraceFile:
         if self._io.error is not None:
             raise self._io.error
 
-    def _dataset(self, name: str, row_shape: tuple[int, ...], dtype: np.dtype, torch_dtype: str) -> h5py.Dataset:
-        if name in self._file:
-            ds = self._file[name]
-            if ds.shape[1:] != row_shape or ds.dtype != dtype:
+    def _column(self, name: str, row_shape: tuple[int, ...], dtype: np.dtype, torch_dtype: str) -> _Column:
+        col = self._columns.get(name)
+        if col is not None:
+            if col.row_shape != row_shape or col.dtype != dtype:
                 raise ProbeIntegrityError(
-                    f"{name}: rows of shape {row_shape} {dtype} after rows of {ds.shape[1:]} {ds.dtype}")
-            return ds
+                    f"{name}: rows of shape {row_shape} {dtype} after rows of {col.row_shape} {col.dtype}")
+            return col
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize)
         chunk_rows = int(min(128, max(1, _CHUNK_BYTES // row_bytes)))
         ds = self._file.create_dataset(
             name, shape=(0, *row_shape), maxshape=(None, *row_shape), dtype=dtype,
             chunks=(chunk_rows, *row_shape), compression=self.compression)
         ds.attrs[DTYPE_ATTR] = torch_dtype
-        self._filled[name] = np.zeros(0, dtype=bool)
-        return ds
+        col = self._columns[name] = _Column(ds, row_shape, dtype, chunk_rows)
+        return col
 
     def put(self, name: str, positions: np.ndarray, data: np.ndarray, torch_dtype: str) -> None:
-        """Write `data` rows at row index = global position, growing the dataset as needed."""
+        """Rows `data` at row index = global position; a later row for a position replaces an earlier one."""
         if positions.size == 0:
             return
-        ds = self._dataset(name, data.shape[1:], data.dtype, torch_dtype)
+        col = self._column(name, data.shape[1:], data.dtype, torch_dtype)
         if positions.size > 1 and not bool(np.all(positions[1:] > positions[:-1])):
             order = np.argsort(positions, kind="stable")
             positions, data = positions[order], data[order]
-        end = int(positions[-1]) + 1
-        if end > ds.shape[0]:
-            ds.resize(max(end, 2 * ds.shape[0]), axis=0)
-        if end - int(positions[0]) == positions.size:
-            ds[int(positions[0]):end] = data
+        first, end = int(positions[0]), int(positions[-1]) + 1
+        col.mark_filled(positions, end)
+        if end - first != positions.size:
+            col.write_held()
+            col.grow(end)
+            col.ds[positions] = data
         else:
-            ds[positions] = data
-        filled = self._filled[name]
-        if filled.size < end:
-            filled = np.concatenate((filled, np.zeros(max(end, 2 * filled.size) - filled.size, dtype=bool)))
-        filled[positions] = True
-        self._filled[name] = filled
+            if col.held and col.held_end != first:
+                col.write_held()
+            start = col.held_start if col.held else first
+            if end // col.chunk_rows > start // col.chunk_rows:     # the run reaches the end of a chunk
+                col.hold(first, data)
+                col.write_held()
+            else:
+                col.hold(first, data.copy())      # kept past this call: the caller's buffer may be reused
+        self._check_io()
+
+    def _write_all_held(self) -> None:
+        for col in self._columns.values():
+            col.write_held()
         self._check_io()
 
     def put_norm_weight(self, layer: int | None, norm: str, weight: np.ndarray, eps: float, dtype: str) -> None:
@@ -141,22 +200,23 @@ class TraceFile:
         self._check_io()
 
     def flush(self) -> None:
+        self._write_all_held()
         self._file.flush()
         self._check_io()
 
     def _recorded_positions(self) -> np.ndarray:
         """Sorted global positions that any dataset holds."""
-        if not self._filled:
+        if not self._columns:
             return np.zeros(0, dtype=np.int64)
-        size = max(f.size for f in self._filled.values())
+        size = max(c.filled.size for c in self._columns.values())
         union = np.zeros(size, dtype=bool)
-        for filled in self._filled.values():
-            union[: filled.size] |= filled
+        for col in self._columns.values():
+            union[: col.filled.size] |= col.filled
         return np.flatnonzero(union).astype(np.int64)
 
     def _check_complete(self, positions: np.ndarray) -> None:
-        for name, filled in self._filled.items():
-            held = np.flatnonzero(filled)
+        for name, col in self._columns.items():
+            held = np.flatnonzero(col.filled)
             if held.size != positions.size:
                 missing = np.setdiff1d(positions, held)
                 raise ProbeIntegrityError(
@@ -199,10 +259,11 @@ class TraceFile:
     def finish(self, meta: TraceMeta, steps: list[Step], provenance: Mapping[int, Source]) -> int:
         """Check every dataset holds every recorded position, write the tables and metadata, set
         `complete` last and close the file. Returns the number of recorded positions."""
+        self._write_all_held()
         positions = self._recorded_positions()
         self._check_complete(positions)
-        for name in self._filled:
-            self._file[name].resize(int(positions[-1]) + 1 if positions.size else 0, axis=0)
+        for col in self._columns.values():
+            col.ds.resize(int(positions[-1]) + 1 if positions.size else 0, axis=0)
         self._write_tables(positions, meta, steps, provenance)
         self._write_meta(meta)
         self._file.attrs["complete"] = True
@@ -213,6 +274,7 @@ class TraceFile:
 
     def discard(self) -> None:
         """Close the file if open and delete it."""
+        self._columns.clear()
         try:
             if self._file.id.valid:
                 self._file.close()

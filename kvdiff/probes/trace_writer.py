@@ -2,7 +2,10 @@
 
 Rows are copied to host memory when they are handed over and written to HDF5 by one background
 thread, so the model's forward does not wait for the disk; the writer's backlog is bounded
-(`max_queued_bytes`), and a capture that would pass the bound waits for the thread. An error on
+(`max_queued_bytes`), and a capture that would pass the bound waits for the thread. Small
+captures are gathered in one host buffer (staging.Stage) that goes to the thread as one job at
+`commit()` (the recorder commits at the end of each forward), when it is full, or at `flush`;
+their norm statistics are computed on that thread, in batches. An error on
 the thread (disk full, file too large) is raised in the caller at its next write or at `close`,
 as a TraceWriteError, and the unfinished file is deleted.
 
@@ -18,7 +21,6 @@ import logging
 import os
 import re
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -27,8 +29,10 @@ import torch
 
 from kvdiff.errors import KvdiffError, TraceError, TraceWriteError
 from kvdiff.probes.background import SerialWorker
+from kvdiff.probes.norm_stats import norm_statistics
 from kvdiff.probes.points import NORM_STATS
 from kvdiff.probes.sink import ProbeIntegrityError
+from kvdiff.probes.staging import Stage, host_copy
 from kvdiff.probes.trace_file import Source, Step, TraceFile
 from kvdiff.probes.trace_format import ChunkRecord, TraceMeta, dtype_name, to_storage
 
@@ -36,32 +40,6 @@ log = logging.getLogger(__name__)
 
 _COMPRESSIONS = (None, "gzip", "lzf")
 DEFAULT_QUEUED_BYTES = 256 << 20
-
-
-@dataclass(frozen=True)
-class HostRows:
-    """A private host copy of captured rows. From CUDA the copy runs asynchronously into pinned
-    memory until `copied` completes; `ready()` waits for it."""
-
-    tensor: torch.Tensor
-    copied: torch.cuda.Event | None = None
-
-    def ready(self) -> torch.Tensor:
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.tensor
-
-
-def host_copy(rows: torch.Tensor) -> HostRows:
-    """Copy `rows` now, so that a buffer overwritten later cannot change what is written."""
-    rows = rows.detach()
-    if rows.is_cuda:
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-        host.copy_(rows, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(torch.cuda.current_stream(rows.device))
-        return HostRows(host, copied)
-    return HostRows(rows.to("cpu", copy=True, memory_format=torch.contiguous_format))
 
 
 def _reason(exc: BaseException) -> str:
@@ -87,6 +65,26 @@ def _write_error(exc: BaseException, path: Path) -> KvdiffError:
     return error
 
 
+def _put_stats(file: TraceFile, name: str, positions: np.ndarray, stats: torch.Tensor) -> None:
+    for stat, row in zip(NORM_STATS, stats.numpy()):
+        file.put(f"{name}/{stat}", positions, row, "float64")
+
+
+def _batched_norm_statistics(norms: list[tuple[str, np.ndarray, torch.Tensor, torch.Tensor]]
+                             ) -> list[tuple[str, np.ndarray, torch.Tensor]]:
+    """(name, positions, stats) for each staged norm, computed together per input and output width."""
+    by_width: dict[tuple[int, int], list[int]] = {}
+    for i, (_, _, x, y) in enumerate(norms):
+        by_width.setdefault((x.shape[-1], y.shape[-1]), []).append(i)
+    stats: dict[int, torch.Tensor] = {}
+    for members in by_width.values():
+        xs = torch.cat([norms[i][2].to(torch.float64) for i in members])
+        ys = torch.cat([norms[i][3].to(torch.float64) for i in members])
+        split = norm_statistics(xs, ys).split([norms[i][2].shape[0] for i in members], dim=1)
+        stats.update(zip(members, split))
+    return [(name, pos, stats[i]) for i, (name, pos, _, _) in enumerate(norms)]
+
+
 class TraceWriter:
     """Writes one trace. Use as a context manager, or call `close()` / `abort()` yourself."""
 
@@ -106,6 +104,9 @@ class TraceWriter:
             raise TraceError(f"cannot write trace {self.path}: {_reason(exc)}") from exc
         self._provenance: dict[int, Source] = {}
         self._steps: list[Step] = []
+        self._stage: Stage | None = None
+        self._staged_rows: list[tuple[str, np.ndarray, torch.Tensor]] = []
+        self._staged_norms: list[tuple[str, np.ndarray, torch.Tensor, torch.Tensor]] = []
         self._open = True
         self._worker = SerialWorker(f"kvdiff-trace {self.path.name}", max_queued_bytes)
         weakref.finalize(self, self._worker.cancel)     # a writer dropped unclosed ends its thread
@@ -128,27 +129,65 @@ class TraceWriter:
         pos = np.array(positions, dtype=np.int64).reshape(-1)
         if rows.shape[0] != pos.size:
             raise ProbeIntegrityError(f"{group}/{point}: {rows.shape[0]} rows for {pos.size} positions")
-        host, file = host_copy(rows), self._file
+        if Stage.takes(rows):
+            self._staged_rows.append((f"{group}/{point}", pos, self._stage_copy(rows)))
+            return
+        self.commit()       # rows staged earlier are written first: a later row replaces an earlier one
+        host, file, name = host_copy(rows), self._file, f"{group}/{point}"
 
         def job() -> None:
             data, torch_dtype = to_storage(host.ready())
-            file.put(f"{group}/{point}", pos, data, torch_dtype)
+            file.put(name, pos, data, torch_dtype)
 
         self._submit(job, host.tensor.nbytes)
 
-    def write_norm_stats(self, group: str, norm: str, positions: Sequence[int], stats: torch.Tensor) -> None:
-        """Per-token float64 statistics of norm module `norm` in `group`: one row of `stats`
-        (S, T) per NORM_STATS name, in that order (recorder.norm_statistics makes them)."""
+    def write_norm(self, group: str, norm: str, positions: Sequence[int], norm_input: torch.Tensor,
+                   norm_output: torch.Tensor) -> None:
+        """Statistics (norm_stats.norm_statistics) of norm module `norm` in `group` at `positions`,
+        from its input and output rows: computed on the writer thread for a few rows, where the
+        rows are for many."""
         pos = np.array(positions, dtype=np.int64).reshape(-1)
-        host = host_copy(stats.to(torch.float64))
+        x = norm_input.reshape(-1, norm_input.shape[-1])
+        y = norm_output.reshape(-1, norm_output.shape[-1])
+        if x.shape[0] != pos.size or y.shape[0] != pos.size:
+            raise ProbeIntegrityError(f"{group}/norm_stats/{norm}: {x.shape[0]} input and {y.shape[0]} output rows "
+                                      f"for {pos.size} positions")
+        if Stage.takes(x) and Stage.takes(y):
+            self._staged_norms.append((f"{group}/norm_stats/{norm}", pos, self._stage_copy(x), self._stage_copy(y)))
+        else:
+            self.commit()
+            stats = host_copy(norm_statistics(x, y))
+            file, name = self._file, f"{group}/norm_stats/{norm}"
+            self._submit(lambda: _put_stats(file, name, pos, stats.ready()), stats.tensor.nbytes)
+
+    def _stage_copy(self, rows: torch.Tensor) -> torch.Tensor:
+        if not self._open:
+            raise TraceError(f"trace {self.path} is already closed or aborted")
+        self._raise_if_failed()
+        if self._stage is not None and not self._stage.fits(rows):
+            self.commit()
+        if self._stage is None:
+            self._stage = Stage(pinned=rows.is_cuda)
+        return self._stage.add(rows)
+
+    def commit(self) -> None:
+        """Hand the captures staged so far to the writer thread as one job."""
+        stage, rows, norms = self._stage, self._staged_rows, self._staged_norms
+        if stage is None:
+            return
+        self._stage, self._staged_rows, self._staged_norms = None, [], []
+        stage.seal()
         file = self._file
 
         def job() -> None:
-            values = host.ready().numpy()
-            for stat, row in zip(NORM_STATS, values):
-                file.put(f"{group}/norm_stats/{norm}/{stat}", pos, row, "float64")
+            stage.ready()
+            for name, pos, host in rows:
+                data, torch_dtype = to_storage(host)
+                file.put(name, pos, data, torch_dtype)
+            for name, pos, stats in _batched_norm_statistics(norms):
+                _put_stats(file, name, pos, stats)
 
-        self._submit(job, host.tensor.numel() * 8)
+        self._submit(job, stage.used)
 
     def write_norm_weight(self, layer: int | None, norm: str, weight: torch.Tensor, eps: float) -> None:
         """A norm's weight (float32, or float64 for a float64 model) and epsilon."""
@@ -178,6 +217,7 @@ class TraceWriter:
 
     def flush(self) -> None:
         """Wait until every row handed over is in the file, and flush the file to the OS."""
+        self.commit()
         self._submit(self._file.flush, 0)
         self._worker.wait_idle()
         self._raise_if_failed()
@@ -194,6 +234,7 @@ class TraceWriter:
         if not self._open:
             raise TraceError(f"trace {self.path} is already closed or aborted")
         try:
+            self.commit()
             self._worker.stop()      # every row written; from here this thread alone uses the file
             self._raise_if_failed()
             n_positions = self._file.finish(self.meta, self._steps, self._provenance)
@@ -212,6 +253,7 @@ class TraceWriter:
     def abort(self) -> None:
         """Drop the unfinished trace: stop the writer thread, close and delete the temporary file."""
         self._open = False
+        self._stage, self._staged_rows, self._staged_norms = None, [], []
         self._worker.cancel()
         self._file.discard()
 
