@@ -1,6 +1,6 @@
 """GPU benchmarks on random-initialised models of real shapes; each figure a ratio from one run.
 
-    python benchmarks/bench_gpu.py --tokenizer .gpu/tokenizer [--shape smollm2-135m llama-3.2-1b]
+    python benchmarks/bench_gpu.py --tokenizer .gpu/tokenizer [--shape smollm2-135m llama-3.2-1b] [--only capture ...]
 
 Needs a CUDA GPU (run it through the device tool; docs/gpu.md says how). Prints one table per
 shape: exact vs fast numerics, full capture on vs off (HDF5 written to local disk), time to
@@ -59,28 +59,29 @@ def decode_rate(run, batch: int) -> float:
     return batch * (NEW - 1) / (timed(lambda: run(NEW)) - timed(lambda: run(1)))
 
 
-def bench_shape(shape: str, tokenizer: str, trace_dir: str) -> list[tuple]:
-    model, tok = random_model(shape, tokenizer, dtype="bfloat16", device="cuda")
-    rows = []
+def bench_numerics(model, tok, trace_dir: str) -> list[tuple]:
     long_req = conv(SYSTEM_2K, "What is the capital of France?")
     n_long = len(render_prompt_ids(tok, long_req))
-
     times = {}
     for numerics in ("fast", "exact"):
         Engine(model, tok, numerics=numerics).generate([long_req], max_new_tokens=2)
         times[numerics] = timed(lambda: Engine(model, tok, numerics=numerics).generate([long_req], max_new_tokens=NEW))
-    rows.append((f"engine exact vs fast, {n_long}-token prompt + {NEW} tokens, s", times["fast"], times["exact"],
-                 times["exact"] / times["fast"], "<= 1.3x"))
     reference_generate(model, tok, long_req, 2)
     ref_fast = timed(lambda: reference_generate(model, tok, long_req, NEW))
     with exact_numerics(model):
         reference_generate(model, tok, long_req, 2)
         ref_exact = timed(lambda: reference_generate(model, tok, long_req, NEW))
-    rows.append(("reference exact vs fast, same request, s", ref_fast, ref_exact, ref_exact / ref_fast, "<= 1.3x"))
+    return [(f"engine exact vs fast, {n_long}-token prompt + {NEW} tokens, s", times["fast"], times["exact"],
+             times["exact"] / times["fast"], "<= 1.3x"),
+            ("reference exact vs fast, same request, s", ref_fast, ref_exact, ref_exact / ref_fast, "<= 1.3x")]
 
+
+def bench_capture(model, tok, trace_dir: str) -> list[tuple]:
+    rows = []
     kvdiff.record(model, tok, conv("Hi", "Hi"), os.path.join(trace_dir, "warm.h5"), max_new_tokens=2)
+    long_req = conv(SYSTEM_2K, "What is the capital of France?")
     for req, new in ((long_req, NEW), (conv(SYSTEM_2K[:2000], "Tell me a long story."), 256)):
-        path = os.path.join(trace_dir, f"{shape}-{new}.h5")
+        path = os.path.join(trace_dir, f"capture-{new}.h5")
         n_prompt = len(render_prompt_ids(tok, req))
         off = timed(lambda: reference_generate(model, tok, req, new))
         on = timed(lambda: kvdiff.record(model, tok, req, path, max_new_tokens=new))
@@ -88,39 +89,49 @@ def bench_shape(shape: str, tokenizer: str, trace_dir: str) -> list[tuple]:
         rows.append((f"full capture on vs off, {n_prompt} + {new} tokens, HDF5 {size_gb:.2f} GB, s", off, on,
                      on / off, "<= 1.5x"))
         os.remove(path)
+    return rows
 
+
+def bench_ttft(model, tok, trace_dir: str) -> list[tuple]:
     eng = Engine(model, tok, strategy="prefix")
     n_sys = len(render_prompt_ids(tok, conv(SYSTEM_8K, "Hi")))
     eng.generate([conv("Warm up.", "Hi")], max_new_tokens=1)
     cold = eng.generate([conv(SYSTEM_8K, "What is the capital of France?")], max_new_tokens=1)[0]
     torch.cuda.synchronize()
     warm = eng.generate([conv(SYSTEM_8K, "Name a colour.")], max_new_tokens=1)[0]
-    rows.append((f"TTFT, cached {n_sys}-token chunk vs no reuse, s", cold.stats.ttft_s, warm.stats.ttft_s,
-                 cold.stats.ttft_s / warm.stats.ttft_s, "speed-up"))
+    return [(f"TTFT, cached {n_sys}-token chunk vs no reuse, s", cold.stats.ttft_s, warm.stats.ttft_s,
+             cold.stats.ttft_s / warm.stats.ttft_s, "speed-up")]
 
+
+def bench_decode(model, tok, trace_dir: str) -> list[tuple]:
     one = [conv("You are a helpful assistant.", "Write a long story about a dragon.")]
     many = [conv("You are a helpful assistant.", f"Story {i}: write about a dragon named {i}.") for i in range(BATCH)]
     hf_1 = decode_rate(lambda n: hf_generate(model, tok, one[0], n), 1)
     eng_1 = decode_rate(lambda n: Engine(model, tok).generate(one, max_new_tokens=n), 1)
     hf_32 = decode_rate(lambda n: hf_batch_generate(model, tok, many, n), BATCH)
     eng_32 = decode_rate(lambda n: Engine(model, tok).generate(many, max_new_tokens=n), BATCH)
-    rows.append(("decode tokens/s, batch 1: generate vs engine", hf_1, eng_1, eng_1 / hf_1, ">= 1.0x"))
-    rows.append((f"decode tokens/s, batch {BATCH}: generate vs engine", hf_32, eng_32, eng_32 / hf_32, ">= 3x"))
-    rows.append((f"decode tokens/s, generate batch 1 vs engine batch {BATCH}", hf_1, eng_32, eng_32 / hf_1, "report"))
-    del model
-    torch.cuda.empty_cache()
-    return rows
+    return [("decode tokens/s, batch 1: generate vs engine", hf_1, eng_1, eng_1 / hf_1, ">= 1.0x"),
+            (f"decode tokens/s, batch {BATCH}: generate vs engine", hf_32, eng_32, eng_32 / hf_32, ">= 3x"),
+            (f"decode tokens/s, generate batch 1 vs engine batch {BATCH}", hf_1, eng_32, eng_32 / hf_1, "report")]
+
+
+BENCHMARKS = {"numerics": bench_numerics, "capture": bench_capture, "ttft": bench_ttft, "decode": bench_decode}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", default=".gpu/tokenizer", help="folder of the default model's tokenizer")
     parser.add_argument("--shape", nargs="+", default=list(REAL_SHAPES), choices=list(REAL_SHAPES))
+    parser.add_argument("--only", nargs="+", default=list(BENCHMARKS), choices=list(BENCHMARKS),
+                        help="run only these benchmarks")
     args = parser.parse_args()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16")
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVDIFF_BENCH_DIR")) as trace_dir:
         for shape in args.shape:
-            rows = bench_shape(shape, args.tokenizer, trace_dir)
+            model, tok = random_model(shape, args.tokenizer, dtype="bfloat16", device="cuda")
+            rows = [row for name in args.only for row in BENCHMARKS[name](model, tok, trace_dir)]
+            del model
+            torch.cuda.empty_cache()
             print(f"\n{shape}")
             print(f"  {'benchmark':72} {'baseline':>10} {'kvdiff':>10} {'ratio':>8}  goal")
             for name, base, ours, ratio, goal in rows:

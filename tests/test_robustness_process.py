@@ -29,7 +29,8 @@ _DRIVER = textwrap.dedent("""
 
     def hold(*args, **kwargs):
         marker.touch()
-        time.sleep(120)
+        for _ in range(1200):   # short sleeps: a signal taken by another thread is only seen between them
+            time.sleep(0.1)
 
     {stage}
     from kvdiff.cli import main

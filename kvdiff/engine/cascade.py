@@ -36,8 +36,9 @@ class CascadePlan:
     width: int                    # Tmax: rows of the longest group
     padded_rows: torch.Tensor     # (N,) where each q row goes in the padded (G * Tmax) layout
     slots: torch.Tensor           # (G, Lrest) slots of each group's own (non-shared) keys, 0-padded
-    visible: torch.Tensor         # (G, Tmax, Lrest) bool
+    visible: torch.Tensor | None  # (G, Tmax, Lrest) bool; None: every row sees all its keys, none padded
     shared: list[SharedPart]
+    unpadded: bool = False        # every group has Tmax rows: the padded layout is q's own
 
     @classmethod
     def build(cls, spans: list[slice], keys: list, device: torch.device) -> "CascadePlan":
@@ -47,11 +48,18 @@ class CascadePlan:
         width = max(lengths)
         rest = [(kk.slots[kk.shared_len:], kk.visible[:, kk.shared_len:]) for kk in keys]
         lrest = max(1, max(int(r[0].shape[0]) for r in rest))
-        slots = torch.zeros((G, lrest), dtype=torch.long, device=device)
-        visible = torch.zeros((G, width, lrest), dtype=torch.bool, device=device)
-        for i, (T, (sl, vi)) in enumerate(zip(lengths, rest)):
-            slots[i, : sl.shape[0]] = sl
-            visible[i, :T, : sl.shape[0]] = vi
+        unmasked = all(kk.sees_all and kk.slots.shape[0] - kk.shared_len == lrest for kk in keys)
+        if G == 1 and lrest == rest[0][0].shape[0]:
+            slots = rest[0][0].view(1, lrest)
+        else:
+            slots = torch.zeros((G, lrest), dtype=torch.long, device=device)
+            for i, (sl, _) in enumerate(rest):
+                slots[i, : sl.shape[0]] = sl
+        visible = None
+        if not unmasked:
+            visible = torch.zeros((G, width, lrest), dtype=torch.bool, device=device)
+            for i, (T, (sl, vi)) in enumerate(zip(lengths, rest)):
+                visible[i, :T, : sl.shape[0]] = vi
         padded = torch.cat([torch.arange(T, device=device) + i * width for i, T in enumerate(lengths)])
         shared = []
         for key in dict.fromkeys(kk.shared for kk in keys if kk.shared):
@@ -63,27 +71,31 @@ class CascadePlan:
                 padded_rows=torch.cat([padded[spans[i]] for i in members]),
                 visible=torch.cat([keys[i].visible[:, : first.shared_len] for i in members]).unsqueeze(0).to(device),
             ))
-        return cls(G, width, padded, slots, visible, shared)
+        return cls(G, width, padded, slots, visible, shared,
+                   unpadded=all(T == width for T in lengths))
 
     def to(self, device: torch.device) -> "CascadePlan":
         """The plan on another device (a model split across GPUs)."""
         if self.slots.device == device:
             return self
         return CascadePlan(self.groups, self.width, self.padded_rows.to(device), self.slots.to(device),
-                           self.visible.to(device),
+                           None if self.visible is None else self.visible.to(device),
                            [SharedPart(p.slots.to(device), p.q_rows.to(device), p.padded_rows.to(device),
-                                       p.visible.to(device)) for p in self.shared])
+                                       p.visible.to(device)) for p in self.shared], self.unpadded)
 
     def attend(self, pool: BlockPool, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention output (N, H, D) in q's dtype for the forward's rows q (N, H, D)."""
         N, H, D = q.shape
         G, W = self.groups, self.width
-        qp = q.new_zeros((G * W, H, D)).index_copy_(0, self.padded_rows, q).view(G, W, H, D)
+        if self.unpadded:
+            qp = q.view(G, W, H, D)
+        else:
+            qp = q.new_zeros((G * W, H, D)).index_copy_(0, self.padded_rows, q).view(G, W, H, D)
         k, v = pool.read(layer, self.slots.view(-1))
         k, v = k.view(G, -1, *k.shape[1:]), v.view(G, -1, *v.shape[1:])
         if not self.shared:
-            o = single_attention(qp, k, v, self.visible, scale)
-            return o.reshape(G * W, H, D).index_select(0, self.padded_rows)
+            o = single_attention(qp, k, v, self.visible, scale).reshape(G * W, H, D)
+            return o if self.unpadded else o.index_select(0, self.padded_rows)
         o, lse = partial_attention(qp, k, v, self.visible, scale)
         o, lse = o.reshape(G * W, H, D), lse.reshape(G * W, H)
         for part in self.shared:

@@ -81,14 +81,21 @@ class BlockPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         pool_k, pool_v = self.k[layer], self.v[layer]
-        slots = slots.to(pool_k.device)
-        pool_k.index_copy_(0, slots, k.to(pool_k.device, pool_k.dtype))
-        pool_v.index_copy_(0, slots, v.to(pool_v.device, pool_v.dtype))
+        pool_k.index_copy_(0, _like(slots, pool_k.device), _like(k, pool_k.device, pool_k.dtype))
+        pool_v.index_copy_(0, _like(slots, pool_v.device), _like(v, pool_v.device, pool_v.dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows at `slots`, on the layer's device."""
-        slots = slots.to(self.k[layer].device)
+        slots = _like(slots, self.k[layer].device)
         return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+
+
+def _like(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`t` on `device` (and in `dtype`); checked here because a no-op `.to` still costs a dispatch
+    per layer and step."""
+    if t.device == device and (dtype is None or t.dtype == dtype):
+        return t
+    return t.to(device, dtype)
 
 
 @dataclass

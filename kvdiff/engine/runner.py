@@ -44,6 +44,7 @@ class _Keys:
     visible: torch.Tensor         # (T, L) bool
     shared: str | None            # key of a first segment shared with another group in this forward
     shared_len: int
+    sees_all: bool                # every row sees every key (decode): attention needs no mask
 
 
 class ModelRunner:
@@ -68,8 +69,9 @@ class ModelRunner:
             visible = (kpos.unsqueeze(0) <= qpos.unsqueeze(1)) & (kpos.unsqueeze(0) >= g.lo)
             key = g.segments[0].shared_key
             cascade = not self.exact and key is not None and first_shared[key] > 1
+            sees_all = min(g.positions) >= g.segments[-1].end - 1 and g.lo <= g.segments[0].start
             out.append(_Keys(slots, visible, key if cascade else None,
-                             int(g.segments[0].slots.shape[0]) if cascade else 0))
+                             int(g.segments[0].slots.shape[0]) if cascade else 0, sees_all))
         return out
 
     def _exact_attention(self, layer: int, q: torch.Tensor, spans: list[slice], keys: list[_Keys]) -> torch.Tensor:
@@ -104,6 +106,7 @@ class ModelRunner:
         read = torch.cat([g.read_slots for g in groups])
         write_rows = (write >= 0).nonzero().squeeze(1)
         write_slots = write[write_rows]
+        writes_all = write_rows.numel() == tokens.numel()
         keys = self._keys(groups)
         plan = None if self.exact else CascadePlan.build(spans, keys, dev)
         x = a.embed_tokens(tokens)
@@ -123,7 +126,9 @@ class ModelRunner:
             probes.capture("k_pre_rope", i, k)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-            if write_rows.numel():
+            if writes_all:
+                self.pool.write(i, write_slots, k, v)
+            elif write_rows.numel():
                 self.pool.write(i, write_slots, k[write_rows], v[write_rows])
             if plan is None:
                 o = self._exact_attention(i, q, spans, keys)
