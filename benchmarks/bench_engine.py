@@ -20,6 +20,7 @@ from kvdiff.engine.reference import render_prompt_ids  # noqa: E402
 
 SYSTEM_2K = " ".join(f"Rule {i}: answer briefly, politely and in plain words." for i in range(170))
 DECODE_TOKENS = 64
+REPEATS = 3
 
 
 def conv(system: str, user: str):
@@ -54,14 +55,15 @@ def main() -> None:
     # 2. Decode tokens/s vs transformers generate, batch 1.
     msgs = conv("You are a helpful assistant.", "Write a long story about a dragon.")
     hf_generate(model, tok, msgs, 4)
-    hf_s, _ = timed(lambda: hf_generate(model, tok, msgs, DECODE_TOKENS))
-    hf_prefill, _ = timed(lambda: hf_generate(model, tok, msgs, 1))
-    eng = Engine(model, tok, strategy="prefix")
-    eng.generate([msgs], max_new_tokens=2)
-    out = Engine(model, tok, strategy="prefix").generate([msgs], max_new_tokens=DECODE_TOKENS)[0]
-    n = out.stats.generated_tokens
-    eng_tps = (n - 1) / (out.stats.total_s - out.stats.ttft_s)
-    hf_tps = (DECODE_TOKENS - 1) / (hf_s - hf_prefill)
+    Engine(model, tok, strategy="prefix").generate([msgs], max_new_tokens=2)
+    hf_tps = eng_tps = 0.0
+    for _ in range(REPEATS):      # alternated, best of each: other jobs share this machine
+        hf_s, _ = timed(lambda: hf_generate(model, tok, msgs, DECODE_TOKENS))
+        hf_prefill, _ = timed(lambda: hf_generate(model, tok, msgs, 1))
+        hf_tps = max(hf_tps, (DECODE_TOKENS - 1) / (hf_s - hf_prefill))
+        out = Engine(model, tok, strategy="prefix").generate([msgs], max_new_tokens=DECODE_TOKENS)[0]
+        n = out.stats.generated_tokens
+        eng_tps = max(eng_tps, (n - 1) / (out.stats.total_s - out.stats.ttft_s))
     rows.append(("decode tokens/s vs transformers generate (batch 1, %d tokens)" % n, hf_tps, eng_tps,
                  eng_tps / hf_tps, ">= 1.0x"))
 
@@ -76,10 +78,13 @@ def main() -> None:
 
     # 4. exact vs fast numerics on the same request.
     req = conv("You are a helpful assistant.", "What is the capital of France?")
-    times = {}
-    for numerics in ("fast", "exact"):
+    times = {"fast": float("inf"), "exact": float("inf")}
+    for numerics in times:
         Engine(model, tok, numerics=numerics).generate([req], max_new_tokens=2)
-        times[numerics], _ = timed(lambda: Engine(model, tok, numerics=numerics).generate([req], max_new_tokens=32))
+    for _ in range(REPEATS):
+        for numerics in times:
+            spent, _ = timed(lambda: Engine(model, tok, numerics=numerics).generate([req], max_new_tokens=32))
+            times[numerics] = min(times[numerics], spent)
     rows.append(("exact vs fast numerics, same request (32 tokens), time", times["fast"], times["exact"],
                  times["exact"] / times["fast"], "<= 1.5x"))
 

@@ -31,6 +31,7 @@ SYSTEM_2K = " ".join(f"Rule {i}: answer briefly, politely and in plain words." f
 SYSTEM_8K = " ".join(f"Clause {i}: the assistant keeps every answer short, exact and kind." for i in range(470))
 NEW = 32
 BATCH = 32
+REPEATS = 3
 
 
 def timed(fn) -> float:
@@ -83,8 +84,10 @@ def bench_capture(model, tok, trace_dir: str) -> list[tuple]:
     for req, new in ((long_req, NEW), (conv(SYSTEM_2K[:2000], "Tell me a long story."), 256)):
         path = os.path.join(trace_dir, f"capture-{new}.h5")
         n_prompt = len(render_prompt_ids(tok, req))
-        off = timed(lambda: reference_generate(model, tok, req, new))
-        on = timed(lambda: kvdiff.record(model, tok, req, path, max_new_tokens=new))
+        off, on = float("inf"), float("inf")
+        for _ in range(REPEATS):      # alternated, best of each: the lent machines' timings wander by 2x
+            off = min(off, timed(lambda: reference_generate(model, tok, req, new)))
+            on = min(on, timed(lambda: kvdiff.record(model, tok, req, path, max_new_tokens=new)))
         size_gb = os.path.getsize(path) / 1e9
         rows.append((f"full capture on vs off, {n_prompt} + {new} tokens, HDF5 {size_gb:.2f} GB, s", off, on,
                      on / off, "<= 1.5x"))

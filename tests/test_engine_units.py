@@ -388,3 +388,24 @@ def test_rerotated_keys_land_at_their_global_positions(tiny_llama):
         user = range(out.chunks[1].positions[0], out.chunks[1].positions[1] + 1)
         keys[strategy] = sink.stacked("k", 0, list(user))
     torch.testing.assert_close(keys["rerotate"], keys["isolated-global"], rtol=1e-5, atol=1e-5)
+
+
+def test_probe_protocol_blend_traces_the_recomputed_tokens_as_computed(tiny_llama):
+    model, tok = tiny_llama
+    eng = Engine(model, tok, strategy="blend", recompute_ratio=0.25)
+    eng.generate([OTHER], max_new_tokens=1)
+    sink = ListSink()
+    out = eng.generate([SEED_MESSAGES], max_new_tokens=2, sinks={0: sink})[0]
+    system, user, generation = out.chunks
+    source = {p: src for pos, src in sink.provenances for p in pos}          # a later report wins
+    final_id = source[generation.positions[0]].prefill_id
+    cached = range(system.positions[0], user.positions[1] + 1)
+    recomputed = [p for p in cached if source[p].prefill_id == final_id]
+    assert len(recomputed) == math.ceil(0.25 * len(cached))
+    # The system chunk sits at its own positions, so its K matches the full-context K: the largest
+    # deviations, and so every recomputed token, are in the user chunk, computed without the system.
+    assert all(source[p].chunk == "user" and not source[p].reused for p in recomputed)
+    final = next(b for b in sink.brackets if not b["reads_only"] and source[b["positions"][-1]].prefill_id == final_id)
+    assert set(recomputed) <= set(final["positions"])
+    reads = next(b for b in sink.brackets if b["reads_only"])
+    assert reads["positions"] == [p for p in cached if p not in recomputed]   # the selection pass itself is scratch
