@@ -113,26 +113,51 @@ def test_the_writer_waits_for_an_asynchronous_copy_before_reading_it(tmp_path, m
         assert np.array_equal(tr.layer(0)["resid_pre"], rows.numpy())
 
 
-def test_the_writer_waits_for_staged_copies_before_reading_them(tmp_path, monkeypatch):
-    late = []
-    stage_add = staging.Stage.add
+def test_a_sealed_stage_waits_for_its_asynchronous_copies_before_giving_rows():
+    a, b, on_cpu = torch.randn(2, 3), torch.randn(4), torch.randn(5)
+    flat = torch.cat([a.view(-1), b])
+    host = torch.zeros_like(flat)
+    copy = staging.FlatCopy([0, 2], [a.shape, b.shape], staging.HostRows(host, _LateCopy(host, flat)))
+    rows = staging.SealedStage(3, {1: on_cpu}, [copy]).rows()
+    assert torch.equal(rows[0], a) and rows[1] is on_cpu and torch.equal(rows[2], b)
 
-    def add_late(stage, rows):
-        host = stage_add(stage, torch.zeros_like(rows))
-        late.append(_LateCopy(host, rows.clone()))
-        return host
 
-    monkeypatch.setattr(staging.Stage, "add", add_late)
-    monkeypatch.setattr(staging.Stage, "seal", lambda stage: setattr(stage, "copied", list(late)))
+def test_staged_captures_are_private_copies_and_norms_are_computed_in_batches(tmp_path):
     rows, x = torch.randn(5, 32), torch.randn(5, 32) * 3
+    want_rows, want_x = rows.clone(), x.clone()
     with TraceWriter(tmp_path / "t.h5", replace(make_meta(), layers=(0,), points=("resid_pre",))) as w:
         w.write_rows("layers/0", "resid_pre", range(5), rows)
         w.write_norm("layers/0", "attn_norm", range(5), x, x * 2)
+        w.write_norm("layers/0", "mlp_norm", range(5), x[:, :16], x[:, :16])      # another width
+        rows.zero_(), x.zero_()                                                    # the caller reuses its buffers
     with open_trace(tmp_path / "t.h5") as tr:
-        assert np.array_equal(tr.layer(0)["resid_pre"], rows.numpy())
-        stats = tr.norm_stats(0)["attn_norm"]
-    np.testing.assert_allclose(stats["input_rms"], x.double().square().mean(-1).sqrt().numpy(), rtol=1e-12)
-    np.testing.assert_allclose(stats["output_rms"], 2 * stats["input_rms"], rtol=1e-12)
+        assert np.array_equal(tr.layer(0)["resid_pre"], want_rows.numpy())
+        stats = tr.norm_stats(0)
+    np.testing.assert_allclose(stats["attn_norm"]["input_rms"], want_x.double().square().mean(-1).sqrt().numpy(),
+                               rtol=1e-12)
+    np.testing.assert_allclose(stats["attn_norm"]["output_rms"], 2 * stats["attn_norm"]["input_rms"], rtol=1e-12)
+    np.testing.assert_allclose(stats["mlp_norm"]["max_abs"], want_x[:, :16].double().abs().amax(-1).numpy())
+
+
+def test_captures_spanning_many_full_stages_land_in_their_own_datasets(tmp_path, monkeypatch):
+    monkeypatch.setattr(staging, "STAGE_BYTES", 300)              # a stage fills every few captures
+    g = torch.Generator().manual_seed(3)
+    resid = torch.randn(6, 32, generator=g)
+    keys = torch.randn(6, 2, 8, generator=g)
+    meta = replace(make_meta(), layers=(0, 1), points=("resid_pre", "k"))
+    with TraceWriter(tmp_path / "t.h5", meta) as w:
+        for p in range(6):
+            for layer in (0, 1):
+                w.write_rows(f"layers/{layer}", "resid_pre", [p], resid[p:p + 1] + layer)
+                w.write_norm(f"layers/{layer}", "attn_norm", [p], resid[p:p + 1], resid[p:p + 1] * (layer + 2))
+                w.write_rows(f"layers/{layer}", "k", [p], keys[p:p + 1] - layer)
+            w.commit()
+    with open_trace(tmp_path / "t.h5") as tr:
+        for layer in (0, 1):
+            assert np.array_equal(tr.layer(layer)["resid_pre"], (resid + layer).numpy())
+            assert np.array_equal(tr.layer(layer)["k"], (keys - layer).numpy())
+            stats = tr.norm_stats(layer)["attn_norm"]
+            np.testing.assert_allclose(stats["output_rms"], (layer + 2) * stats["input_rms"], rtol=1e-6)
 
 
 def test_an_error_on_the_writer_thread_is_raised_at_the_next_write_and_leaves_no_file(tmp_path):

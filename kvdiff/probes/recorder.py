@@ -33,6 +33,7 @@ class TraceRecorder:
         self._positions: list[int] | None = None
         self._reads_only = False
         self._fired: Counter = Counter()
+        self._row_shapes: dict[str, tuple[tuple[int, ...], int]] = {}
 
     @classmethod
     def for_model(cls, model, tokenizer, messages: list[dict], path: str | os.PathLike, *,
@@ -76,6 +77,11 @@ class TraceRecorder:
         mask = np.fromiter((int(p) in self.selection.positions for p in pos), dtype=bool, count=pos.size)
         return pos[mask], mask
 
+    def _row_shape(self, point: str) -> tuple[tuple[int, ...], int]:
+        shape = self.dims.point_shape(point)
+        self._row_shapes[point] = (shape, int(np.prod(shape)))
+        return self._row_shapes[point]
+
     def _in_forward(self, what: str) -> None:
         if self._positions is None:
             raise ProbeIntegrityError(f"{what} captured outside a forward: call begin_forward first")
@@ -85,8 +91,8 @@ class TraceRecorder:
             return
         self._in_forward(f"probe {point!r} of layer {layer}")
         self._fired[(point, layer)] += 1
-        shape = self.dims.point_shape(point)
-        if rows.numel() != len(positions) * int(np.prod(shape)):
+        shape, size = self._row_shapes.get(point) or self._row_shape(point)
+        if rows.numel() != len(positions) * size:
             raise ProbeIntegrityError(f"probe {point!r} of layer {layer}: rows of shape {tuple(rows.shape)} "
                                       f"do not hold {len(positions)} positions of shape {shape}")
         pos, mask = self._kept(positions)

@@ -1,10 +1,10 @@
 """Host copies of captured rows, made when the rows are handed over.
 
 A capture must be copied at once (the caller may reuse its buffer), but a decode step hands
-over hundreds of small captures: one copy, allocation, event and writer-thread job each would
-cost more than the step. Small captures therefore go into a `Stage`, one host buffer (pinned
-when rows come from CUDA, so the copies run asynchronously) that the writer thread takes as one
-job; large captures get a `HostRows` copy of their own.
+over hundreds of small captures, and on a GPU each torch call costs tens of microseconds of
+host time. Small captures therefore go into a `Stage`: each is cloned where it lives (one
+call), and `seal` copies them to host memory together, one flattened, pinned, asynchronous
+copy per device and dtype. Large captures get a `HostRows` copy of their own.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-STAGE_BYTES = 4 << 20       # one stage's host buffer
+STAGE_BYTES = 4 << 20       # a stage is sealed once it holds this much
 STAGED_ROWS_BYTES = 1 << 20  # captures up to this size are staged, larger ones copied alone
-_ALIGN = 16
 
 
 def _copied_event(device: torch.device) -> torch.cuda.Event:
@@ -49,43 +48,70 @@ def host_copy(rows: torch.Tensor) -> HostRows:
 
 
 @dataclass
+class FlatCopy:
+    """Staged rows of one CUDA device and dtype, flattened into one host copy."""
+
+    members: list[int]
+    shapes: list[torch.Size]
+    host: HostRows
+
+
+@dataclass
+class SealedStage:
+    """The host side of a sealed stage: `rows()` waits for the copies and gives each capture's rows."""
+
+    count: int
+    cpu: dict[int, torch.Tensor]
+    parts: list[FlatCopy]
+
+    def rows(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * self.count
+        for i, rows in self.cpu.items():
+            out[i] = rows
+        for part in self.parts:
+            flat, start = part.host.ready(), 0
+            for i, shape in zip(part.members, part.shapes):
+                n = shape.numel()
+                out[i] = flat[start:start + n].view(shape)
+                start += n
+        return out
+
+
+@dataclass
 class Stage:
-    """Small captures copied into one host buffer, in order; `seal` ends it, `ready` waits for its copies."""
+    """Small captures of one forward, each cloned where it lives when added."""
 
-    pinned: bool
-    buffer: torch.Tensor = field(init=False)
-    used: int = 0
-    cuda_devices: set[torch.device] = field(default_factory=set)
-    copied: list[torch.cuda.Event] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.buffer = torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=self.pinned)
+    captured: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
 
     @staticmethod
     def takes(rows: torch.Tensor) -> bool:
         """Whether `rows` are small enough to be staged."""
         return rows.numel() * rows.element_size() <= STAGED_ROWS_BYTES
 
-    def fits(self, rows: torch.Tensor) -> bool:
-        start = -(-self.used // _ALIGN) * _ALIGN
-        return start + rows.numel() * rows.element_size() <= self.buffer.numel()
+    @property
+    def full(self) -> bool:
+        return self.nbytes >= STAGE_BYTES
 
-    def add(self, rows: torch.Tensor) -> torch.Tensor:
-        """Copy `rows` into the buffer (asynchronously from CUDA); returns the host view holding them."""
-        start = -(-self.used // _ALIGN) * _ALIGN
-        nbytes = rows.numel() * rows.element_size()
-        host = self.buffer[start:start + nbytes].view(rows.dtype).view(rows.shape)
-        host.copy_(rows.detach(), non_blocking=self.pinned)
-        if rows.is_cuda:
-            self.cuda_devices.add(rows.device)
-        self.used = start + nbytes
-        return host
+    def add(self, rows: torch.Tensor) -> int:
+        """Keep a private copy of `rows`; returns its index in `SealedStage.rows()`."""
+        self.captured.append(rows.detach().clone(memory_format=torch.contiguous_format))
+        self.nbytes += rows.numel() * rows.element_size()
+        return len(self.captured) - 1
 
-    def seal(self) -> None:
-        """No more rows: mark where the copies from each CUDA device end."""
-        self.copied = [_copied_event(device) for device in self.cuda_devices]
-
-    def ready(self) -> None:
-        """Wait until every row copied into the buffer has arrived."""
-        for event in self.copied:
-            event.synchronize()
+    def seal(self) -> SealedStage:
+        """Start the copies to host memory: CPU rows are already there, CUDA rows are flattened
+        per device and dtype and copied asynchronously into pinned memory."""
+        cpu: dict[int, torch.Tensor] = {}
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, rows in enumerate(self.captured):
+            if rows.is_cuda:
+                groups.setdefault((rows.device, rows.dtype), []).append(i)
+            else:
+                cpu[i] = rows
+        parts = []
+        for members in groups.values():
+            tensors = [self.captured[i] for i in members]
+            flat = torch._utils._flatten_dense_tensors(tensors)     # one call, however many captures
+            parts.append(FlatCopy(members, [t.shape for t in tensors], host_copy(flat)))
+        return SealedStage(len(self.captured), cpu, parts)

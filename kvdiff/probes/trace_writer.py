@@ -3,9 +3,9 @@
 Rows are copied to host memory when they are handed over and written to HDF5 by one background
 thread, so the model's forward does not wait for the disk; the writer's backlog is bounded
 (`max_queued_bytes`), and a capture that would pass the bound waits for the thread. Small
-captures are gathered in one host buffer (staging.Stage) that goes to the thread as one job at
-`commit()` (the recorder commits at the end of each forward), when it is full, or at `flush`;
-their norm statistics are computed on that thread, in batches. An error on
+captures are staged (staging.Stage) and go to the thread as one job at `commit()` (the recorder
+commits at the end of each forward), when the stage is full, or at `flush`; their norm
+statistics are computed on that thread, in batches. An error on
 the thread (disk full, file too large) is raised in the caller at its next write or at `close`,
 as a TraceWriteError, and the unfinished file is deleted.
 
@@ -105,8 +105,8 @@ class TraceWriter:
         self._provenance: dict[int, Source] = {}
         self._steps: list[Step] = []
         self._stage: Stage | None = None
-        self._staged_rows: list[tuple[str, np.ndarray, torch.Tensor]] = []
-        self._staged_norms: list[tuple[str, np.ndarray, torch.Tensor, torch.Tensor]] = []
+        self._staged_rows: list[tuple[str, np.ndarray, int]] = []            # name, positions, stage index
+        self._staged_norms: list[tuple[str, np.ndarray, int, int]] = []      # ... of input and output
         self._open = True
         self._worker = SerialWorker(f"kvdiff-trace {self.path.name}", max_queued_bytes)
         weakref.finalize(self, self._worker.cancel)     # a writer dropped unclosed ends its thread
@@ -130,7 +130,8 @@ class TraceWriter:
         if rows.shape[0] != pos.size:
             raise ProbeIntegrityError(f"{group}/{point}: {rows.shape[0]} rows for {pos.size} positions")
         if Stage.takes(rows):
-            self._staged_rows.append((f"{group}/{point}", pos, self._stage_copy(rows)))
+            index, = self._stage_copies(rows)        # may commit the full stage: append after it
+            self._staged_rows.append((f"{group}/{point}", pos, index))
             return
         self.commit()       # rows staged earlier are written first: a later row replaces an earlier one
         host, file, name = host_copy(rows), self._file, f"{group}/{point}"
@@ -153,41 +154,43 @@ class TraceWriter:
             raise ProbeIntegrityError(f"{group}/norm_stats/{norm}: {x.shape[0]} input and {y.shape[0]} output rows "
                                       f"for {pos.size} positions")
         if Stage.takes(x) and Stage.takes(y):
-            self._staged_norms.append((f"{group}/norm_stats/{norm}", pos, self._stage_copy(x), self._stage_copy(y)))
+            x_index, y_index = self._stage_copies(x, y)
+            self._staged_norms.append((f"{group}/norm_stats/{norm}", pos, x_index, y_index))
         else:
             self.commit()
             stats = host_copy(norm_statistics(x, y))
             file, name = self._file, f"{group}/norm_stats/{norm}"
             self._submit(lambda: _put_stats(file, name, pos, stats.ready()), stats.tensor.nbytes)
 
-    def _stage_copy(self, rows: torch.Tensor) -> torch.Tensor:
+    def _stage_copies(self, *captures: torch.Tensor) -> list[int]:
+        """Stage `captures` together (committing a full stage first); their indices in the stage."""
         if not self._open:
             raise TraceError(f"trace {self.path} is already closed or aborted")
         self._raise_if_failed()
-        if self._stage is not None and not self._stage.fits(rows):
+        if self._stage is not None and self._stage.full:
             self.commit()
         if self._stage is None:
-            self._stage = Stage(pinned=rows.is_cuda)
-        return self._stage.add(rows)
+            self._stage = Stage()
+        return [self._stage.add(rows) for rows in captures]
 
     def commit(self) -> None:
         """Hand the captures staged so far to the writer thread as one job."""
-        stage, rows, norms = self._stage, self._staged_rows, self._staged_norms
+        stage, staged_rows, staged_norms = self._stage, self._staged_rows, self._staged_norms
         if stage is None:
             return
         self._stage, self._staged_rows, self._staged_norms = None, [], []
-        stage.seal()
-        file = self._file
+        sealed, file = stage.seal(), self._file
 
         def job() -> None:
-            stage.ready()
-            for name, pos, host in rows:
-                data, torch_dtype = to_storage(host)
+            rows = sealed.rows()
+            for name, pos, i in staged_rows:
+                data, torch_dtype = to_storage(rows[i])
                 file.put(name, pos, data, torch_dtype)
+            norms = [(name, pos, rows[x], rows[y]) for name, pos, x, y in staged_norms]
             for name, pos, stats in _batched_norm_statistics(norms):
                 _put_stats(file, name, pos, stats)
 
-        self._submit(job, stage.used)
+        self._submit(job, stage.nbytes)
 
     def write_norm_weight(self, layer: int | None, norm: str, weight: torch.Tensor, eps: float) -> None:
         """A norm's weight (float32, or float64 for a float64 model) and epsilon."""
