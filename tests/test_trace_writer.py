@@ -118,8 +118,10 @@ def test_a_sealed_stage_waits_for_its_asynchronous_copies_before_giving_rows():
     flat = torch.cat([a.view(-1), b])
     host = torch.zeros_like(flat)
     copy = staging.FlatCopy([0, 2], [a.shape, b.shape], staging.HostRows(host, _LateCopy(host, flat)))
-    rows = staging.SealedStage(3, {1: on_cpu}, [copy]).rows()
-    assert torch.equal(rows[0], a) and rows[1] is on_cpu and torch.equal(rows[2], b)
+    stored = staging.SealedStage(3, {1: on_cpu}, [copy]).stored()
+    assert [dtype for _, dtype in stored] == ["float32"] * 3
+    assert np.array_equal(stored[0][0], a.numpy()) and np.array_equal(stored[2][0], b.numpy())
+    assert np.array_equal(stored[1][0], on_cpu.numpy())
 
 
 def test_staged_captures_are_private_copies_and_norms_are_computed_in_batches(tmp_path):

@@ -34,6 +34,8 @@ class TraceRecorder:
         self._reads_only = False
         self._fired: Counter = Counter()
         self._row_shapes: dict[str, tuple[tuple[int, ...], int]] = {}
+        self._kept_for: Sequence[int] | None = None
+        self._kept_cache: tuple[np.ndarray, np.ndarray | None] = (np.zeros(0, np.int64), None)
 
     @classmethod
     def for_model(cls, model, tokenizer, messages: list[dict], path: str | os.PathLike, *,
@@ -67,10 +69,19 @@ class TraceRecorder:
             raise ProbeIntegrityError("begin_forward called twice without end_forward in between")
         self._positions = [int(p) for p in positions]
         self._reads_only = reads_only
+        self._kept_for = None
         self._fired.clear()
 
     def _kept(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
-        """Positions to keep and, when some are dropped, the boolean mask selecting their rows."""
+        """Positions to keep and, when some are dropped, the boolean mask selecting their rows.
+        The paths hand every capture of a forward the same positions object: computed once per
+        forward for it."""
+        if positions is self._kept_for:
+            return self._kept_cache
+        self._kept_for, self._kept_cache = positions, self._kept_now(positions)
+        return self._kept_cache
+
+    def _kept_now(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
         pos = np.asarray(positions, dtype=np.int64)
         if self.selection.positions is None:
             return pos, None

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from kvdiff.probes.trace_format import to_storage
 
 STAGE_BYTES = 4 << 20       # a stage is sealed once it holds this much
 STAGED_ROWS_BYTES = 1 << 20  # captures up to this size are staged, larger ones copied alone
@@ -58,21 +61,24 @@ class FlatCopy:
 
 @dataclass
 class SealedStage:
-    """The host side of a sealed stage: `rows()` waits for the copies and gives each capture's rows."""
+    """The host side of a sealed stage: `stored()` waits for the copies and gives each capture's rows."""
 
     count: int
     cpu: dict[int, torch.Tensor]
     parts: list[FlatCopy]
 
-    def rows(self) -> list[torch.Tensor]:
-        out: list[torch.Tensor | None] = [None] * self.count
+    def stored(self) -> list[tuple[np.ndarray, str]]:
+        """Each capture's rows as stored in a trace (trace_format.to_storage), once its copy has
+        arrived; sliced with numpy, so the writer thread makes no torch call per capture."""
+        out: list[tuple[np.ndarray, str] | None] = [None] * self.count
         for i, rows in self.cpu.items():
-            out[i] = rows
+            out[i] = to_storage(rows)
         for part in self.parts:
-            flat, start = part.host.ready(), 0
+            flat, dtype = to_storage(part.host.ready())
+            start = 0
             for i, shape in zip(part.members, part.shapes):
                 n = shape.numel()
-                out[i] = flat[start:start + n].view(shape)
+                out[i] = flat[start:start + n].reshape(shape), dtype
                 start += n
         return out
 
@@ -94,7 +100,7 @@ class Stage:
         return self.nbytes >= STAGE_BYTES
 
     def add(self, rows: torch.Tensor) -> int:
-        """Keep a private copy of `rows`; returns its index in `SealedStage.rows()`."""
+        """Keep a private copy of `rows`; returns its index in `SealedStage.stored()`."""
         self.captured.append(rows.detach().clone(memory_format=torch.contiguous_format))
         self.nbytes += rows.numel() * rows.element_size()
         return len(self.captured) - 1

@@ -34,7 +34,7 @@ from kvdiff.probes.points import NORM_STATS
 from kvdiff.probes.sink import ProbeIntegrityError
 from kvdiff.probes.staging import Stage, host_copy
 from kvdiff.probes.trace_file import Source, Step, TraceFile
-from kvdiff.probes.trace_format import ChunkRecord, TraceMeta, dtype_name, to_storage
+from kvdiff.probes.trace_format import ChunkRecord, TraceMeta, dtype_name, from_storage, to_storage
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,11 @@ def _write_error(exc: BaseException, path: Path) -> KvdiffError:
 def _put_stats(file: TraceFile, name: str, positions: np.ndarray, stats: torch.Tensor) -> None:
     for stat, row in zip(NORM_STATS, stats.numpy()):
         file.put(f"{name}/{stat}", positions, row, "float64")
+
+
+def _tensor(stored: tuple[np.ndarray, str]) -> torch.Tensor:
+    """Stored rows as a float tensor (bfloat16 widened exactly)."""
+    return torch.from_numpy(from_storage(*stored))
 
 
 def _batched_norm_statistics(norms: list[tuple[str, np.ndarray, torch.Tensor, torch.Tensor]]
@@ -182,11 +187,10 @@ class TraceWriter:
         sealed, file = stage.seal(), self._file
 
         def job() -> None:
-            rows = sealed.rows()
+            stored = sealed.stored()
             for name, pos, i in staged_rows:
-                data, torch_dtype = to_storage(rows[i])
-                file.put(name, pos, data, torch_dtype)
-            norms = [(name, pos, rows[x], rows[y]) for name, pos, x, y in staged_norms]
+                file.put(name, pos, *stored[i])
+            norms = [(name, pos, _tensor(stored[x]), _tensor(stored[y])) for name, pos, x, y in staged_norms]
             for name, pos, stats in _batched_norm_statistics(norms):
                 _put_stats(file, name, pos, stats)
 
