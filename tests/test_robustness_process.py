@@ -24,13 +24,14 @@ pytestmark = pytest.mark.slow
 
 # argv: marker file, then the kvdiff arguments. {stage} patches one stage to touch the marker and wait.
 _DRIVER = textwrap.dedent("""
-    import pathlib, sys, time
+    import pathlib, signal, sys, time
     marker = pathlib.Path(sys.argv[1])
+    # A test run started in the background inherits SIGINT ignored; a user's shell delivers it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def hold(*args, **kwargs):
         marker.touch()
-        for _ in range(1200):   # short sleeps: a signal taken by another thread is only seen between them
-            time.sleep(0.1)
+        time.sleep(120)
 
     {stage}
     from kvdiff.cli import main
