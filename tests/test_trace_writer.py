@@ -114,14 +114,13 @@ def test_the_writer_waits_for_an_asynchronous_copy_before_reading_it(tmp_path, m
 
 
 def test_a_sealed_stage_waits_for_its_asynchronous_copies_before_giving_rows():
-    a, b, on_cpu = torch.randn(2, 3), torch.randn(4), torch.randn(5)
+    a, b = torch.randn(2, 3), torch.randn(4)
     flat = torch.cat([a.view(-1), b])
     host = torch.zeros_like(flat)
-    copy = staging.FlatCopy([0, 2], [a.shape, b.shape], staging.HostRows(host, _LateCopy(host, flat)))
-    stored = staging.SealedStage(3, {1: on_cpu}, [copy]).stored()
-    assert [dtype for _, dtype in stored] == ["float32"] * 3
-    assert np.array_equal(stored[0][0], a.numpy()) and np.array_equal(stored[2][0], b.numpy())
-    assert np.array_equal(stored[1][0], on_cpu.numpy())
+    copy = staging.FlatCopy([1, 0], [a.shape, b.shape], staging.HostRows(host, _LateCopy(host, flat)))
+    stored = staging.SealedStage(2, [copy]).stored()
+    assert [dtype for _, dtype in stored] == ["float32"] * 2
+    assert np.array_equal(stored[1][0], a.numpy()) and np.array_equal(stored[0][0], b.numpy())
 
 
 def test_staged_captures_are_private_copies_and_norms_are_computed_in_batches(tmp_path):
@@ -160,6 +159,32 @@ def test_captures_spanning_many_full_stages_land_in_their_own_datasets(tmp_path,
             assert np.array_equal(tr.layer(layer)["k"], (keys - layer).numpy())
             stats = tr.norm_stats(layer)["attn_norm"]
             np.testing.assert_allclose(stats["output_rms"], (layer + 2) * stats["input_rms"], rtol=1e-6)
+
+
+def test_decode_steps_are_written_together_and_a_layout_change_or_gap_writes_them_first(tmp_path, monkeypatch):
+    from kvdiff.probes.trace_file import TraceFile
+    puts = []
+    put = TraceFile.put
+    monkeypatch.setattr(TraceFile, "put", lambda self, name, *a: (puts.append(name), put(self, name, *a)))
+    g = torch.Generator().manual_seed(4)
+    resid, keys = torch.randn(60, 32, generator=g), torch.randn(60, 2, 8, generator=g)
+    steps = list(range(40)) + list(range(42, 50)) + [40, 41] + list(range(50, 60))   # a gap, then filled
+    with TraceWriter(tmp_path / "t.h5", replace(make_meta(), layers=(0,), points=("resid_pre", "k"))) as w:
+        for n, p in enumerate(steps):
+            w.write_rows("layers/0", "resid_pre", [p], resid[p:p + 1])
+            if n != 45:                                   # one step without k: another layout
+                w.write_rows("layers/0", "k", [p], keys[p:p + 1])
+            w.write_norm("layers/0", "attn_norm", [p], resid[p:p + 1], resid[p:p + 1] * 2)
+            w.commit()
+        w.write_rows("layers/0", "k", [steps[45]], keys[steps[45]:steps[45] + 1])
+    with open_trace(tmp_path / "t.h5") as tr:
+        assert np.array_equal(tr.layer(0)["resid_pre"], resid.numpy())
+        assert np.array_equal(tr.layer(0)["k"], keys.numpy())
+        stats = tr.norm_stats(0)["attn_norm"]
+    np.testing.assert_allclose(stats["input_rms"], resid.double().square().mean(-1).sqrt().numpy(), rtol=1e-12)
+    np.testing.assert_allclose(stats["output_rms"], 2 * stats["input_rms"], rtol=1e-6)
+    # positions 0-31 in one call, then 32-39, 42-46, 47 (no k), 48-49, 40-41 and 50-59
+    assert puts.count("layers/0/resid_pre") == 7
 
 
 def test_an_error_on_the_writer_thread_is_raised_at_the_next_write_and_leaves_no_file(tmp_path):

@@ -52,7 +52,7 @@ def host_copy(rows: torch.Tensor) -> HostRows:
 
 @dataclass
 class FlatCopy:
-    """Staged rows of one CUDA device and dtype, flattened into one host copy."""
+    """Staged rows of one device and dtype, flattened into one host copy."""
 
     members: list[int]
     shapes: list[torch.Size]
@@ -64,15 +64,12 @@ class SealedStage:
     """The host side of a sealed stage: `stored()` waits for the copies and gives each capture's rows."""
 
     count: int
-    cpu: dict[int, torch.Tensor]
     parts: list[FlatCopy]
 
     def stored(self) -> list[tuple[np.ndarray, str]]:
         """Each capture's rows as stored in a trace (trace_format.to_storage), once its copy has
         arrived; sliced with numpy, so the writer thread makes no torch call per capture."""
         out: list[tuple[np.ndarray, str] | None] = [None] * self.count
-        for i, rows in self.cpu.items():
-            out[i] = to_storage(rows)
         for part in self.parts:
             flat, dtype = to_storage(part.host.ready())
             start = 0
@@ -106,18 +103,14 @@ class Stage:
         return len(self.captured) - 1
 
     def seal(self) -> SealedStage:
-        """Start the copies to host memory: CPU rows are already there, CUDA rows are flattened
-        per device and dtype and copied asynchronously into pinned memory."""
-        cpu: dict[int, torch.Tensor] = {}
+        """Start the copies to host memory: the captures are flattened per device and dtype, and
+        those on CUDA copied asynchronously into pinned memory."""
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, rows in enumerate(self.captured):
-            if rows.is_cuda:
-                groups.setdefault((rows.device, rows.dtype), []).append(i)
-            else:
-                cpu[i] = rows
+            groups.setdefault((rows.device, rows.dtype), []).append(i)
         parts = []
         for members in groups.values():
             tensors = [self.captured[i] for i in members]
             flat = torch._utils._flatten_dense_tensors(tensors)     # one call, however many captures
-            parts.append(FlatCopy(members, [t.shape for t in tensors], host_copy(flat)))
-        return SealedStage(len(self.captured), cpu, parts)
+            parts.append(FlatCopy(members, [t.shape for t in tensors], host_copy(flat) if flat.is_cuda else HostRows(flat)))
+        return SealedStage(len(self.captured), parts)

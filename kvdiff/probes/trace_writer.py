@@ -30,11 +30,11 @@ import torch
 from kvdiff.errors import KvdiffError, TraceError, TraceWriteError
 from kvdiff.probes.background import SerialWorker
 from kvdiff.probes.norm_stats import norm_statistics
-from kvdiff.probes.points import NORM_STATS
 from kvdiff.probes.sink import ProbeIntegrityError
 from kvdiff.probes.staging import Stage, host_copy
+from kvdiff.probes.step_batch import StagedForward, StepBatch, put_norm_stats
 from kvdiff.probes.trace_file import Source, Step, TraceFile
-from kvdiff.probes.trace_format import ChunkRecord, TraceMeta, dtype_name, from_storage, to_storage
+from kvdiff.probes.trace_format import ChunkRecord, TraceMeta, dtype_name, to_storage
 
 log = logging.getLogger(__name__)
 
@@ -65,31 +65,6 @@ def _write_error(exc: BaseException, path: Path) -> KvdiffError:
     return error
 
 
-def _put_stats(file: TraceFile, name: str, positions: np.ndarray, stats: torch.Tensor) -> None:
-    for stat, row in zip(NORM_STATS, stats.numpy()):
-        file.put(f"{name}/{stat}", positions, row, "float64")
-
-
-def _tensor(stored: tuple[np.ndarray, str]) -> torch.Tensor:
-    """Stored rows as a float tensor (bfloat16 widened exactly)."""
-    return torch.from_numpy(from_storage(*stored))
-
-
-def _batched_norm_statistics(norms: list[tuple[str, np.ndarray, torch.Tensor, torch.Tensor]]
-                             ) -> list[tuple[str, np.ndarray, torch.Tensor]]:
-    """(name, positions, stats) for each staged norm, computed together per input and output width."""
-    by_width: dict[tuple[int, int], list[int]] = {}
-    for i, (_, _, x, y) in enumerate(norms):
-        by_width.setdefault((x.shape[-1], y.shape[-1]), []).append(i)
-    stats: dict[int, torch.Tensor] = {}
-    for members in by_width.values():
-        xs = torch.cat([norms[i][2].to(torch.float64) for i in members])
-        ys = torch.cat([norms[i][3].to(torch.float64) for i in members])
-        split = norm_statistics(xs, ys).split([norms[i][2].shape[0] for i in members], dim=1)
-        stats.update(zip(members, split))
-    return [(name, pos, stats[i]) for i, (name, pos, _, _) in enumerate(norms)]
-
-
 class TraceWriter:
     """Writes one trace. Use as a context manager, or call `close()` / `abort()` yourself."""
 
@@ -110,6 +85,7 @@ class TraceWriter:
         self._provenance: dict[int, Source] = {}
         self._steps: list[Step] = []
         self._stage: Stage | None = None
+        self._batch = StepBatch(self._file)          # used by the writer thread only
         self._staged_rows: list[tuple[str, np.ndarray, int]] = []            # name, positions, stage index
         self._staged_norms: list[tuple[str, np.ndarray, int, int]] = []      # ... of input and output
         self._open = True
@@ -139,9 +115,10 @@ class TraceWriter:
             self._staged_rows.append((f"{group}/{point}", pos, index))
             return
         self.commit()       # rows staged earlier are written first: a later row replaces an earlier one
-        host, file, name = host_copy(rows), self._file, f"{group}/{point}"
+        host, file, steps, name = host_copy(rows), self._file, self._batch, f"{group}/{point}"
 
         def job() -> None:
+            steps.flush()
             data, torch_dtype = to_storage(host.ready())
             file.put(name, pos, data, torch_dtype)
 
@@ -164,8 +141,8 @@ class TraceWriter:
         else:
             self.commit()
             stats = host_copy(norm_statistics(x, y))
-            file, name = self._file, f"{group}/norm_stats/{norm}"
-            self._submit(lambda: _put_stats(file, name, pos, stats.ready()), stats.tensor.nbytes)
+            file, steps, name = self._file, self._batch, f"{group}/norm_stats/{norm}"
+            self._submit(lambda: (steps.flush(), put_norm_stats(file, name, pos, stats.ready())), stats.tensor.nbytes)
 
     def _stage_copies(self, *captures: torch.Tensor) -> list[int]:
         """Stage `captures` together (committing a full stage first); their indices in the stage."""
@@ -184,17 +161,8 @@ class TraceWriter:
         if stage is None:
             return
         self._stage, self._staged_rows, self._staged_norms = None, [], []
-        sealed, file = stage.seal(), self._file
-
-        def job() -> None:
-            stored = sealed.stored()
-            for name, pos, i in staged_rows:
-                file.put(name, pos, *stored[i])
-            norms = [(name, pos, _tensor(stored[x]), _tensor(stored[y])) for name, pos, x, y in staged_norms]
-            for name, pos, stats in _batched_norm_statistics(norms):
-                _put_stats(file, name, pos, stats)
-
-        self._submit(job, stage.nbytes)
+        forward, steps = StagedForward(staged_rows, staged_norms, stage.seal()), self._batch
+        self._submit(lambda: steps.add(forward), stage.nbytes)
 
     def write_norm_weight(self, layer: int | None, norm: str, weight: torch.Tensor, eps: float) -> None:
         """A norm's weight (float32, or float64 for a float64 model) and epsilon."""
@@ -225,7 +193,8 @@ class TraceWriter:
     def flush(self) -> None:
         """Wait until every row handed over is in the file, and flush the file to the OS."""
         self.commit()
-        self._submit(self._file.flush, 0)
+        file, steps = self._file, self._batch
+        self._submit(lambda: (steps.flush(), file.flush()), 0)
         self._worker.wait_idle()
         self._raise_if_failed()
 
@@ -242,6 +211,7 @@ class TraceWriter:
             raise TraceError(f"trace {self.path} is already closed or aborted")
         try:
             self.commit()
+            self._submit(self._batch.flush, 0)
             self._worker.stop()      # every row written; from here this thread alone uses the file
             self._raise_if_failed()
             n_positions = self._file.finish(self.meta, self._steps, self._provenance)
@@ -262,6 +232,7 @@ class TraceWriter:
         self._open = False
         self._stage, self._staged_rows, self._staged_norms = None, [], []
         self._worker.cancel()
+        self._batch.discard()
         self._file.discard()
 
     def __enter__(self) -> "TraceWriter":

@@ -1,0 +1,117 @@
+"""StepBatch: staged forwards written to the trace file, decode steps several at a time.
+
+A decode step hands the writer thread one staged forward of a single position: a few hundred
+captures of one row each. Writing each row costs a file call per dataset and step, and that
+thread shares the interpreter with the model's forward. So the writer thread keeps up to
+`max_steps` consecutive one-position forwards of the same layout and writes them together: one
+call per dataset for all of them, and one batch of norm statistics. Anything else (a prefill,
+a changed layout, a gap in positions) first writes what is kept, then is written at once.
+
+Only the writer thread uses a StepBatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvdiff.probes.norm_stats import norm_statistics
+from kvdiff.probes.points import NORM_STATS
+from kvdiff.probes.staging import SealedStage
+from kvdiff.probes.trace_file import TraceFile
+from kvdiff.probes.trace_format import from_storage
+
+DEFAULT_MAX_STEPS = 32
+
+
+@dataclass(frozen=True)
+class StagedForward:
+    """The captures of one forward (or of a full stage), as staged by TraceWriter."""
+
+    rows: list[tuple[str, np.ndarray, int]]           # dataset name, positions, index in the stage
+    norms: list[tuple[str, np.ndarray, int, int]]     # statistics group, positions, input and output index
+    sealed: SealedStage
+
+
+def _one_position(fwd: StagedForward) -> int | None:
+    """The position every capture of `fwd` holds, when they all hold the same single one."""
+    entries = [pos for _, pos, _ in fwd.rows] + [pos for _, pos, _, _ in fwd.norms]
+    if not entries or any(pos.size != 1 for pos in entries):
+        return None
+    first = int(entries[0][0])
+    return first if all(int(pos[0]) == first for pos in entries) else None
+
+
+def put_norm_stats(file: TraceFile, name: str, positions: np.ndarray, stats: torch.Tensor) -> None:
+    """Statistics (S, T) of one norm, one row per NORM_STATS name, at `positions`."""
+    for stat, row in zip(NORM_STATS, stats.numpy()):
+        file.put(f"{name}/{stat}", positions, row, "float64")
+
+
+def _write(file: TraceFile, fwd: StagedForward, stored: list[tuple[np.ndarray, str]],
+           positions: np.ndarray | None = None) -> None:
+    """Write the rows and the norms' statistics of `fwd` (at `positions` when given, for every capture)."""
+    for name, pos, i in fwd.rows:
+        file.put(name, pos if positions is None else positions, *stored[i])
+    by_width: dict[tuple[int, int], list[int]] = {}
+    for n, (_, _, x, y) in enumerate(fwd.norms):
+        by_width.setdefault((stored[x][0].shape[-1], stored[y][0].shape[-1]), []).append(n)
+    for members in by_width.values():
+        xs = torch.cat([_tensor(stored[fwd.norms[n][2]]) for n in members]).to(torch.float64)
+        ys = torch.cat([_tensor(stored[fwd.norms[n][3]]) for n in members]).to(torch.float64)
+        counts = [stored[fwd.norms[n][2]][0].shape[0] for n in members]
+        for n, stats in zip(members, norm_statistics(xs, ys).split(counts, dim=1)):
+            name, pos = fwd.norms[n][0], fwd.norms[n][1]
+            put_norm_stats(file, name, pos if positions is None else positions, stats)
+
+
+def _tensor(stored: tuple[np.ndarray, str]) -> torch.Tensor:
+    """Stored rows as a float tensor (bfloat16 widened exactly), one row per position."""
+    rows = torch.from_numpy(from_storage(*stored))
+    return rows.reshape(-1, rows.shape[-1])
+
+
+class StepBatch:
+    """Writes staged forwards to `file`, keeping up to `max_steps` one-position forwards to write together."""
+
+    def __init__(self, file: TraceFile, max_steps: int = DEFAULT_MAX_STEPS):
+        self.file = file
+        self.max_steps = max_steps
+        self._kept: list[list[tuple[np.ndarray, str]]] = []
+        self._layout: StagedForward | None = None
+        self._signature: tuple | None = None
+        self._first = 0
+
+    def add(self, fwd: StagedForward) -> None:
+        """Write `fwd` now, or keep it to write with the next steps."""
+        stored = fwd.sealed.stored()
+        position = _one_position(fwd)
+        if position is None:
+            self.flush()
+            _write(self.file, fwd, stored)
+            return
+        signature = (tuple((name, i) for name, _, i in fwd.rows), tuple((name, x, y) for name, _, x, y in fwd.norms),
+                     tuple((array.shape, dtype) for array, dtype in stored))
+        if self._kept and (signature != self._signature or position != self._first + len(self._kept)):
+            self.flush()
+        if not self._kept:
+            self._layout, self._signature, self._first = fwd, signature, position
+        self._kept.append(stored)
+        if len(self._kept) >= self.max_steps:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the kept steps."""
+        if not self._kept:
+            return
+        kept, layout = self._kept, self._layout
+        self._kept, self._layout, self._signature = [], None, None
+        positions = np.arange(self._first, self._first + len(kept), dtype=np.int64)
+        stacked = [(np.concatenate([step[i][0] for step in kept]), kept[0][i][1]) for i in range(len(kept[0]))]
+        _write(self.file, layout, stacked, positions)
+
+    def discard(self) -> None:
+        """Drop the kept steps."""
+        self._kept, self._layout, self._signature = [], None, None
