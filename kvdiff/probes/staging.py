@@ -82,10 +82,14 @@ class SealedStage:
 
 @dataclass
 class Stage:
-    """Small captures of one forward, each cloned where it lives when added."""
+    """Small captures of one forward, each cloned where it lives when added, and what the
+    writer will make of them: rows of a dataset, or a norm's input and output."""
 
     captured: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
+    rows: list[tuple[str, np.ndarray, int]] = field(default_factory=list)         # dataset, positions, index
+    norms: list[tuple[str, np.ndarray, int, int]] = field(default_factory=list)   # statistics group, positions,
+                                                                                  # input and output index
 
     @staticmethod
     def takes(rows: torch.Tensor) -> bool:
@@ -112,5 +116,6 @@ class Stage:
         for members in groups.values():
             tensors = [self.captured[i] for i in members]
             flat = torch._utils._flatten_dense_tensors(tensors)     # one call, however many captures
-            parts.append(FlatCopy(members, [t.shape for t in tensors], host_copy(flat) if flat.is_cuda else HostRows(flat)))
+            host = host_copy(flat) if flat.is_cuda else HostRows(flat)   # on the CPU, flat is already a copy
+            parts.append(FlatCopy(members, [t.shape for t in tensors], host))
         return SealedStage(len(self.captured), parts)

@@ -4,8 +4,9 @@ Rows are copied to host memory when they are handed over and written to HDF5 by 
 thread, so the model's forward does not wait for the disk; the writer's backlog is bounded
 (`max_queued_bytes`), and a capture that would pass the bound waits for the thread. Small
 captures are staged (staging.Stage) and go to the thread as one job at `commit()` (the recorder
-commits at the end of each forward), when the stage is full, or at `flush`; their norm
-statistics are computed on that thread, in batches. An error on
+commits at the end of each forward), when the stage is full, or at `flush`; that thread
+computes their norm statistics in batches and writes consecutive decode steps together
+(step_batch.StepBatch). An error on
 the thread (disk full, file too large) is raised in the caller at its next write or at `close`,
 as a TraceWriteError, and the unfinished file is deleted.
 
@@ -86,8 +87,6 @@ class TraceWriter:
         self._steps: list[Step] = []
         self._stage: Stage | None = None
         self._batch = StepBatch(self._file)          # used by the writer thread only
-        self._staged_rows: list[tuple[str, np.ndarray, int]] = []            # name, positions, stage index
-        self._staged_norms: list[tuple[str, np.ndarray, int, int]] = []      # ... of input and output
         self._open = True
         self._worker = SerialWorker(f"kvdiff-trace {self.path.name}", max_queued_bytes)
         weakref.finalize(self, self._worker.cancel)     # a writer dropped unclosed ends its thread
@@ -111,8 +110,8 @@ class TraceWriter:
         if rows.shape[0] != pos.size:
             raise ProbeIntegrityError(f"{group}/{point}: {rows.shape[0]} rows for {pos.size} positions")
         if Stage.takes(rows):
-            index, = self._stage_copies(rows)        # may commit the full stage: append after it
-            self._staged_rows.append((f"{group}/{point}", pos, index))
+            stage, (index,) = self._stage_copies(rows)
+            stage.rows.append((f"{group}/{point}", pos, index))
             return
         self.commit()       # rows staged earlier are written first: a later row replaces an earlier one
         host, file, steps, name = host_copy(rows), self._file, self._batch, f"{group}/{point}"
@@ -127,8 +126,8 @@ class TraceWriter:
     def write_norm(self, group: str, norm: str, positions: Sequence[int], norm_input: torch.Tensor,
                    norm_output: torch.Tensor) -> None:
         """Statistics (norm_stats.norm_statistics) of norm module `norm` in `group` at `positions`,
-        from its input and output rows: computed on the writer thread for a few rows, where the
-        rows are for many."""
+        from its input and output rows: computed on the writer thread when the rows are few, on
+        the rows' device when they are many."""
         pos = np.array(positions, dtype=np.int64).reshape(-1)
         x = norm_input.reshape(-1, norm_input.shape[-1])
         y = norm_output.reshape(-1, norm_output.shape[-1])
@@ -136,16 +135,16 @@ class TraceWriter:
             raise ProbeIntegrityError(f"{group}/norm_stats/{norm}: {x.shape[0]} input and {y.shape[0]} output rows "
                                       f"for {pos.size} positions")
         if Stage.takes(x) and Stage.takes(y):
-            x_index, y_index = self._stage_copies(x, y)
-            self._staged_norms.append((f"{group}/norm_stats/{norm}", pos, x_index, y_index))
+            stage, (x_index, y_index) = self._stage_copies(x, y)
+            stage.norms.append((f"{group}/norm_stats/{norm}", pos, x_index, y_index))
         else:
             self.commit()
             stats = host_copy(norm_statistics(x, y))
             file, steps, name = self._file, self._batch, f"{group}/norm_stats/{norm}"
             self._submit(lambda: (steps.flush(), put_norm_stats(file, name, pos, stats.ready())), stats.tensor.nbytes)
 
-    def _stage_copies(self, *captures: torch.Tensor) -> list[int]:
-        """Stage `captures` together (committing a full stage first); their indices in the stage."""
+    def _stage_copies(self, *captures: torch.Tensor) -> tuple[Stage, list[int]]:
+        """Stage `captures` together (committing a full stage first): the stage, and their indices in it."""
         if not self._open:
             raise TraceError(f"trace {self.path} is already closed or aborted")
         self._raise_if_failed()
@@ -153,15 +152,14 @@ class TraceWriter:
             self.commit()
         if self._stage is None:
             self._stage = Stage()
-        return [self._stage.add(rows) for rows in captures]
+        return self._stage, [self._stage.add(rows) for rows in captures]
 
     def commit(self) -> None:
         """Hand the captures staged so far to the writer thread as one job."""
-        stage, staged_rows, staged_norms = self._stage, self._staged_rows, self._staged_norms
+        stage, self._stage = self._stage, None
         if stage is None:
             return
-        self._stage, self._staged_rows, self._staged_norms = None, [], []
-        forward, steps = StagedForward(staged_rows, staged_norms, stage.seal()), self._batch
+        forward, steps = StagedForward(stage.rows, stage.norms, stage.seal()), self._batch
         self._submit(lambda: steps.add(forward), stage.nbytes)
 
     def write_norm_weight(self, layer: int | None, norm: str, weight: torch.Tensor, eps: float) -> None:
@@ -230,7 +228,7 @@ class TraceWriter:
     def abort(self) -> None:
         """Drop the unfinished trace: stop the writer thread, close and delete the temporary file."""
         self._open = False
-        self._stage, self._staged_rows, self._staged_norms = None, [], []
+        self._stage = None
         self._worker.cancel()
         self._batch.discard()
         self._file.discard()
