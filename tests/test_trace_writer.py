@@ -71,7 +71,8 @@ def test_rows_arriving_one_position_at_a_time_are_written_once_per_hdf5_chunk(tm
     import h5py
     writes = []
     original = h5py.Dataset.__setitem__
-    monkeypatch.setattr(h5py.Dataset, "__setitem__", lambda ds, sel, val: (writes.append(ds.name), original(ds, sel, val)))
+    monkeypatch.setattr(h5py.Dataset, "__setitem__",
+                        lambda ds, sel, val: (writes.append(ds.name), original(ds, sel, val)))
     g = torch.Generator().manual_seed(2)
     rows = torch.randn(300, 2, 8, generator=g)                # 64-byte rows: 128 rows a chunk
     path = tmp_path / "t.h5"
