@@ -401,3 +401,7 @@ def bench(
 def main() -> None:
     """Console-script entry point."""
     app()
+
+
+if __name__ == "__main__":      # `python -m kvdiff.cli`, as `python -m kvdiff` and the `kvdiff` script
+    main()

@@ -23,8 +23,9 @@ def test_version():
     assert result.output.strip() == f"kvdiff {kvdiff.__version__}"
 
 
-def test_console_script_runs():
-    out = subprocess.run([sys.executable, "-m", "kvdiff", "--version"], capture_output=True, text=True)
+@pytest.mark.parametrize("module", ["kvdiff", "kvdiff.cli"])
+def test_console_script_runs(module):
+    out = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and kvdiff.__version__ in out.stdout
 
 
