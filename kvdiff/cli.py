@@ -6,6 +6,7 @@ import errno
 import functools
 import logging
 import os
+import signal
 from contextlib import contextmanager
 import sys
 import traceback
@@ -77,6 +78,14 @@ def _configure_logging(verbose: int, quiet: bool) -> None:
     hf_logging.disable_progress_bar()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that it unwinds (and cleans up) as Ctrl-C does."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
 def _fail(message: str, code: int) -> None:
     _error_line(message)
     raise typer.Exit(code)
@@ -95,6 +104,8 @@ def command(func):
             if _state["verbose"]:
                 traceback.print_exc()
             _fail(str(exc), exc.exit_code)
+        except Terminated:
+            _fail("terminated; no half-written output was kept", 128 + signal.SIGTERM)
         except KeyboardInterrupt:
             _fail("interrupted; no half-written output was kept", 130)
         except Exception as exc:  # a bug or an environment failure: still one line without -v
@@ -400,6 +411,7 @@ def bench(
 
 def main() -> None:
     """Console-script entry point."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
     app()
 
 

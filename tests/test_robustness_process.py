@@ -1,4 +1,4 @@
-"""Robustness, process: SIGINT and SIGKILL while capturing traces and while diffing them.
+"""Robustness, process: SIGINT, SIGTERM and SIGKILL while capturing traces and while diffing them.
 
 A child process runs the CLI with one stage slowed down (the first probed forward, or the diff's
 comparison) so the signal lands inside that stage every time.
@@ -70,10 +70,12 @@ def traces(tmp_path_factory) -> tuple[Path, Path]:
     return write_trace(model, root / "a.h5", list(range(3, 23)), 3), write_trace(model, root / "b.h5", list(range(3, 23)), 3)
 
 
-def test_sigint_during_capture(tmp_path):
+@pytest.mark.parametrize("how, code, said", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+                         ids=["sigint", "sigterm"])
+def test_sigint_or_sigterm_during_capture(tmp_path, how, code, said):
     run = tmp_path / "run"
-    result = interrupted(CAPTURE, signal.SIGINT, tmp_path, *compare_args(run))
-    assert_error(result, 130, "interrupted; no half-written output was kept")
+    result = interrupted(CAPTURE, how, tmp_path, *compare_args(run))
+    assert_error(result, code, f"{said}; no half-written output was kept")
     assert not run.exists()       # the folder the run created is removed with what it held
 
 
@@ -89,12 +91,14 @@ def test_sigkill_during_capture(tmp_path):
     assert_error(cli(*compare_args(run)), 2, "already holds files")     # a rerun never mixes with it
 
 
-@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["sigint", "sigterm", "sigkill"])
 def test_signal_during_diff(traces, tmp_path, how):
     report, page = tmp_path / "report.json", tmp_path / "report.html"
     result = interrupted(DIFF, how, tmp_path, "diff", *traces, "--json", report, "--html", page)
     if how == signal.SIGINT:
         assert_error(result, 130, "interrupted")
+    elif how == signal.SIGTERM:
+        assert_error(result, 143, "terminated")
     else:
         assert result.returncode == -signal.SIGKILL
     assert sorted(p.name for p in tmp_path.iterdir()) == ["reached"]   # no report, no temporary file
