@@ -59,8 +59,8 @@ def _write(file: TraceFile, fwd: StagedForward, stored: list[tuple[np.ndarray, s
     for n, (_, _, x, y) in enumerate(fwd.norms):
         by_width.setdefault((stored[x][0].shape[-1], stored[y][0].shape[-1]), []).append(n)
     for members in by_width.values():
-        xs = torch.cat([_tensor(stored[fwd.norms[n][2]]) for n in members]).to(torch.float64)
-        ys = torch.cat([_tensor(stored[fwd.norms[n][3]]) for n in members]).to(torch.float64)
+        xs = torch.cat([_tensor(stored[fwd.norms[n][2]]) for n in members])      # norm_statistics widens to fp64
+        ys = torch.cat([_tensor(stored[fwd.norms[n][3]]) for n in members])
         counts = [stored[fwd.norms[n][2]][0].shape[0] for n in members]
         for n, stats in zip(members, norm_statistics(xs, ys).split(counts, dim=1)):
             name, pos = fwd.norms[n][0], fwd.norms[n][1]
