@@ -2,12 +2,13 @@
 
 Two pieces, shared by the engine and, through `exact_numerics(model)`, by the reference model:
 
-- `invariant_linear`: rows are padded to a fixed tile multiple before the matmul. On CPU a
-  matmul whose row count is a multiple of 4 gives each row the bits of any larger matmul
-  (measured with torch 2.13 on the default model's shapes; `tests/test_engine_numerics.py`
-  checks it); on CUDA rows go through fixed 64-row tiles, as one batched matmul in bf16/fp16
-  and one matmul per tile in fp32 (cuBLAS's batched fp32 form is not row-invariant:
-  benchmarks/gpu_invariance.py measures each form).
+- `invariant_linear`: rows are padded to fixed-size row tiles and every tile is multiplied
+  with the same shape, so a row's bits depend neither on how many rows come with it nor on
+  where in its tile it sits. One matmul per tile (16 rows on CPU; 64 on CUDA in fp32), or on
+  CUDA in bf16/fp16 one batched matmul of 64-row tiles. A plain matmul is not enough: on an
+  AVX-512 CPU (torch 2.13, MKL) rows of a 1536-wide matmul change bits between 32 and 1,177
+  rows, and cuBLAS's batched fp32 form is not row-invariant (benchmarks/gpu_invariance.py
+  measures each GPU form; tests/test_engine_units.py the CPU one).
 - `exact_attention`: keys are processed in fixed 64-key tiles aligned to sequence position 0,
   with an online softmax in tile order, so a query at position p reads the same tiles with the
   same reduction order whether it is computed in a prefill, a chunked prefill or a decode step
@@ -30,8 +31,8 @@ from kvdiff.errors import KvdiffError
 
 log = logging.getLogger(__name__)
 
-CPU_ROW_MULTIPLE = 4   # CPU: pad rows to a multiple of this; one plain matmul
-CUDA_ROW_TILE = 64     # CUDA: fixed row tiles, run as one batched matmul
+CPU_ROW_TILE = 16      # CPU: fixed row tiles, one matmul per tile
+CUDA_ROW_TILE = 64     # CUDA: fixed row tiles, one batched matmul (bf16/fp16) or one per tile (fp32)
 KEY_TILE = 64          # attention: keys in tiles of this many positions, aligned to position 0
 
 EXACT_ATTENTION = "kvdiff_exact"
@@ -50,14 +51,12 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
 def invariant_matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     """`x @ weight_t` for 2-D `x` whose row results do not depend on the number of rows."""
     rows = x.shape[0]
-    if x.device.type == "cuda":
-        tiles = _pad_rows(x, CUDA_ROW_TILE).view(-1, CUDA_ROW_TILE, x.shape[1])
-        if x.dtype == torch.float32:
-            out = torch.cat([tile @ weight_t for tile in tiles])
-        else:
-            out = torch.matmul(tiles, weight_t).view(-1, weight_t.shape[1])
+    tile = CUDA_ROW_TILE if x.is_cuda else CPU_ROW_TILE
+    tiles = _pad_rows(x, tile).view(-1, tile, x.shape[1])
+    if x.is_cuda and x.dtype != torch.float32:
+        out = torch.matmul(tiles, weight_t).view(-1, weight_t.shape[1])
     else:
-        out = _pad_rows(x, CPU_ROW_MULTIPLE) @ weight_t
+        out = torch.cat([part @ weight_t for part in tiles])
     return out[:rows]
 
 
@@ -84,7 +83,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
         return gpu_kernels.attention(q, k, v, visible, scale)
     L, KVH, _ = k.shape
     groups = H // KVH
-    multiple = CUDA_ROW_TILE if q.device.type == "cuda" else CPU_ROW_MULTIPLE
+    multiple = CUDA_ROW_TILE if q.device.type == "cuda" else CPU_ROW_TILE
     Tp = -(-T // multiple) * multiple
     ntiles = -(-L // KEY_TILE)
     Lp = ntiles * KEY_TILE
