@@ -13,7 +13,8 @@ from kvdiff.engine import Engine
 from kvdiff.engine.attention import merge_states, partial_attention
 from kvdiff.engine.chunks import split_conversation
 from kvdiff.engine.kv_cache import BlockPool, BlockTable, OutOfBlocks
-from kvdiff.engine.numerics import CPU_ROW_MULTIPLE, exact_attention, exact_numerics, invariant_linear
+from kvdiff.engine.numerics import CPU_ROW_TILE, exact_attention, exact_numerics, invariant_linear
+from kvdiff.engine.paged_decode import PagedDecode
 from kvdiff.engine.reference import reference_generate, render_prompt_ids
 from kvdiff.engine.registry import ChunkRegistry
 from kvdiff.probes.model_meta import model_fingerprint
@@ -184,8 +185,12 @@ def test_block_table_maps_positions_across_unaligned_segments():
     assert table.length == 10
     assert table.slot_of(4) == int(shared[4])
     assert len(set(table.all_slots().tolist())) == 10
+    assert table.host_slots().tolist() == table.all_slots().tolist()
+    for _ in range(3):       # decode steps extend the host copy in place of re-reading the device
+        table.add_own(1)
+        assert table.host_slots().tolist() == table.all_slots().tolist()
     table.release()
-    assert pool.free_blocks == 6
+    assert pool.free_blocks == 6 and table.host_slots().size == 0
     with pytest.raises(OutOfBlocks):
         pool.allocate(7)
 
@@ -248,15 +253,33 @@ def test_lse_merge_of_split_keys_equals_whole_and_empty_is_identity():
     assert math.isclose(float(l1), float((q[0, 0, 0] * k[0, 0, 0]).sum()), rel_tol=1e-5)
 
 
+def test_paged_decode_attends_each_row_to_its_own_slots():
+    torch.manual_seed(0)
+    pool = BlockPool(1, 2, 16, num_blocks=40, dtype=torch.float32, device=torch.device("cpu"))
+    pool.k[0].normal_()
+    pool.v[0].normal_()
+    order = torch.randperm(40 * 16)
+    key_slots = [order[i * 100:i * 100 + n].numpy() for i, n in enumerate((1, 17, 70))]
+    q = torch.randn(3, 4, 16)
+    plan = PagedDecode.build(key_slots, torch.device("cpu"))
+    assert plan.new_slots.tolist() == [int(s[-1]) for s in key_slots]
+    out = plan.attend(pool, 0, q, 0.25)
+    for i, slots in enumerate(key_slots):
+        idx = torch.from_numpy(slots)
+        want, _ = partial_attention(q[i][None, None], pool.k[0][idx][None], pool.v[0][idx][None], None, 0.25)
+        torch.testing.assert_close(out[i], want[0, 0])
+
+
 # --- exact numerics ---------------------------------------------------------------------------
 
 def test_invariant_linear_rows_do_not_depend_on_row_count():
+    # 1536 inputs: where a plain matmul's rows change bits with the row count on an AVX-512 CPU
     torch.manual_seed(0)
-    w = torch.randn(96, 64)
-    x = torch.randn(40, 64)
+    w = torch.randn(96, 1536)
+    x = torch.randn(300, 1536)
     whole = invariant_linear(x, w)
-    for rows in range(1, 2 * CPU_ROW_MULTIPLE + 3):
-        for start in (0, 3, 17):
+    for rows in list(range(1, 2 * CPU_ROW_TILE + 3)) + [64, 100, 177]:
+        for start in (0, 3, 17, 101):
             assert torch.equal(invariant_linear(x[start:start + rows], w), whole[start:start + rows])
 
 

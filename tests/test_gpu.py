@@ -75,6 +75,31 @@ def test_exact_operations_give_every_row_the_same_bits_whatever_rows_beside_it(d
     torch.testing.assert_close(attn.float(), dense, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_paged_decode_kernel_matches_gathered_attention(dtype):
+    from kvdiff.engine import paged_kernel
+    from kvdiff.engine.kv_cache import BlockPool
+    from kvdiff.engine.paged_decode import PagedDecode
+
+    torch.manual_seed(0)
+    H, KVH, D = 9, 3, 64
+    pool = BlockPool(1, KVH, D, num_blocks=600, dtype=dtype, device=torch.device("cuda"))
+    pool.k[0].normal_()
+    pool.v[0].normal_()
+    order = torch.randperm(600 * 16)
+    key_slots = [order[i * 3000:i * 3000 + n].numpy() for i, n in enumerate((1, 63, 64, 65, 2461))]
+    q = torch.randn(len(key_slots), H, D, device="cuda", dtype=dtype)
+    plan = PagedDecode.build(key_slots, torch.device("cuda"))
+    fused = paged_kernel.paged_decode(q, pool.k[0], pool.v[0], plan.table, plan.lengths, 0.125)
+    paged_kernel.available = False      # the gather-and-SDPA path
+    try:
+        gathered = plan.attend(pool, 0, q, 0.125)
+    finally:
+        paged_kernel.available = True
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(fused, gathered, rtol=tol, atol=tol)
+
+
 def test_gpu_fingerprint_is_stable_and_sees_a_one_ulp_change():
     from kvdiff.probes.model_meta import model_fingerprint
 

@@ -199,8 +199,6 @@ class Engine:
             r.sink.end_forward()
 
     def _sample(self, logits: torch.Tensor) -> int:
-        if self.temperature <= 0:
-            return int(logits.argmax())
         scores = logits.float().cpu() / self.temperature
         if self.top_k > 0:
             kth = torch.topk(scores, min(self.top_k, scores.numel())).values[-1]
@@ -213,14 +211,18 @@ class Engine:
             probs = probs / probs.sum()
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
+    def _next_tokens(self, requests: list[Request]) -> list[int]:
+        """Each request's next token from its logits; greedy picks them all with one device call."""
+        if self.temperature > 0:
+            return [self._sample(r.logits) for r in requests]
+        return torch.stack([r.logits for r in requests]).argmax(-1).tolist() if requests else []
+
     def _decode(self, requests: list[Request], max_new_tokens: int, start: float) -> None:
         step = 0
         while True:
             active = []
-            for r in requests:
-                if r.done:
-                    continue
-                token = self._sample(r.logits)
+            live = [r for r in requests if not r.done]
+            for r, token in zip(live, self._next_tokens(live)):
                 if r.sink is not None:
                     r.sink.capture_step(step, r.table.length - 1, r.logits, token)
                 r.generated.append(token)
@@ -242,7 +244,8 @@ class Engine:
                 seg = r.table.add_own(1)
                 groups.append(RowGroup([r.generated[-1]], [pos], [pos], seg.slots, seg.slots,
                                        list(r.table.segments), 0, True, r.sink,
-                                       [([pos], Provenance("decode", fid, [pos], False))]))
+                                       [([pos], Provenance("decode", fid, [pos], False))],
+                                       key_slots=r.table.host_slots()))
             for r, lg in zip(active, self._forward(groups)):
                 r.logits = lg
             step += 1

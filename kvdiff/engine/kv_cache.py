@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from kvdiff.errors import KvdiffError
@@ -75,9 +76,13 @@ class BlockPool:
 
     def slots(self, blocks: list[int], num_tokens: int, first: int = 0) -> torch.Tensor:
         """Slots of tokens first..first+num_tokens-1 stored in `blocks` (in order)."""
-        idx = torch.arange(first, first + num_tokens)
-        table = torch.tensor(blocks, dtype=torch.long)
-        return (table[idx // self.block_size] * self.block_size + idx % self.block_size).to(self.device)
+        return torch.from_numpy(self.host_slots(blocks, num_tokens, first)).to(self.device)
+
+    def host_slots(self, blocks: list[int], num_tokens: int, first: int = 0) -> np.ndarray:
+        """`slots(...)` as a host int64 array."""
+        idx = np.arange(first, first + num_tokens, dtype=np.int64)
+        table = np.asarray(blocks, dtype=np.int64)
+        return table[idx // self.block_size] * self.block_size + idx % self.block_size
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         pool_k, pool_v = self.k[layer], self.v[layer]
@@ -120,6 +125,13 @@ class BlockTable:
     own_blocks: list[int] = field(default_factory=list)
     own_tokens: int = 0
     scratch_blocks: list[int] = field(default_factory=list)
+    _host: np.ndarray | None = None   # all_slots() on the host, kept up to date by add_own
+
+    def host_slots(self) -> np.ndarray:
+        """`all_slots()` as a host int64 array; a decode step appends to it without a device call."""
+        if self._host is None or self._host.shape[0] != self.length:
+            self._host = self.all_slots().cpu().numpy() if self.segments else np.zeros(0, np.int64)
+        return self._host
 
     @property
     def length(self) -> int:
@@ -141,8 +153,11 @@ class BlockTable:
         need = self.pool.blocks_for(self.own_tokens + num_tokens) - len(self.own_blocks)
         if need > 0:
             self.own_blocks.extend(self.pool.allocate(need))
-        slots = self.pool.slots(self.own_blocks, num_tokens, self.own_tokens)
+        host = self.pool.host_slots(self.own_blocks, num_tokens, self.own_tokens)
+        slots = torch.from_numpy(host).to(self.pool.device)
         self.own_tokens += num_tokens
+        if self._host is not None and self._host.shape[0] == self.length:
+            self._host = np.concatenate([self._host, host])
         last = self.segments[-1] if self.segments else None
         if last is not None and last.shared_key is None:
             last.slots = torch.cat([last.slots, slots])
@@ -167,3 +182,4 @@ class BlockTable:
         self.scratch_blocks = []
         self.own_tokens = 0
         self.segments = []
+        self._host = None

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvdiff.engine.adapters import Adapter, apply_rope
 from kvdiff.engine.cascade import CascadePlan
 from kvdiff.engine.kv_cache import BlockPool, Segment
 from kvdiff.engine.numerics import exact_attention
+from kvdiff.engine.paged_decode import PagedDecode
 from kvdiff.engine.strategies import rerotate_keys
 from kvdiff.probes.sink import ProbeSink, Provenance
 
@@ -34,6 +36,7 @@ class RowGroup:
     logits: bool = False          # return the logits of the last row
     sink: ProbeSink | None = None
     provenance: list[tuple[list[int], Provenance]] = field(default_factory=list)
+    key_slots: np.ndarray | None = None   # a decode row: the slots of all its keys, its own last, on the host
 
 
 @dataclass
@@ -102,13 +105,20 @@ class ModelRunner:
         tokens = torch.tensor([t for g in groups for t in g.token_ids], device=dev)
         positions = [p for g in groups for p in g.positions]
         encoded = torch.tensor([p for g in groups for p in g.encoded], device=dev)
-        write = torch.cat([g.write_slots for g in groups])
-        read = torch.cat([g.read_slots for g in groups])
-        write_rows = (write >= 0).nonzero().squeeze(1)
-        write_slots = write[write_rows]
-        writes_all = write_rows.numel() == tokens.numel()
-        keys = self._keys(groups)
-        plan = None if self.exact else CascadePlan.build(spans, keys, dev)
+        keys: list[_Keys] = []
+        plan: CascadePlan | PagedDecode | None = None
+        if not self.exact and all(g.key_slots is not None for g in groups):
+            plan = PagedDecode.build([g.key_slots for g in groups], dev)
+            read = write_slots = plan.new_slots
+            write_rows, writes_all = None, True
+        else:
+            write = torch.cat([g.write_slots for g in groups])
+            read = torch.cat([g.read_slots for g in groups])
+            write_rows = (write >= 0).nonzero().squeeze(1)
+            write_slots = write[write_rows]
+            writes_all = write_rows.numel() == tokens.numel()
+            keys = self._keys(groups)
+            plan = None if self.exact else CascadePlan.build(spans, keys, dev)
         x = a.embed_tokens(tokens)
         cos, sin = (t.to(x.device) for t in a.rope(x, encoded))   # the rotary module may sit on another GPU
         probes = _Probes(groups, spans, positions)
@@ -116,7 +126,8 @@ class ModelRunner:
         layers = a.layers[: num_layers or len(a.layers)]
         for i, layer in enumerate(layers):
             if x.device != layer.device:   # a model split across GPUs: follow its layers
-                x, cos, sin, write_rows = (t.to(layer.device) for t in (x, cos, sin, write_rows))
+                x, cos, sin = (t.to(layer.device) for t in (x, cos, sin))
+                write_rows = write_rows.to(layer.device) if write_rows is not None else None
                 plan = plan.to(layer.device) if plan is not None else None
             probes.capture("resid_pre", i, x)
             h = layer.input_layernorm(x)

@@ -1,0 +1,61 @@
+"""Fast-numerics attention for a decode forward: one row per request, attending to all its keys.
+
+Every request's keys are listed in one slot table (a row per request, its slots in sequence
+order, padded), built on the host from the block tables and copied to the device in one call.
+On CUDA one Triton kernel per layer reads the keys straight from the paged pool
+(`kvdiff/engine/paged_kernel.py`); elsewhere the keys are gathered and attended with SDPA. A
+decode step therefore costs the same few device calls per layer for one request or for 32,
+with or without a shared system chunk (no cascade: each row reads the shared pages itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvdiff.engine.attention import single_attention
+from kvdiff.engine.kv_cache import BlockPool
+
+
+@dataclass
+class PagedDecode:
+    """The slot table of one decode forward; `attend` runs one layer with it."""
+
+    table: torch.Tensor      # (G, Lmax) int64: row i's keys are table[i, :lengths[i]]
+    lengths: torch.Tensor    # (G,) int64
+    new_slots: torch.Tensor  # (G,) int64: each row's own slot, its last key, where its K/V go
+
+    @classmethod
+    def build(cls, key_slots: list[np.ndarray], device: torch.device) -> "PagedDecode":
+        """From each row's key slots (host arrays, in sequence order), in one host-to-device copy."""
+        G = len(key_slots)
+        width = max(s.shape[0] for s in key_slots)
+        packed = np.zeros((G, width + 2), dtype=np.int64)
+        for i, slots in enumerate(key_slots):
+            packed[i, 0] = slots.shape[0]
+            packed[i, 1] = slots[-1]
+            packed[i, 2:2 + slots.shape[0]] = slots
+        on_device = torch.from_numpy(packed).to(device)
+        return cls(on_device[:, 2:], on_device[:, 0], on_device[:, 1])
+
+    def to(self, device: torch.device) -> "PagedDecode":
+        """The table on another device (a model split across GPUs)."""
+        if self.table.device == device:
+            return self
+        return PagedDecode(self.table.to(device), self.lengths.to(device), self.new_slots.to(device))
+
+    def attend(self, pool: BlockPool, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention output (G, H, D) in q's dtype for the rows q (G, H, D)."""
+        k_pool, v_pool = pool.k[layer], pool.v[layer]
+        if q.is_cuda:
+            from kvdiff.engine import paged_kernel
+
+            if paged_kernel.available:
+                return paged_kernel.paged_decode(q, k_pool, v_pool, self.table, self.lengths, scale)
+        G, width = self.table.shape
+        k = k_pool.index_select(0, self.table.reshape(-1)).view(G, width, *k_pool.shape[1:])
+        v = v_pool.index_select(0, self.table.reshape(-1)).view(G, width, *v_pool.shape[1:])
+        visible = (torch.arange(width, device=q.device) < self.lengths.unsqueeze(1)).unsqueeze(1)
+        return single_attention(q.unsqueeze(1), k, v, visible, scale).squeeze(1)
