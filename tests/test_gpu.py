@@ -83,10 +83,10 @@ def test_paged_decode_kernel_matches_gathered_attention(dtype):
 
     torch.manual_seed(0)
     H, KVH, D = 9, 3, 64
-    pool = BlockPool(1, KVH, D, num_blocks=600, dtype=dtype, device=torch.device("cuda"))
+    pool = BlockPool(1, KVH, D, num_blocks=1000, dtype=dtype, device=torch.device("cuda"))
     pool.k[0].normal_()
     pool.v[0].normal_()
-    order = torch.randperm(600 * 16)
+    order = torch.randperm(1000 * 16)
     key_slots = [order[i * 3000:i * 3000 + n].numpy() for i, n in enumerate((1, 63, 64, 65, 2461))]
     q = torch.randn(len(key_slots), H, D, device="cuda", dtype=dtype)
     plan = PagedDecode.build(key_slots, torch.device("cuda"))

@@ -23,7 +23,7 @@ BLOCK_N = 64   # keys per tile
 if available:
     @triton.jit
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, scale,
-                             sq_n, sq_h, sk_s, sk_h, sv_s, sv_h, st_n, so_n, so_h,
+                             sq_n, sq_h, sk_s, sk_h, sv_s, sv_h, st_n, sl_n, so_n, so_h,
                              GROUPS: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                              IEEE: tl.constexpr, BN: tl.constexpr):
         row, kv_head = tl.program_id(0), tl.program_id(1)
@@ -32,7 +32,7 @@ if available:
         dims = tl.arange(0, DP)
         q_mask = (members[:, None] < GROUPS) & (dims[None, :] < D)
         q = tl.load(q_ptr + row * sq_n + heads[:, None] * sq_h + dims[None, :], mask=q_mask, other=0.0)
-        length = tl.load(len_ptr + row)
+        length = tl.load(len_ptr + row * sl_n)
         m_i = tl.full((GP,), float("-inf"), tl.float32)
         l_i = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, DP), tl.float32)
@@ -64,9 +64,12 @@ if available:
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                  lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of one row per request: q (G, H, D); pools (slots, KVH, D); table (G, Lmax) slots;
-    lengths (G,) keys per row (at least one). Returns (G, H, D) in q's dtype."""
+    """Attention of one row per request: q (G, H, D); pools (slots, KVH, D), contiguous; table
+    (G, Lmax) slots, rows of unit stride; lengths (G,) keys per row (at least one), any stride.
+    Returns (G, H, D) in q's dtype."""
     G, H, D = q.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     kv_heads = k_pool.shape[1]
     groups = H // kv_heads
     out = torch.empty_like(q)
@@ -74,7 +77,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
         _paged_decode_kernel[(G, kv_heads)](
             q, k_pool, v_pool, table, lengths, out, scale,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-            table.stride(0), out.stride(0), out.stride(1),
+            table.stride(0), lengths.stride(0), out.stride(0), out.stride(1),
             GROUPS=groups, GP=max(16, triton.next_power_of_2(groups)), D=D, DP=max(16, triton.next_power_of_2(D)),
             IEEE=q.dtype == torch.float32, BN=BLOCK_N)
     return out
