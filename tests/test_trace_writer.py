@@ -244,3 +244,44 @@ def test_a_folder_removed_before_close_is_a_trace_write_error(tmp_path):
     with pytest.raises(TraceWriteError, match="No such file or directory") as info:
         w.close()
     assert "\n" not in str(info.value) and not folder.exists()
+
+
+def _resid_pre_writer(path):
+    return TraceWriter(path, replace(make_meta(), layers=(0,), points=("resid_pre",)))
+
+
+def test_after_the_first_forward_staged_rows_are_kept_by_reference_until_the_forward_ends(tmp_path):
+    with torch.no_grad(), _resid_pre_writer(tmp_path / "t.h5") as w:
+        for step in range(3):
+            rows = torch.full((1, 32), float(step))
+            w.write_rows("layers/0", "resid_pre", [step], rows)
+            w.commit()
+            rows.add_(100)                    # after the forward: the sealed copy is its own
+    with open_trace(tmp_path / "t.h5") as tr:
+        assert np.array_equal(tr.layer(0)["resid_pre"][:, 0], [0.0, 1.0, 2.0])
+
+
+def test_rows_the_model_changes_in_place_in_its_first_forward_are_always_copied(tmp_path):
+    want = []
+    with torch.no_grad(), _resid_pre_writer(tmp_path / "t.h5") as w:
+        for step in range(3):
+            rows = torch.full((1, 32), float(step))
+            w.write_rows("layers/0", "resid_pre", [step], rows)
+            want.append(rows.clone())
+            rows.add_(100)                    # before the forward ends, in every forward
+            w.commit()
+    with open_trace(tmp_path / "t.h5") as tr:
+        assert np.array_equal(tr.layer(0)["resid_pre"], torch.cat(want).numpy())
+
+
+def test_rows_changed_in_place_only_after_the_first_forward_drop_the_trace(tmp_path):
+    w = _resid_pre_writer(tmp_path / "t.h5")
+    with torch.no_grad():
+        w.write_rows("layers/0", "resid_pre", [0], torch.zeros(1, 32))
+        w.commit()
+        rows = torch.ones(1, 32)
+        w.write_rows("layers/0", "resid_pre", [1], rows)
+        rows.add_(1)
+        with pytest.raises(ProbeIntegrityError, match="changed the captured rows layers/0/resid_pre in place"):
+            w.commit()
+    assert not (tmp_path / "t.h5").exists() and not w.tmp_path.exists()

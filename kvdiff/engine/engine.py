@@ -99,7 +99,8 @@ class Engine:
         planner = Planner(self.registry, self.strategy, self.fingerprint)
         start = time.perf_counter()
         try:
-            with numerics, torch.inference_mode():
+            # Probes keep captures by reference where tensors have version counters: not in inference mode.
+            with numerics, torch.no_grad() if sinks else torch.inference_mode():
                 self._prefill(requests, planner)
                 planner.fresh = []
                 self._decode(requests, max_new_tokens, start)

@@ -51,7 +51,11 @@ class _Keys:
 
 
 class ModelRunner:
-    """Runs the model's modules through an Adapter with the engine's attention and KV cache."""
+    """Runs the model's modules through an Adapter with the engine's attention and KV cache.
+
+    Call it with gradients off (Engine.generate does: inference mode, or no_grad when probes
+    record, so that their captures keep version counters and need no copy; see probes/staging.py).
+    """
 
     def __init__(self, adapter: Adapter, pool: BlockPool, exact: bool):
         self.adapter = adapter
@@ -84,7 +88,6 @@ class ModelRunner:
             outs.append(exact_attention(q[span], k, v, kk.visible.to(q.device), self.adapter.scaling))
         return torch.cat(outs)
 
-    @torch.inference_mode()
     def place(self, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor) -> None:
         """Copy cached K/V rows from slots `src` to `dst` on every layer, K rotated by `delta` positions."""
         k0 = self.pool.k[0]
@@ -93,7 +96,6 @@ class ModelRunner:
             k, v = self.pool.read(i, src)
             self.pool.write(i, dst, rerotate_keys(k, cos.to(k.device), sin.to(k.device)), v)
 
-    @torch.inference_mode()
     def forward(self, groups: list[RowGroup], num_layers: int | None = None) -> list[torch.Tensor | None]:
         """Run the groups through the model; the float32 logits row of each group that asks for one."""
         a = self.adapter

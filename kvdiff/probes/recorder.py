@@ -107,10 +107,9 @@ class TraceRecorder:
             raise ProbeIntegrityError(f"probe {point!r} of layer {layer}: rows of shape {tuple(rows.shape)} "
                                       f"do not hold {len(positions)} positions of shape {shape}")
         pos, mask = self._kept(positions)
-        rows = rows.reshape(len(positions), *shape)
         if mask is not None:
-            rows = rows[torch.from_numpy(mask)]
-        self.writer.write_rows(point_group(layer), point, pos, rows)
+            rows = rows.reshape(len(positions), *shape)[torch.from_numpy(mask).to(rows.device)]
+        self.writer.write_rows(point_group(layer), point, pos, rows, shape)
 
     def capture_norm(self, norm: str, layer: int | None, norm_input: torch.Tensor, norm_output: torch.Tensor,
                      positions: Sequence[int]) -> None:
@@ -118,15 +117,17 @@ class TraceRecorder:
             return
         self._in_forward(f"norm {norm!r} of layer {layer}")
         self._fired[("stats:" + norm, layer)] += 1
-        x = norm_input.reshape(-1, norm_input.shape[-1])
-        y = norm_output.reshape(-1, norm_output.shape[-1])
-        if x.shape[0] != len(positions) or y.shape[0] != len(positions):
-            raise ProbeIntegrityError(f"norm {norm!r} of layer {layer}: {x.shape[0]} input and {y.shape[0]} output "
+        x_rows = norm_input.numel() // max(norm_input.shape[-1], 1)
+        y_rows = norm_output.numel() // max(norm_output.shape[-1], 1)
+        if x_rows != len(positions) or y_rows != len(positions):
+            raise ProbeIntegrityError(f"norm {norm!r} of layer {layer}: {x_rows} input and {y_rows} output "
                                       f"rows for {len(positions)} positions")
         pos, mask = self._kept(positions)
+        x, y = norm_input, norm_output
         if mask is not None:
             keep = torch.from_numpy(mask)
-            x, y = x[keep.to(x.device)], y[keep.to(y.device)]
+            x = x.reshape(x_rows, -1)[keep.to(x.device)]
+            y = y.reshape(y_rows, -1)[keep.to(y.device)]
         self.writer.write_norm(point_group(layer), norm, pos, x, y)
 
     def provenance(self, positions: Sequence[int], source: Provenance) -> None:

@@ -1,10 +1,12 @@
 """Host copies of captured rows, made when the rows are handed over.
 
-A capture must be copied at once (the caller may reuse its buffer), but a decode step hands
-over hundreds of small captures, and on a GPU each torch call costs tens of microseconds of
-host time. Small captures therefore go into a `Stage`: each is cloned where it lives (one
-call), and `seal` copies them to host memory together, one flattened, pinned, asynchronous
-copy per device and dtype. Large captures get a `HostRows` copy of their own.
+A decode step hands over hundreds of small captures, and on a GPU each torch call costs tens of
+microseconds of host time. Small captures therefore go into a `Stage` and are copied to host
+memory together when it is sealed (at the end of each forward): one flattened, pinned,
+asynchronous copy per device and dtype. Until then a staged capture is either kept by
+reference, when its tensor has a version counter that shows whether anything changed it in
+place before the seal (`Stage.changed`), or cloned where it lives (inference tensors have no
+version counter). Large captures get a `HostRows` copy of their own at once.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class FlatCopy:
     """Staged rows of one device and dtype, flattened into one host copy."""
 
     members: list[int]
-    shapes: list[torch.Size]
+    shapes: list[tuple[int, ...]]
     host: HostRows
 
 
@@ -74,7 +76,7 @@ class SealedStage:
             flat, dtype = to_storage(part.host.ready())
             start = 0
             for i, shape in zip(part.members, part.shapes):
-                n = shape.numel()
+                n = int(np.prod(shape))
                 out[i] = flat[start:start + n].reshape(shape), dtype
                 start += n
         return out
@@ -82,10 +84,13 @@ class SealedStage:
 
 @dataclass
 class Stage:
-    """Small captures of one forward, each cloned where it lives when added, and what the
-    writer will make of them: rows of a dataset, or a norm's input and output."""
+    """Small captures of one forward and what the writer will make of them: rows of a dataset,
+    or a norm's input and output."""
 
     captured: list[torch.Tensor] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)      # the shape each is stored with
+    versions: list[int | None] = field(default_factory=list)         # a reference's version when added; None: a clone
+    watched: list[tuple[int, torch.Tensor, int]] = field(default_factory=list)   # cloned, original, its version
     nbytes: int = 0
     rows: list[tuple[str, np.ndarray, int]] = field(default_factory=list)         # dataset, positions, index
     norms: list[tuple[str, np.ndarray, int, int]] = field(default_factory=list)   # statistics group, positions,
@@ -100,11 +105,33 @@ class Stage:
     def full(self) -> bool:
         return self.nbytes >= STAGE_BYTES
 
-    def add(self, rows: torch.Tensor) -> int:
-        """Keep a private copy of `rows`; returns its index in `SealedStage.stored()`."""
-        self.captured.append(rows.detach().clone(memory_format=torch.contiguous_format))
+    def add(self, rows: torch.Tensor, shape: tuple[int, ...], by_reference: bool) -> int:
+        """Stage `rows`, to be stored with `shape`; returns its index in `SealedStage.stored()`.
+
+        By reference when asked and possible (see `changed`); otherwise a private clone, and the
+        original is watched so that `changed` tells whether it would have been safe to keep."""
+        if rows.requires_grad:
+            rows = rows.detach()
+        inference = rows.is_inference()
+        if by_reference and not inference:
+            self.captured.append(rows)
+            self.versions.append(rows._version)
+        else:
+            if not inference:
+                self.watched.append((len(self.captured), rows, rows._version))
+            self.captured.append(rows.clone(memory_format=torch.contiguous_format))
+            self.versions.append(None)
+        self.shapes.append(shape)
         self.nbytes += rows.numel() * rows.element_size()
         return len(self.captured) - 1
+
+    def changed(self) -> tuple[list[int], list[int]]:
+        """Captures changed in place since they were added: (kept by reference, so their staged
+        rows are wrong; cloned, so their clone is right and the next ones must be clones too)."""
+        stale = [i for i, (rows, version) in enumerate(zip(self.captured, self.versions))
+                 if version is not None and rows._version != version]
+        moved = [i for i, rows, version in self.watched if rows._version != version]
+        return stale, moved
 
     def seal(self) -> SealedStage:
         """Start the copies to host memory: the captures are flattened per device and dtype, and
@@ -115,7 +142,10 @@ class Stage:
         parts = []
         for members in groups.values():
             tensors = [self.captured[i] for i in members]
-            flat = torch._utils._flatten_dense_tensors(tensors)     # one call, however many captures
-            host = host_copy(flat) if flat.is_cuda else HostRows(flat)   # on the CPU, flat is already a copy
-            parts.append(FlatCopy(members, [t.shape for t in tensors], host))
+            flat = torch._utils._flatten_dense_tensors(tensors)     # one call for all (a view of a lone one)
+            if flat.is_cuda:
+                host = host_copy(flat)
+            else:                                                   # on the CPU, a copy unless a view
+                host = HostRows(flat.clone() if len(tensors) == 1 and self.versions[members[0]] is not None else flat)
+            parts.append(FlatCopy(members, [self.shapes[i] for i in members], host))
         return SealedStage(len(self.captured), parts)

@@ -86,6 +86,8 @@ class TraceWriter:
         self._provenance: dict[int, Source] = {}
         self._steps: list[Step] = []
         self._stage: Stage | None = None
+        self._learning = True                   # the first forward: every staged capture cloned
+        self._in_place: set[str] = set()        # captures the model changes in place: always cloned
         self._batch = StepBatch(self._file)          # used by the writer thread only
         self._open = True
         self._worker = SerialWorker(f"kvdiff-trace {self.path.name}", max_queued_bytes)
@@ -104,17 +106,21 @@ class TraceWriter:
 
     # -- rows --------------------------------------------------------------------------------
 
-    def write_rows(self, group: str, point: str, positions: Sequence[int], rows: torch.Tensor) -> None:
-        """Rows (T, ...) of `point` in `group` ('layers/<i>' or 'final') at global `positions`."""
-        pos = np.array(positions, dtype=np.int64).reshape(-1)
-        if rows.shape[0] != pos.size:
-            raise ProbeIntegrityError(f"{group}/{point}: {rows.shape[0]} rows for {pos.size} positions")
+    def write_rows(self, group: str, point: str, positions: Sequence[int], rows: torch.Tensor,
+                   row_shape: Sequence[int] | None = None) -> None:
+        """Rows of `point` in `group` ('layers/<i>' or 'final') at global `positions`: (T, ...), or
+        any shape holding T rows of `row_shape` (reshaped on the host, not with a device call)."""
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        shape = (pos.size, *row_shape) if row_shape is not None else tuple(rows.shape)
+        if rows.numel() != int(np.prod(shape)) or shape[0] != pos.size:
+            raise ProbeIntegrityError(f"{group}/{point}: rows of shape {tuple(rows.shape)} for {pos.size} positions")
+        name = f"{group}/{point}"
         if Stage.takes(rows):
-            stage, (index,) = self._stage_copies(rows)
-            stage.rows.append((f"{group}/{point}", pos, index))
+            stage, (index,) = self._stage_copies((name, rows, shape))
+            stage.rows.append((name, pos, index))
             return
-        self.commit()       # rows staged earlier are written first: a later row replaces an earlier one
-        host, file, steps, name = host_copy(rows), self._file, self._batch, f"{group}/{point}"
+        self._commit_stage()   # rows staged earlier are written first: a later row replaces an earlier one
+        host, file, steps = host_copy(rows.reshape(shape)), self._file, self._batch
 
         def job() -> None:
             steps.flush()
@@ -126,39 +132,62 @@ class TraceWriter:
     def write_norm(self, group: str, norm: str, positions: Sequence[int], norm_input: torch.Tensor,
                    norm_output: torch.Tensor) -> None:
         """Statistics (norm_stats.norm_statistics) of norm module `norm` in `group` at `positions`,
-        from its input and output rows: computed on the writer thread when the rows are few, on
-        the rows' device when they are many."""
-        pos = np.array(positions, dtype=np.int64).reshape(-1)
-        x = norm_input.reshape(-1, norm_input.shape[-1])
-        y = norm_output.reshape(-1, norm_output.shape[-1])
-        if x.shape[0] != pos.size or y.shape[0] != pos.size:
-            raise ProbeIntegrityError(f"{group}/norm_stats/{norm}: {x.shape[0]} input and {y.shape[0]} output rows "
-                                      f"for {pos.size} positions")
-        if Stage.takes(x) and Stage.takes(y):
-            stage, (x_index, y_index) = self._stage_copies(x, y)
-            stage.norms.append((f"{group}/norm_stats/{norm}", pos, x_index, y_index))
+        from its input and output rows (any leading shape): computed on the writer thread when the
+        rows are few, on the rows' device when they are many."""
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        x_shape = (norm_input.numel() // max(norm_input.shape[-1], 1), norm_input.shape[-1])
+        y_shape = (norm_output.numel() // max(norm_output.shape[-1], 1), norm_output.shape[-1])
+        name = f"{group}/norm_stats/{norm}"
+        if x_shape[0] != pos.size or y_shape[0] != pos.size:
+            raise ProbeIntegrityError(f"{name}: {x_shape[0]} input and {y_shape[0]} output rows for {pos.size} positions")
+        if Stage.takes(norm_input) and Stage.takes(norm_output):
+            stage, (x_index, y_index) = self._stage_copies((name + ":input", norm_input, x_shape),
+                                                           (name + ":output", norm_output, y_shape))
+            stage.norms.append((name, pos, x_index, y_index))
         else:
-            self.commit()
-            stats = host_copy(norm_statistics(x, y))
-            file, steps, name = self._file, self._batch, f"{group}/norm_stats/{norm}"
+            self._commit_stage()
+            stats = host_copy(norm_statistics(norm_input.reshape(x_shape), norm_output.reshape(y_shape)))
+            file, steps = self._file, self._batch
             self._submit(lambda: (steps.flush(), put_norm_stats(file, name, pos, stats.ready())), stats.tensor.nbytes)
 
-    def _stage_copies(self, *captures: torch.Tensor) -> tuple[Stage, list[int]]:
-        """Stage `captures` together (committing a full stage first): the stage, and their indices in it."""
+    def _stage_copies(self, *captures: tuple[str, torch.Tensor, tuple[int, ...]]) -> tuple[Stage, list[int]]:
+        """Stage (name, rows, stored shape) `captures` together (committing a full stage first):
+        the stage, and their indices in it. After the first forward, a capture is kept by
+        reference unless its kind was seen changed in place before the forward ended."""
         if not self._open:
             raise TraceError(f"trace {self.path} is already closed or aborted")
         self._raise_if_failed()
         if self._stage is not None and self._stage.full:
-            self.commit()
+            self._commit_stage()
         if self._stage is None:
             self._stage = Stage()
-        return self._stage, [self._stage.add(rows) for rows in captures]
+        learning, in_place = self._learning, self._in_place
+        return self._stage, [self._stage.add(rows, shape, not learning and name not in in_place)
+                             for name, rows, shape in captures]
 
     def commit(self) -> None:
-        """Hand the captures staged so far to the writer thread as one job."""
+        """The end of a forward: hand the captures staged so far to the writer thread as one job.
+        The first forward's captures are all cloned, and tell which kinds of capture the model
+        changes in place before the end of a forward; those stay clones, the others are kept by
+        reference until here."""
+        self._commit_stage()
+        self._learning = False
+
+    def _commit_stage(self) -> None:
         stage, self._stage = self._stage, None
         if stage is None:
             return
+        stale, moved = stage.changed()
+        if moved or stale:
+            names = {i: name for name, _, i in stage.rows}
+            names.update((i, f"{name}:{part}") for name, _, x, y in stage.norms for part, i in (("input", x), ("output", y)))
+            self._in_place.update(names[i] for i in moved)
+            if stale:
+                self.abort()
+                raise ProbeIntegrityError(
+                    f"the model changed the captured rows {names[stale[0]]} in place before its forward ended, "
+                    "though not in its first forward, so they were not copied: the trace was dropped; "
+                    "leave that point out of the capture to record this model")
         forward, steps = StagedForward(stage.rows, stage.norms, stage.seal()), self._batch
         self._submit(lambda: steps.add(forward), stage.nbytes)
 
@@ -190,7 +219,7 @@ class TraceWriter:
 
     def flush(self) -> None:
         """Wait until every row handed over is in the file, and flush the file to the OS."""
-        self.commit()
+        self._commit_stage()
         file, steps = self._file, self._batch
         self._submit(lambda: (steps.flush(), file.flush()), 0)
         self._worker.wait_idle()
