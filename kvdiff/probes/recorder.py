@@ -93,14 +93,15 @@ class TraceRecorder:
         self._row_shapes[point] = (shape, int(np.prod(shape)))
         return self._row_shapes[point]
 
-    def _in_forward(self, what: str) -> None:
+    def _in_forward(self, kind: str, name: str, layer: int | None) -> None:
         if self._positions is None:
-            raise ProbeIntegrityError(f"{what} captured outside a forward: call begin_forward first")
+            raise ProbeIntegrityError(f"{kind} {name!r} of layer {layer} captured outside a forward: "
+                                      "call begin_forward first")
 
     def capture(self, point: str, layer: int | None, rows: torch.Tensor, positions: Sequence[int]) -> None:
         if not self.wants(point, layer):
             return
-        self._in_forward(f"probe {point!r} of layer {layer}")
+        self._in_forward("probe", point, layer)
         self._fired[(point, layer)] += 1
         shape, size = self._row_shapes.get(point) or self._row_shape(point)
         if rows.numel() != len(positions) * size:
@@ -115,7 +116,7 @@ class TraceRecorder:
                      positions: Sequence[int]) -> None:
         if not self.wants(norm, layer):
             return
-        self._in_forward(f"norm {norm!r} of layer {layer}")
+        self._in_forward("norm", norm, layer)
         self._fired[("stats:" + norm, layer)] += 1
         x_rows = norm_input.numel() // max(norm_input.shape[-1], 1)
         y_rows = norm_output.numel() // max(norm_output.shape[-1], 1)
@@ -146,7 +147,8 @@ class TraceRecorder:
         self.writer.append_step(step, position, token_id, ids.numpy(), values.numpy(), margin)
 
     def end_forward(self) -> None:
-        self._in_forward("end_forward")
+        if self._positions is None:
+            raise ProbeIntegrityError("end_forward called outside a forward: call begin_forward first")
         where = format_ranges(self._positions)
         for point, layer in self.selection.declared():
             if self._reads_only and point not in READ_POINTS:

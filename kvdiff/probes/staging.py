@@ -11,6 +11,7 @@ version counter). Large captures get a `HostRows` copy of their own at once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,7 +77,7 @@ class SealedStage:
             flat, dtype = to_storage(part.host.ready())
             start = 0
             for i, shape in zip(part.members, part.shapes):
-                n = int(np.prod(shape))
+                n = math.prod(shape)
                 out[i] = flat[start:start + n].reshape(shape), dtype
                 start += n
         return out

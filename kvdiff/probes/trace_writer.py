@@ -19,6 +19,7 @@ readers refuse as incomplete.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import weakref
@@ -112,7 +113,7 @@ class TraceWriter:
         any shape holding T rows of `row_shape` (reshaped on the host, not with a device call)."""
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
         shape = (pos.size, *row_shape) if row_shape is not None else tuple(rows.shape)
-        if rows.numel() != int(np.prod(shape)) or shape[0] != pos.size:
+        if rows.numel() != math.prod(shape) or shape[0] != pos.size:
             raise ProbeIntegrityError(f"{group}/{point}: rows of shape {tuple(rows.shape)} for {pos.size} positions")
         name = f"{group}/{point}"
         if Stage.takes(rows):
