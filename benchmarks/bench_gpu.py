@@ -31,7 +31,7 @@ SYSTEM_2K = " ".join(f"Rule {i}: answer briefly, politely and in plain words." f
 SYSTEM_8K = " ".join(f"Clause {i}: the assistant keeps every answer short, exact and kind." for i in range(470))
 NEW = 32
 BATCH = 32
-REPEATS = 3
+REPEATS = 3        # the lent machines' host timings wander by 2-3x: ratios of alternated best-of-3 runs
 
 
 def timed(fn) -> float:
@@ -63,15 +63,20 @@ def decode_rate(run, batch: int) -> float:
 def bench_numerics(model, tok, trace_dir: str) -> list[tuple]:
     long_req = conv(SYSTEM_2K, "What is the capital of France?")
     n_long = len(render_prompt_ids(tok, long_req))
-    times = {}
+    times = {"fast": float("inf"), "exact": float("inf")}
+    ref_fast = ref_exact = float("inf")
     for numerics in ("fast", "exact"):
         Engine(model, tok, numerics=numerics).generate([long_req], max_new_tokens=2)
-        times[numerics] = timed(lambda: Engine(model, tok, numerics=numerics).generate([long_req], max_new_tokens=NEW))
     reference_generate(model, tok, long_req, 2)
-    ref_fast = timed(lambda: reference_generate(model, tok, long_req, NEW))
     with exact_numerics(model):
         reference_generate(model, tok, long_req, 2)
-        ref_exact = timed(lambda: reference_generate(model, tok, long_req, NEW))
+    for _ in range(REPEATS):       # alternated, best of each, as for capture
+        for numerics in ("fast", "exact"):
+            run = timed(lambda: Engine(model, tok, numerics=numerics).generate([long_req], max_new_tokens=NEW))
+            times[numerics] = min(times[numerics], run)
+        ref_fast = min(ref_fast, timed(lambda: reference_generate(model, tok, long_req, NEW)))
+        with exact_numerics(model):
+            ref_exact = min(ref_exact, timed(lambda: reference_generate(model, tok, long_req, NEW)))
     return [(f"engine exact vs fast, {n_long}-token prompt + {NEW} tokens, s", times["fast"], times["exact"],
              times["exact"] / times["fast"], "<= 1.3x"),
             ("reference exact vs fast, same request, s", ref_fast, ref_exact, ref_exact / ref_fast, "<= 1.3x")]

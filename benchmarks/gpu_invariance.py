@@ -65,7 +65,8 @@ def main() -> None:
     dev = torch.device("cuda")
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}")
     matmuls = {"F.linear": lambda x, w_t: x @ w_t, "tile-loop-64": _tile_loop,
-               "batched-tiles-64": _batched_tiles, "kvdiff.invariant_matmul": numerics.invariant_matmul}
+               "batched-tiles-64": _batched_tiles,
+               "kvdiff.invariant_linear": lambda x, w_t: numerics.invariant_linear(x, w_t.t())}
     for shape, (hidden, inter) in SHAPES.items():
         for dname, dtype in DTYPES.items():
             x = torch.randn(ROWS, hidden, device=dev, dtype=dtype)

@@ -17,7 +17,7 @@ import torch
 import kvdiff
 from kvdiff.compare import compare
 from kvdiff.engine import Engine
-from kvdiff.engine.numerics import exact_attention, exact_numerics, invariant_matmul
+from kvdiff.engine.numerics import exact_attention, exact_numerics, invariant_linear
 from kvdiff.engine.reference import reference_generate
 from kvdiff.engine.shapes import random_model
 from test_engine_real import SUITE
@@ -60,12 +60,12 @@ def test_exact_operations_give_every_row_the_same_bits_whatever_rows_beside_it(d
     k, v = (torch.randn(T, KVH, D, device="cuda", dtype=dtype) for _ in range(2))
     visible = torch.ones(T, T, dtype=torch.bool, device="cuda").tril()
     x = torch.randn(T, hidden, device="cuda", dtype=dtype)
-    w = torch.randn(hidden, 4 * hidden, device="cuda", dtype=dtype) * hidden ** -0.5
+    w = torch.randn(4 * hidden, hidden, device="cuda", dtype=dtype) * hidden ** -0.5
     norm = LlamaRMSNorm(hidden).to("cuda", dtype)
-    attn, mm, normed = exact_attention(q, k, v, visible, 0.125), invariant_matmul(x, w), gpu_kernels.rms_norm(x, norm.weight, 1e-6)
+    attn, mm, normed = exact_attention(q, k, v, visible, 0.125), invariant_linear(x, w), gpu_kernels.rms_norm(x, norm.weight, 1e-6)
     for a, b in SPLITS:
         assert torch.equal(exact_attention(q[a:b], k[:b], v[:b], visible[a:b, :b], 0.125), attn[a:b])
-        assert torch.equal(invariant_matmul(x[a:b], w), mm[a:b])
+        assert torch.equal(invariant_linear(x[a:b], w), mm[a:b])
         assert torch.equal(gpu_kernels.rms_norm(x[a:b], norm.weight, 1e-6), normed[a:b])
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(normed, norm(x), rtol=tol, atol=tol)

@@ -74,8 +74,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.
     visible (T, L) bool. Returns (T, H, D) in q's dtype."""
     T, H, D = q.shape
     L, KVH, _ = k.shape
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    vis = visible.to(torch.uint8).contiguous()
+    q, k, v, vis = q.contiguous(), k.contiguous(), v.contiguous(), visible.contiguous()   # a bool mask loads as is
     out = torch.empty_like(q)
     # Every block walks all key tiles: a tile past a row's last visible key is fully masked and
     # leaves its state bit-for-bit unchanged, so the number of keys never changes a row's bits.

@@ -39,31 +39,25 @@ EXACT_ATTENTION = "kvdiff_exact"
 
 
 def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    rows = x.shape[0]
-    padded = -(-rows // multiple) * multiple
-    if padded == rows:
+    """`x` with zero rows appended up to a multiple of `multiple` rows (one device call)."""
+    missing = -x.shape[0] % multiple
+    if not missing:
         return x
-    out = x.new_zeros((padded,) + tuple(x.shape[1:]))
-    out[:rows] = x
-    return out
-
-
-def invariant_matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
-    """`x @ weight_t` for 2-D `x` whose row results do not depend on the number of rows."""
-    rows = x.shape[0]
-    tile = CUDA_ROW_TILE if x.is_cuda else CPU_ROW_TILE
-    tiles = _pad_rows(x, tile).view(-1, tile, x.shape[1])
-    if x.is_cuda and x.dtype != torch.float32:
-        out = torch.matmul(tiles, weight_t).view(-1, weight_t.shape[1])
-    else:
-        out = torch.cat([part @ weight_t for part in tiles])
-    return out[:rows]
+    return nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, missing))
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`nn.functional.linear` with batch-invariant rows; the bias is added separately."""
+    """`nn.functional.linear` whose row results do not depend on the number of rows (the bias
+    is added separately)."""
     flat = x.reshape(-1, x.shape[-1])
-    out = invariant_matmul(flat, weight.t())
+    rows = flat.shape[0]
+    if flat.is_cuda and flat.dtype != torch.float32:
+        out = nn.functional.linear(_pad_rows(flat, CUDA_ROW_TILE), weight)   # one matmul of whole 64-row tiles
+    else:
+        tile = CUDA_ROW_TILE if flat.is_cuda else CPU_ROW_TILE
+        weight_t = weight.t()
+        out = torch.cat([part @ weight_t for part in _pad_rows(flat, tile).split(tile)])
+    out = out[:rows]
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -152,10 +146,15 @@ def register_exact_attention() -> None:
     AttentionMaskInterface.register(EXACT_ATTENTION, _exact_mask)
 
 
+def _on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`x` on `device`. This replaces accelerate's device hook too, where a split model placed
+    one; checked here because a no-op `.to` still costs a device call per module and step."""
+    return x if x.device == device else x.to(device)
+
+
 def _linear_forward(module: nn.Linear):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        # This replaces accelerate's device hook too, where a split model placed one here.
-        return invariant_linear(x.to(module.weight.device), module.weight, module.bias)
+        return invariant_linear(_on(x, module.weight.device), module.weight, module.bias)
     return forward
 
 
@@ -165,7 +164,7 @@ def _rms_norm_forward(module: nn.Module):
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return gpu_kernels.rms_norm(x.to(module.weight.device), module.weight, eps)
+        return gpu_kernels.rms_norm(_on(x, module.weight.device), module.weight, eps)
     return forward
 
 
