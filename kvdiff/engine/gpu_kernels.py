@@ -69,12 +69,18 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, T, L, scale,
              mask=rows[:, None] < T)
 
 
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when its last dimension is dense: the kernels take the other strides as they
+    are, so a transposed view (as transformers hands q, k, v over) needs no copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
     """Exact attention of one sequence: q (T, H, D); k, v (L, KVH, D) with key j at position j;
     visible (T, L) bool. Returns (T, H, D) in q's dtype."""
     T, H, D = q.shape
     L, KVH, _ = k.shape
-    q, k, v, vis = q.contiguous(), k.contiguous(), v.contiguous(), visible.contiguous()   # a bool mask loads as is
+    q, k, v, vis = (_unit_last_stride(t) for t in (q, k, v, visible))   # a bool mask loads as is
     out = torch.empty_like(q)
     # Every block walks all key tiles: a tile past a row's last visible key is fully masked and
     # leaves its state bit-for-bit unchanged, so the number of keys never changes a row's bits.
