@@ -49,6 +49,11 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`nn.functional.linear` whose row results do not depend on the number of rows (the bias
     is added separately)."""
+    if x.is_cuda and x.dtype != torch.float32 and x.dim() >= 2 and x.numel() == x.shape[-1]:
+        # One row (a decode step): its 64-row tile is the row repeated, as a stride-0 view; a row's
+        # bits do not depend on the other rows of its tile, and this costs no padding call.
+        out = nn.functional.linear(x.expand(*x.shape[:-2], CUDA_ROW_TILE, x.shape[-1]), weight)[..., :1, :]
+        return out if bias is None else out + bias
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
     if flat.is_cuda and flat.dtype != torch.float32:
@@ -118,6 +123,10 @@ def _exact_attention_forward(module, query, key, value, attention_mask, scaling=
     B, H, T, D = query.shape
     if scaling is None:
         scaling = D ** -0.5
+    if B == 1:      # the reference path's one sequence: no per-row loop or stack
+        mask = attention_mask[0, 0] if attention_mask.dim() == 4 else attention_mask[0]
+        return exact_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                               mask if mask.dtype == torch.bool else mask == 0, scaling).unsqueeze(0), None
     outs = []
     for b in range(B):
         mask = attention_mask[b, 0] if attention_mask.dim() == 4 else attention_mask[b]

@@ -21,10 +21,12 @@ from kvdiff.probes.spec import ProbeSpec, default_spec
 log = logging.getLogger(__name__)
 
 
-def _batch_row(t: torch.Tensor, where: str) -> torch.Tensor:
+def _one_sequence(t: torch.Tensor, where: str) -> torch.Tensor:
+    """`t` (1, T, ...) as it is: sinks take T rows with a leading batch dimension of one, which
+    saves a device call per capture."""
     if t.shape[0] != 1:
         raise ProbeIntegrityError(f"{where}: probes record batch size 1, got a batch of {t.shape[0]}")
-    return t[0]
+    return t
 
 
 class ModelProbes:
@@ -109,7 +111,7 @@ class ModelProbes:
     def _input_hook(self, point: str, layer: int | None) -> Callable:
         def hook(module, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
-            self.sink.capture(point, layer, _batch_row(x, point), self._at(point))
+            self.sink.capture(point, layer, _one_sequence(x, point), self._at(point))
 
         return hook
 
@@ -117,11 +119,11 @@ class ModelProbes:
         def hook(module, args, kwargs, output):
             out = output[0] if isinstance(output, tuple) else output
             positions = self._at(point)
-            rows = _batch_row(out, point)
+            rows = _one_sequence(out, point)
             self.sink.capture(point, layer, rows, positions)
             if with_norm:
                 x = args[0] if args else kwargs["hidden_states"]
-                self.sink.capture_norm(point, layer, _batch_row(x, point), rows, positions)
+                self.sink.capture_norm(point, layer, _one_sequence(x, point), rows, positions)
 
         return hook
 
@@ -136,10 +138,10 @@ class ModelProbes:
             positions = self._at("attention")
             n = query.shape[2]
             if wants_q and self.sink.wants("q", layer):
-                self.sink.capture("q", layer, _batch_row(query, "q").transpose(0, 1), positions)
+                self.sink.capture("q", layer, _one_sequence(query, "q").transpose(1, 2), positions)
             if wants_k and self.sink.wants("k", layer):
                 # With a cache, attention reads every cached key: the current rows are the last n.
-                self.sink.capture("k", layer, _batch_row(key, "k")[:, -n:].transpose(0, 1), positions)
+                self.sink.capture("k", layer, _one_sequence(key, "k")[:, :, -n:].transpose(1, 2), positions)
             eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
             inner = interface.get_interface(previous, eager)
             return inner(module, query, key, value, attention_mask, *args, **kwargs)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -16,6 +18,16 @@ from kvdiff.probes.sink import ProbeIntegrityError, Provenance
 from kvdiff.probes.spec import ProbeSpec, default_spec
 from kvdiff.probes.trace_format import ChunkRecord, point_group
 from kvdiff.probes.trace_writer import TraceWriter
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where the captures of one (point, layer) go: the dataset (or norm statistics group) and row shape."""
+
+    key: tuple[str, int | None]
+    name: str
+    shape: tuple[int, ...]
+    size: int
 
 
 class TraceRecorder:
@@ -32,8 +44,9 @@ class TraceRecorder:
         self.top_k = top_k
         self._positions: list[int] | None = None
         self._reads_only = False
-        self._fired: Counter = Counter()
-        self._row_shapes: dict[str, tuple[tuple[int, ...], int]] = {}
+        self._fired: list[tuple[str, int | None]] = []      # what fired in this forward, in order
+        self._checked: tuple[bool, list] | None = None     # (reads only, fired) of the last forward found complete
+        self._targets: dict[tuple[str, int | None], _Target | None] = {}
         self._kept_for: Sequence[int] | None = None
         self._kept_cache: tuple[np.ndarray, np.ndarray | None] = (np.zeros(0, np.int64), None)
 
@@ -70,7 +83,7 @@ class TraceRecorder:
         self._positions = [int(p) for p in positions]
         self._reads_only = reads_only
         self._kept_for = None
-        self._fired.clear()
+        self._fired = []
 
     def _kept(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
         """Positions to keep and, when some are dropped, the boolean mask selecting their rows.
@@ -88,10 +101,18 @@ class TraceRecorder:
         mask = np.fromiter((int(p) in self.selection.positions for p in pos), dtype=bool, count=pos.size)
         return pos[mask], mask
 
-    def _row_shape(self, point: str) -> tuple[tuple[int, ...], int]:
-        shape = self.dims.point_shape(point)
-        self._row_shapes[point] = (shape, int(np.prod(shape)))
-        return self._row_shapes[point]
+    def _target(self, point: str, layer: int | None) -> "_Target | None":
+        """Where captures of (point, layer) go, or None when they are not selected (looked up once)."""
+        key = (point, layer)
+        if key not in self._targets:
+            if not self.selection.wants(point.removeprefix("stats:"), layer):
+                self._targets[key] = None
+            elif point.startswith("stats:"):
+                self._targets[key] = _Target(key, f"{point_group(layer)}/norm_stats/{point[6:]}", (), 0)
+            else:
+                shape = self.dims.point_shape(point)
+                self._targets[key] = _Target(key, f"{point_group(layer)}/{point}", shape, math.prod(shape))
+        return self._targets[key]
 
     def _in_forward(self, kind: str, name: str, layer: int | None) -> None:
         if self._positions is None:
@@ -99,25 +120,30 @@ class TraceRecorder:
                                       "call begin_forward first")
 
     def capture(self, point: str, layer: int | None, rows: torch.Tensor, positions: Sequence[int]) -> None:
-        if not self.wants(point, layer):
+        key = (point, layer)
+        target = self._targets[key] if key in self._targets else self._target(point, layer)
+        if target is None:
             return
-        self._in_forward("probe", point, layer)
-        self._fired[(point, layer)] += 1
-        shape, size = self._row_shapes.get(point) or self._row_shape(point)
-        if rows.numel() != len(positions) * size:
+        if self._positions is None:
+            self._in_forward("probe", point, layer)
+        self._fired.append(target.key)
+        if rows.numel() != len(positions) * target.size:
             raise ProbeIntegrityError(f"probe {point!r} of layer {layer}: rows of shape {tuple(rows.shape)} "
-                                      f"do not hold {len(positions)} positions of shape {shape}")
+                                      f"do not hold {len(positions)} positions of shape {target.shape}")
         pos, mask = self._kept(positions)
         if mask is not None:
-            rows = rows.reshape(len(positions), *shape)[torch.from_numpy(mask).to(rows.device)]
-        self.writer.write_rows(point_group(layer), point, pos, rows, shape)
+            rows = rows.reshape(len(positions), *target.shape)[torch.from_numpy(mask).to(rows.device)]
+        self.writer.write_rows_at(target.name, pos, rows, (pos.size, *target.shape))
 
     def capture_norm(self, norm: str, layer: int | None, norm_input: torch.Tensor, norm_output: torch.Tensor,
                      positions: Sequence[int]) -> None:
-        if not self.wants(norm, layer):
+        key = ("stats:" + norm, layer)
+        target = self._targets[key] if key in self._targets else self._target(*key)
+        if target is None:
             return
-        self._in_forward("norm", norm, layer)
-        self._fired[("stats:" + norm, layer)] += 1
+        if self._positions is None:
+            self._in_forward("norm", norm, layer)
+        self._fired.append(target.key)
         x_rows = norm_input.numel() // max(norm_input.shape[-1], 1)
         y_rows = norm_output.numel() // max(norm_output.shape[-1], 1)
         if x_rows != len(positions) or y_rows != len(positions):
@@ -129,7 +155,7 @@ class TraceRecorder:
             keep = torch.from_numpy(mask)
             x = x.reshape(x_rows, -1)[keep.to(x.device)]
             y = y.reshape(y_rows, -1)[keep.to(y.device)]
-        self.writer.write_norm(point_group(layer), norm, pos, x, y)
+        self.writer.write_norm_at(target.name, pos, x, y)
 
     def provenance(self, positions: Sequence[int], source: Provenance) -> None:
         pos, mask = self._kept(positions)
@@ -149,13 +175,21 @@ class TraceRecorder:
     def end_forward(self) -> None:
         if self._positions is None:
             raise ProbeIntegrityError("end_forward called outside a forward: call begin_forward first")
+        if (self._reads_only, self._fired) != self._checked:      # decode steps repeat one layout: checked once
+            self._check_fired()
+        self._positions = None
+        self.writer.commit()
+
+    def _check_fired(self) -> None:
+        """Every declared (point, layer) and selected norm's statistics fired exactly once."""
         where = format_ranges(self._positions)
+        fired = Counter(self._fired)
         for point, layer in self.selection.declared():
             if self._reads_only and point not in READ_POINTS:
                 continue
             keys = [(point, layer)] + ([("stats:" + point, layer)] if point in LAYER_NORMS + FINAL_NORMS else [])
             for key in keys:
-                count = self._fired[key]
+                count = fired[key]
                 what = "norm statistics of" if key[0].startswith("stats:") else "probe"
                 if count == 0:
                     raise ProbeIntegrityError(
@@ -164,8 +198,7 @@ class TraceRecorder:
                 if count > 1:
                     raise ProbeIntegrityError(f"{what} {point!r} fired {count} times at layer {layer} in one forward "
                                               f"over positions {where}: a module is called more than once")
-        self._positions = None
-        self.writer.commit()
+        self._checked = (self._reads_only, self._fired)
 
     # -- finishing ---------------------------------------------------------------------------
 

@@ -41,7 +41,8 @@ class ProbeSink(Protocol):
         """
 
     def capture(self, point: str, layer: int | None, rows: torch.Tensor, positions: Sequence[int]) -> None:
-        """Rows (T, ...) of probe `point` at `layer` (None for final points) at global `positions`."""
+        """Rows (T, ...) of probe `point` at `layer` (None for final points) at global `positions`
+        (module hooks hand them with a leading batch dimension of one: (1, T, ...))."""
 
     def capture_norm(self, norm: str, layer: int | None, norm_input: torch.Tensor, norm_output: torch.Tensor,
                      positions: Sequence[int]) -> None:

@@ -113,13 +113,16 @@ class Stage:
         original is watched so that `changed` tells whether it would have been safe to keep."""
         if rows.requires_grad:
             rows = rows.detach()
-        inference = rows.is_inference()
-        if by_reference and not inference:
+        try:
+            version = rows._version
+        except RuntimeError:        # an inference tensor: no version counter (cheaper than asking first)
+            version = None
+        if by_reference and version is not None:
             self.captured.append(rows)
-            self.versions.append(rows._version)
+            self.versions.append(version)
         else:
-            if not inference:
-                self.watched.append((len(self.captured), rows, rows._version))
+            if version is not None:
+                self.watched.append((len(self.captured), rows, version))
             self.captured.append(rows.clone(memory_format=torch.contiguous_format))
             self.versions.append(None)
         self.shapes.append(shape)

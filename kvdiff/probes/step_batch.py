@@ -12,6 +12,7 @@ Only the writer thread uses a StepBatch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,7 @@ from kvdiff.probes.norm_stats import norm_statistics
 from kvdiff.probes.points import NORM_STATS
 from kvdiff.probes.staging import SealedStage
 from kvdiff.probes.trace_file import TraceFile
-from kvdiff.probes.trace_format import from_storage
+from kvdiff.probes.trace_format import from_storage, to_storage
 
 DEFAULT_MAX_STEPS = 32
 
@@ -38,6 +39,8 @@ class StagedForward:
 def _one_position(fwd: StagedForward) -> int | None:
     """The position every capture of `fwd` holds, when they all hold the same single one."""
     entries = [pos for _, pos, _ in fwd.rows] + [pos for _, pos, _, _ in fwd.norms]
+    if entries and all(pos is entries[0] for pos in entries):     # the recorder's: one array for all
+        return int(entries[0][0]) if entries[0].size == 1 else None
     if not entries or any(pos.size != 1 for pos in entries):
         return None
     first = int(entries[0][0])
@@ -73,32 +76,46 @@ def _tensor(stored: tuple[np.ndarray, str]) -> torch.Tensor:
     return rows.reshape(-1, rows.shape[-1])
 
 
+def _stacked(steps: list[SealedStage]) -> list[tuple[np.ndarray, str]]:
+    """Each capture's rows over `steps` (sealed stages of one layout, one row each), stacked: one
+    array copy per flattened part for all the steps, then a view per capture."""
+    out: list[tuple[np.ndarray, str] | None] = [None] * steps[0].count
+    for j, part in enumerate(steps[0].parts):
+        flats = [to_storage(step.parts[j].host.ready()) for step in steps]
+        block, dtype = np.stack([flat for flat, _ in flats]), flats[0][1]
+        start = 0
+        for i, shape in zip(part.members, part.shapes):
+            n = math.prod(shape)
+            out[i] = block[:, start:start + n].reshape(len(steps) * shape[0], *shape[1:]), dtype
+            start += n
+    return out
+
+
 class StepBatch:
     """Writes staged forwards to `file`, keeping up to `max_steps` one-position forwards to write together."""
 
     def __init__(self, file: TraceFile, max_steps: int = DEFAULT_MAX_STEPS):
         self.file = file
         self.max_steps = max_steps
-        self._kept: list[list[tuple[np.ndarray, str]]] = []
+        self._kept: list[SealedStage] = []
         self._layout: StagedForward | None = None
         self._signature: tuple | None = None
         self._first = 0
 
     def add(self, fwd: StagedForward) -> None:
-        """Write `fwd` now, or keep it to write with the next steps."""
-        stored = fwd.sealed.stored()
+        """Write `fwd` now, or keep it to write with the next steps (its rows are read then)."""
         position = _one_position(fwd)
         if position is None:
             self.flush()
-            _write(self.file, fwd, stored)
+            _write(self.file, fwd, fwd.sealed.stored())
             return
-        signature = (tuple((name, i) for name, _, i in fwd.rows), tuple((name, x, y) for name, _, x, y in fwd.norms),
-                     tuple((array.shape, dtype) for array, dtype in stored))
+        signature = ([(name, i) for name, _, i in fwd.rows], [(name, x, y) for name, _, x, y in fwd.norms],
+                     [(part.members, part.shapes) for part in fwd.sealed.parts])
         if self._kept and (signature != self._signature or position != self._first + len(self._kept)):
             self.flush()
         if not self._kept:
             self._layout, self._signature, self._first = fwd, signature, position
-        self._kept.append(stored)
+        self._kept.append(fwd.sealed)
         if len(self._kept) >= self.max_steps:
             self.flush()
 
@@ -109,8 +126,7 @@ class StepBatch:
         kept, layout = self._kept, self._layout
         self._kept, self._layout, self._signature = [], None, None
         positions = np.arange(self._first, self._first + len(kept), dtype=np.int64)
-        stacked = [(np.concatenate([step[i][0] for step in kept]), kept[0][i][1]) for i in range(len(kept[0]))]
-        _write(self.file, layout, stacked, positions)
+        _write(self.file, layout, _stacked(kept), positions)
 
     def discard(self) -> None:
         """Drop the kept steps."""

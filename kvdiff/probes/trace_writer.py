@@ -115,10 +115,14 @@ class TraceWriter:
         shape = (pos.size, *row_shape) if row_shape is not None else tuple(rows.shape)
         if rows.numel() != math.prod(shape) or shape[0] != pos.size:
             raise ProbeIntegrityError(f"{group}/{point}: rows of shape {tuple(rows.shape)} for {pos.size} positions")
-        name = f"{group}/{point}"
+        self.write_rows_at(f"{group}/{point}", pos, rows, shape)
+
+    def write_rows_at(self, name: str, positions: np.ndarray, rows: torch.Tensor, shape: tuple[int, ...]) -> None:
+        """`write_rows` for a caller that has checked that `rows` hold `shape` (len(positions), ...):
+        rows of dataset `name` at int64 `positions`. The recorder's path, once per capture."""
         if Stage.takes(rows):
-            stage, (index,) = self._stage_copies((name, rows, shape))
-            stage.rows.append((name, pos, index))
+            stage = self._stage_for_captures()
+            stage.rows.append((name, positions, stage.add(rows, shape, self._by_reference(name))))
             return
         self._commit_stage()   # rows staged earlier are written first: a later row replaces an earlier one
         host, file, steps = host_copy(rows.reshape(shape)), self._file, self._batch
@@ -126,7 +130,7 @@ class TraceWriter:
         def job() -> None:
             steps.flush()
             data, torch_dtype = to_storage(host.ready())
-            file.put(name, pos, data, torch_dtype)
+            file.put(name, positions, data, torch_dtype)
 
         self._submit(job, host.tensor.nbytes)
 
@@ -136,35 +140,45 @@ class TraceWriter:
         from its input and output rows (any leading shape): computed on the writer thread when the
         rows are few, on the rows' device when they are many."""
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        self.write_norm_at(f"{group}/norm_stats/{norm}", pos, norm_input, norm_output)
+
+    def write_norm_at(self, name: str, positions: np.ndarray, norm_input: torch.Tensor,
+                      norm_output: torch.Tensor) -> None:
+        """`write_norm` into statistics group `name` at int64 `positions` (the recorder's path)."""
         x_shape = (norm_input.numel() // max(norm_input.shape[-1], 1), norm_input.shape[-1])
         y_shape = (norm_output.numel() // max(norm_output.shape[-1], 1), norm_output.shape[-1])
-        name = f"{group}/norm_stats/{norm}"
-        if x_shape[0] != pos.size or y_shape[0] != pos.size:
-            raise ProbeIntegrityError(f"{name}: {x_shape[0]} input and {y_shape[0]} output rows for {pos.size} positions")
+        if x_shape[0] != positions.size or y_shape[0] != positions.size:
+            raise ProbeIntegrityError(f"{name}: {x_shape[0]} input and {y_shape[0]} output rows "
+                                      f"for {positions.size} positions")
         if Stage.takes(norm_input) and Stage.takes(norm_output):
-            stage, (x_index, y_index) = self._stage_copies((name + ":input", norm_input, x_shape),
-                                                           (name + ":output", norm_output, y_shape))
-            stage.norms.append((name, pos, x_index, y_index))
+            stage = self._stage_for_captures()
+            x_index = stage.add(norm_input, x_shape, self._by_reference(name + ":input"))
+            y_index = stage.add(norm_output, y_shape, self._by_reference(name + ":output"))
+            stage.norms.append((name, positions, x_index, y_index))
         else:
             self._commit_stage()
             stats = host_copy(norm_statistics(norm_input.reshape(x_shape), norm_output.reshape(y_shape)))
             file, steps = self._file, self._batch
-            self._submit(lambda: (steps.flush(), put_norm_stats(file, name, pos, stats.ready())), stats.tensor.nbytes)
+            self._submit(lambda: (steps.flush(), put_norm_stats(file, name, positions, stats.ready())),
+                         stats.tensor.nbytes)
 
-    def _stage_copies(self, *captures: tuple[str, torch.Tensor, tuple[int, ...]]) -> tuple[Stage, list[int]]:
-        """Stage (name, rows, stored shape) `captures` together (committing a full stage first):
-        the stage, and their indices in it. After the first forward, a capture is kept by
-        reference unless its kind was seen changed in place before the forward ended."""
+    def _stage_for_captures(self) -> Stage:
+        """The stage to add captures to (committing a full one first)."""
         if not self._open:
             raise TraceError(f"trace {self.path} is already closed or aborted")
-        self._raise_if_failed()
-        if self._stage is not None and self._stage.full:
-            self._commit_stage()
+        if self._worker.error is not None:
+            self._raise_if_failed()
         if self._stage is None:
             self._stage = Stage()
-        learning, in_place = self._learning, self._in_place
-        return self._stage, [self._stage.add(rows, shape, not learning and name not in in_place)
-                             for name, rows, shape in captures]
+        elif self._stage.full:
+            self._commit_stage()
+            self._stage = Stage()
+        return self._stage
+
+    def _by_reference(self, name: str) -> bool:
+        """Whether a staged capture of `name` is kept by reference until the end of the forward:
+        not in the first forward, nor for captures the model was seen to change in place."""
+        return not self._learning and name not in self._in_place
 
     def commit(self) -> None:
         """The end of a forward: hand the captures staged so far to the writer thread as one job.
