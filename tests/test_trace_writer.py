@@ -69,10 +69,13 @@ def test_rows_written_through_a_tiny_backlog_round_trip_bit_for_bit(tmp_path, dt
 
 def test_rows_arriving_one_position_at_a_time_are_written_once_per_hdf5_chunk(tmp_path, monkeypatch):
     import h5py
-    writes = []
-    original = h5py.Dataset.__setitem__
+    from kvdiff.probes.trace_file import _Column
+    writes = []                     # runs of rows go through _Column.write_run, scattered rows through h5py's slicing
+    original, original_run = h5py.Dataset.__setitem__, _Column.write_run
     monkeypatch.setattr(h5py.Dataset, "__setitem__",
                         lambda ds, sel, val: (writes.append(ds.name), original(ds, sel, val)))
+    monkeypatch.setattr(_Column, "write_run",
+                        lambda col, start, data: (writes.append(col.ds.name), original_run(col, start, data)))
     g = torch.Generator().manual_seed(2)
     rows = torch.randn(300, 2, 8, generator=g)                # 64-byte rows: 128 rows a chunk
     path = tmp_path / "t.h5"
@@ -88,6 +91,22 @@ def test_rows_arriving_one_position_at_a_time_are_written_once_per_hdf5_chunk(tm
         assert np.array_equal(tr.layer(1)["k"], rows.numpy())
     row_writes = [n for n in writes if n == "/layers/1/k"]
     assert len(row_writes) == 5      # chunks ending at 128 and 256, rows 256-299, the scattered write, row 299
+
+
+@pytest.mark.parametrize("compression, opts", [(None, None), ("gzip", 4), ("lzf", None)])
+def test_row_datasets_are_made_as_h5py_makes_them(tmp_path, compression, opts):
+    import h5py
+    rows = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(4))
+    meta = replace(make_meta(), layers=(1,), points=("k",))
+    paths = [tmp_path / "a.h5", tmp_path / "b.h5"]
+    for path in paths:
+        with TraceWriter(path, meta, compression=compression) as w:
+            w.write_rows("layers/1", "k", range(3), rows)
+    with h5py.File(paths[0], "r") as f:
+        ds = f["layers/1/k"]
+        assert (ds.compression, ds.compression_opts, ds.maxshape, ds.chunks) == (compression, opts, (None, 2, 8), (128, 2, 8))
+        assert ds.attrs["kvdiff_dtype"] == "float32" and np.array_equal(ds[:], rows.numpy())
+    assert paths[0].read_bytes() == paths[1].read_bytes()       # no time stamps in the objects
 
 
 class _LateCopy:

@@ -167,8 +167,9 @@ class TraceRecorder:
                                      encoded if mask is None else encoded[mask], source.reused)
 
     def capture_step(self, step: int, position: int, logits_row: torch.Tensor, token_id: int) -> None:
-        row = logits_row.detach().reshape(-1).to("cpu", torch.float64)
-        values, ids = row.topk(min(self.top_k, row.numel()))
+        row = logits_row.detach().reshape(-1)
+        values, ids = row.topk(min(self.top_k, row.numel()))    # where the row lives: a few numbers come over
+        values, ids = values.to("cpu", torch.float64), ids.cpu()
         margin = float(values[0] - values[1]) if values.numel() > 1 else float("inf")
         self.writer.append_step(step, position, token_id, ids.numpy(), values.numpy(), margin)
 
