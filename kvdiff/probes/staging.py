@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -61,6 +62,14 @@ class FlatCopy:
     shapes: list[tuple[int, ...]]
     host: HostRows
 
+    def spans(self) -> Iterator[tuple[int, tuple[int, ...], slice]]:
+        """(capture index, stored shape, its elements of the flattened copy) for each member."""
+        start = 0
+        for i, shape in zip(self.members, self.shapes):
+            n = math.prod(shape)
+            yield i, shape, slice(start, start + n)
+            start += n
+
 
 @dataclass
 class SealedStage:
@@ -75,11 +84,8 @@ class SealedStage:
         out: list[tuple[np.ndarray, str] | None] = [None] * self.count
         for part in self.parts:
             flat, dtype = to_storage(part.host.ready())
-            start = 0
-            for i, shape in zip(part.members, part.shapes):
-                n = math.prod(shape)
-                out[i] = flat[start:start + n].reshape(shape), dtype
-                start += n
+            for i, shape, span in part.spans():
+                out[i] = flat[span].reshape(shape), dtype
         return out
 
 

@@ -12,7 +12,6 @@ Only the writer thread uses a StepBatch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,11 +82,8 @@ def _stacked(steps: list[SealedStage]) -> list[tuple[np.ndarray, str]]:
     for j, part in enumerate(steps[0].parts):
         flats = [to_storage(step.parts[j].host.ready()) for step in steps]
         block, dtype = np.stack([flat for flat, _ in flats]), flats[0][1]
-        start = 0
-        for i, shape in zip(part.members, part.shapes):
-            n = math.prod(shape)
-            out[i] = block[:, start:start + n].reshape(len(steps) * shape[0], *shape[1:]), dtype
-            start += n
+        for i, shape, span in part.spans():
+            out[i] = block[:, span].reshape(len(steps) * shape[0], *shape[1:]), dtype
     return out
 
 
