@@ -101,31 +101,32 @@ class TraceRecorder:
         mask = np.fromiter((int(p) in self.selection.positions for p in pos), dtype=bool, count=pos.size)
         return pos[mask], mask
 
-    def _target(self, point: str, layer: int | None) -> "_Target | None":
-        """Where captures of (point, layer) go, or None when they are not selected (looked up once)."""
+    def _resolve(self, point: str, layer: int | None) -> "_Target | None":
+        """Where captures of (point, layer) go, or None when they are not selected; kept in
+        `_targets`, which the capture methods read first."""
         key = (point, layer)
-        if key not in self._targets:
-            if not self.selection.wants(point.removeprefix("stats:"), layer):
-                self._targets[key] = None
-            elif point.startswith("stats:"):
-                self._targets[key] = _Target(key, f"{point_group(layer)}/norm_stats/{point[6:]}", (), 0)
-            else:
-                shape = self.dims.point_shape(point)
-                self._targets[key] = _Target(key, f"{point_group(layer)}/{point}", shape, math.prod(shape))
-        return self._targets[key]
+        if not self.selection.wants(point.removeprefix("stats:"), layer):
+            target = None
+        elif point.startswith("stats:"):
+            target = _Target(key, f"{point_group(layer)}/norm_stats/{point[6:]}", (), 0)
+        else:
+            shape = self.dims.point_shape(point)
+            target = _Target(key, f"{point_group(layer)}/{point}", shape, math.prod(shape))
+        self._targets[key] = target
+        return target
 
-    def _in_forward(self, kind: str, name: str, layer: int | None) -> None:
-        if self._positions is None:
-            raise ProbeIntegrityError(f"{kind} {name!r} of layer {layer} captured outside a forward: "
-                                      "call begin_forward first")
+    @staticmethod
+    def _outside_forward(kind: str, name: str, layer: int | None) -> ProbeIntegrityError:
+        return ProbeIntegrityError(f"{kind} {name!r} of layer {layer} captured outside a forward: "
+                                   "call begin_forward first")
 
     def capture(self, point: str, layer: int | None, rows: torch.Tensor, positions: Sequence[int]) -> None:
         key = (point, layer)
-        target = self._targets[key] if key in self._targets else self._target(point, layer)
+        target = self._targets[key] if key in self._targets else self._resolve(point, layer)
         if target is None:
             return
         if self._positions is None:
-            self._in_forward("probe", point, layer)
+            raise self._outside_forward("probe", point, layer)
         self._fired.append(target.key)
         if rows.numel() != len(positions) * target.size:
             raise ProbeIntegrityError(f"probe {point!r} of layer {layer}: rows of shape {tuple(rows.shape)} "
@@ -138,11 +139,11 @@ class TraceRecorder:
     def capture_norm(self, norm: str, layer: int | None, norm_input: torch.Tensor, norm_output: torch.Tensor,
                      positions: Sequence[int]) -> None:
         key = ("stats:" + norm, layer)
-        target = self._targets[key] if key in self._targets else self._target(*key)
+        target = self._targets[key] if key in self._targets else self._resolve(*key)
         if target is None:
             return
         if self._positions is None:
-            self._in_forward("norm", norm, layer)
+            raise self._outside_forward("norm", norm, layer)
         self._fired.append(target.key)
         x_rows = norm_input.numel() // max(norm_input.shape[-1], 1)
         y_rows = norm_output.numel() // max(norm_output.shape[-1], 1)

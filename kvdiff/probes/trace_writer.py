@@ -166,8 +166,7 @@ class TraceWriter:
         """The stage to add captures to (committing a full one first)."""
         if not self._open:
             raise TraceError(f"trace {self.path} is already closed or aborted")
-        if self._worker.error is not None:
-            self._raise_if_failed()
+        self._raise_if_failed()
         if self._stage is None:
             self._stage = Stage()
         elif self._stage.full:
