@@ -168,6 +168,106 @@ def test_a_buffer_overwritten_after_capture_does_not_change_the_trace(tiny_llama
         assert np.array_equal(tr.layer(0)["resid_pre"], original.numpy())
 
 
+
+def _resid_recorder(tiny_llama, path, capture="resid_pre,resid_post"):
+    """A recorder of `capture` at layer 0 of tiny-llama (all positions), driven by hand."""
+    model, tokenizer = tiny_llama
+    dims = ModelDims.of(model)
+    meta = TraceRecorder.for_model(model, tokenizer, MESSAGES, path.with_name("meta.h5"), capture=capture,
+                                   layers="0").writer.meta
+    return TraceRecorder(TraceWriter(path, meta), dims, Selection.parse(dims.num_layers, capture, "0"))
+
+
+def _step(recorder, position, captures):
+    """One forward over `position`: captures are (point, layer, rows), the caller's positions one object."""
+    positions = [position]
+    recorder.begin_forward(positions)
+    for point, layer, rows in captures:
+        recorder.capture(point, layer, rows, positions)
+    recorder.end_forward()
+
+
+def test_decode_steps_repeating_a_layout_go_to_the_writer_together_bit_for_bit(tiny_llama, tmp_path, monkeypatch):
+    model, tokenizer = tiny_llama
+    repeats = []
+    commit_repeat = TraceWriter.commit_repeat
+    monkeypatch.setattr(TraceWriter, "commit_repeat", lambda self, *a: (repeats.append(a[3]), commit_repeat(self, *a)))
+    recorder = KeepingRecorder.for_model(model, tokenizer, MESSAGES, tmp_path / "t.h5")
+    recorder.kept = {}
+    with attach_probes(model, recorder) as probes:
+        out = reference_generate(model, tokenizer, MESSAGES, max_new_tokens=6, sink=probes)
+    recorder.finish(out.token_ids, out.text)
+    n_prompt = len(out.input_ids)
+    # The prompt's forward and the first decode step go capture by capture; the next four repeat the latter.
+    assert [int(p[0]) for p in repeats] == list(range(n_prompt + 1, n_prompt + 5))
+    with open_trace(tmp_path / "t.h5") as tr:
+        for (point, layer), parts in recorder.kept.items():
+            got = (tr.final() if layer is None else tr.layer(layer))[point]
+            assert np.array_equal(got, torch.cat(parts).numpy()), point
+        np.testing.assert_allclose(tr.norm_stats(1)["mlp_norm"]["input_rms"],
+                                   np.sqrt((tr.layer(1)["resid_mid"].astype(np.float64) ** 2).mean(-1)), rtol=1e-12)
+
+
+def test_a_decode_step_breaking_the_layout_is_checked_capture_by_capture(tiny_llama, tmp_path):
+    hidden = tiny_llama[0].config.hidden_size
+    rows = [torch.full((1, hidden), float(p)) for p in range(8)]
+    recorder = _resid_recorder(tiny_llama, tmp_path / "t.h5")
+    with torch.no_grad():
+        recorder.begin_forward(range(4))
+        for point in ("resid_pre", "resid_post"):
+            recorder.capture(point, 0, torch.cat(rows[:4]), range(4))
+        recorder.end_forward()
+        _step(recorder, 4, [("resid_pre", 0, rows[4]), ("resid_post", 0, -rows[4])])
+        _step(recorder, 5, [("resid_post", 0, -rows[5]), ("resid_pre", 0, rows[5])])      # another order
+        _step(recorder, 6, [("resid_pre", 0, rows[6]), ("resid_pre", 1, rows[0]), ("resid_post", 0, -rows[6])])
+        with pytest.raises(ProbeIntegrityError, match="probe 'resid_post' did not fire at layer 0 in the forward "
+                                                      "over positions 7"):
+            _step(recorder, 7, [("resid_pre", 0, rows[7])])
+    assert not (tmp_path / "t.h5").exists()
+    recorder = _resid_recorder(tiny_llama, tmp_path / "u.h5")
+    with torch.no_grad():
+        for p in range(7):
+            _step(recorder, p, [("resid_pre", 0, rows[p]), ("resid_post", 0, -rows[p])] if p != 5 else
+                  [("resid_post", 0, -rows[p]), ("resid_pre", 0, rows[p])])
+    recorder.finish([1], "x")
+    with open_trace(tmp_path / "u.h5") as tr:
+        assert np.array_equal(tr.layer(0)["resid_pre"][:, 0], np.arange(7.0))
+        assert np.array_equal(tr.layer(0)["resid_post"][:, 0], -np.arange(7.0))
+
+
+@pytest.mark.parametrize("layout", ["repeated", "broken"])
+def test_rows_changed_in_place_during_a_logged_decode_step_drop_the_trace(tiny_llama, tmp_path, layout):
+    hidden = tiny_llama[0].config.hidden_size
+    recorder = _resid_recorder(tiny_llama, tmp_path / "t.h5")
+    with torch.no_grad():
+        for p in range(2):
+            _step(recorder, p, [("resid_pre", 0, torch.zeros(1, hidden)), ("resid_post", 0, torch.zeros(1, hidden))])
+        rows, positions = torch.ones(1, hidden), [2]
+        recorder.begin_forward(positions)
+        recorder.capture("resid_pre", 0, rows, positions)
+        if layout == "repeated":
+            recorder.capture("resid_post", 0, torch.ones(1, hidden), positions)
+        rows.add_(1)                         # before the forward ends: the logged reference is stale
+        with pytest.raises(ProbeIntegrityError, match="changed the captured rows .*resid_pre.* in place"):
+            recorder.end_forward()
+    assert not (tmp_path / "t.h5").exists() and not recorder.writer.tmp_path.exists()
+
+
+def test_inference_tensors_in_a_logged_decode_step_are_copied(tiny_llama, tmp_path):
+    hidden = tiny_llama[0].config.hidden_size
+    recorder = _resid_recorder(tiny_llama, tmp_path / "t.h5", capture="resid_pre")
+    with torch.inference_mode():
+        made = [torch.full((1, hidden), float(p)) for p in range(4)]     # no version counter
+    with torch.no_grad():
+        for p in range(4):
+            _step(recorder, p, [("resid_pre", 0, made[p])])
+    with torch.inference_mode():
+        for rows in made:
+            rows.add_(100)               # after their forwards, before the writer reads the kept steps
+    recorder.finish([1], "x")
+    with open_trace(tmp_path / "t.h5") as tr:
+        assert np.array_equal(tr.layer(0)["resid_pre"][:, 0], np.arange(4.0))
+
 def test_probes_delegate_to_an_attention_wrapper_installed_before_them(tiny_llama, tmp_path):
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -21,14 +21,6 @@ from kvdiff.probes.spec import ProbeSpec, default_spec
 log = logging.getLogger(__name__)
 
 
-def _one_sequence(t: torch.Tensor, where: str) -> torch.Tensor:
-    """`t` (1, T, ...) as it is: sinks take T rows with a leading batch dimension of one, which
-    saves a device call per capture."""
-    if t.shape[0] != 1:
-        raise ProbeIntegrityError(f"{where}: probes record batch size 1, got a batch of {t.shape[0]}")
-    return t
-
-
 class ModelProbes:
     """Context manager hooking `sink` into `model`; it is also the sink the generation loop calls.
 
@@ -103,27 +95,31 @@ class ModelProbes:
 
     # -- hooks -------------------------------------------------------------------------------
 
-    def _at(self, what: str) -> list[int]:
-        if self._positions is None:
+    def _at(self, rows: torch.Tensor, what: str) -> list[int]:
+        """The forward's positions, for `rows` (1, T, ...) of `what`: sinks take T rows with a
+        leading batch dimension of one, which saves a device call per capture."""
+        positions = self._positions
+        if positions is None:
             raise ProbeIntegrityError(f"{what} fired outside a forward: call begin_forward before the model")
-        return self._positions
+        if rows.shape[0] != 1:
+            raise ProbeIntegrityError(f"{what}: probes record batch size 1, got a batch of {rows.shape[0]}")
+        return positions
 
     def _input_hook(self, point: str, layer: int | None) -> Callable:
         def hook(module, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
-            self.sink.capture(point, layer, _one_sequence(x, point), self._at(point))
+            self.sink.capture(point, layer, x, self._at(x, point))
 
         return hook
 
     def _output_hook(self, point: str, layer: int | None, with_norm: bool) -> Callable:
         def hook(module, args, kwargs, output):
             out = output[0] if isinstance(output, tuple) else output
-            positions = self._at(point)
-            rows = _one_sequence(out, point)
-            self.sink.capture(point, layer, rows, positions)
+            positions = self._at(out, point)
+            self.sink.capture(point, layer, out, positions)
             if with_norm:
                 x = args[0] if args else kwargs["hidden_states"]
-                self.sink.capture_norm(point, layer, _one_sequence(x, point), rows, positions)
+                self.sink.capture_norm(point, layer, x, out, self._at(x, point))
 
         return hook
 
@@ -131,17 +127,19 @@ class ModelProbes:
         from transformers import AttentionInterface
 
         interface = AttentionInterface()
-        wants_q, wants_k = "q" in self.spec.attention_points, "k" in self.spec.attention_points
+        layers = range(self.model.config.num_hidden_layers)
+        q_layers, k_layers = ({i for i in layers if point in self.spec.attention_points and self.sink.wants(point, i)}
+                              for point in ("q", "k"))
 
         def attention(module, query, key, value, attention_mask, *args, **kwargs):
             layer = module.layer_idx
-            positions = self._at("attention")
+            positions = self._at(query, "attention")
             n = query.shape[2]
-            if wants_q and self.sink.wants("q", layer):
-                self.sink.capture("q", layer, _one_sequence(query, "q").transpose(1, 2), positions)
-            if wants_k and self.sink.wants("k", layer):
+            if layer in q_layers:
+                self.sink.capture("q", layer, query.transpose(1, 2), positions)
+            if layer in k_layers:
                 # With a cache, attention reads every cached key: the current rows are the last n.
-                self.sink.capture("k", layer, _one_sequence(key, "k")[:, :, -n:].transpose(1, 2), positions)
+                self.sink.capture("k", layer, key[:, :, -n:].transpose(1, 2), self._at(key, "k"))
             eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
             inner = interface.get_interface(previous, eager)
             return inner(module, query, key, value, attention_mask, *args, **kwargs)

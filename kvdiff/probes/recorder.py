@@ -16,6 +16,7 @@ from kvdiff.probes.points import FINAL_NORMS, LAYER_NORMS, READ_POINTS
 from kvdiff.probes.selection import Selection, format_ranges
 from kvdiff.probes.sink import ProbeIntegrityError, Provenance
 from kvdiff.probes.spec import ProbeSpec, default_spec
+from kvdiff.probes.staging import StageLayout, version_of
 from kvdiff.probes.trace_format import ChunkRecord, point_group
 from kvdiff.probes.trace_writer import TraceWriter
 
@@ -30,11 +31,26 @@ class _Target:
     size: int
 
 
+@dataclass(frozen=True)
+class _Repeat:
+    """A complete one-position forward whose layout the next decode steps are expected to repeat:
+    what fired, in order, and how the writer staged it."""
+
+    reads_only: bool
+    fired: list[tuple[str, int | None]]
+    staged: StageLayout
+
+
 class TraceRecorder:
     """Implements ProbeSink: selected captures go to `writer` as they arrive.
 
     Integrity: between `begin_forward` and `end_forward` every declared (point, layer), and the
     statistics of every selected norm, must be captured exactly once.
+
+    Decode steps: once a one-position forward was complete, a later one-position forward only
+    logs its captures (their keys, tensors and version counters), and `end_forward` hands them
+    to the writer together when they repeat that forward's layout, or one by one when they do not.
+    A decode step hands over hundreds of captures; this keeps the work per capture to a few appends.
     """
 
     def __init__(self, writer: TraceWriter, dims: ModelDims, selection: Selection, top_k: int = 5):
@@ -49,6 +65,11 @@ class TraceRecorder:
         self._targets: dict[tuple[str, int | None], _Target | None] = {}
         self._kept_for: Sequence[int] | None = None
         self._kept_cache: tuple[np.ndarray, np.ndarray | None] = (np.zeros(0, np.int64), None)
+        self._repeat: _Repeat | None = None
+        self._logging: Sequence[int] | None = None       # the caller's positions while captures are logged
+        self._logged: list[tuple[str, int | None]] = []
+        self._log: list[torch.Tensor] = []
+        self._log_versions: list[int | None] = []
 
     @classmethod
     def for_model(cls, model, tokenizer, messages: list[dict], path: str | os.PathLike, *,
@@ -84,6 +105,19 @@ class TraceRecorder:
         self._reads_only = reads_only
         self._kept_for = None
         self._fired = []
+        self._logging = positions if self._repeats(positions, reads_only) else None
+
+    def _repeats(self, positions: Sequence[int], reads_only: bool) -> bool:
+        """Whether this forward's captures are logged, to be staged in the last complete
+        one-position forward's layout: one position, kept by the selection, and captures that
+        stay the same tensors to the end of the forward (no autograd, not in inference mode)."""
+        repeat = self._repeat
+        if repeat is None or len(positions) != 1 or repeat.reads_only != reads_only:
+            return False
+        if torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return False
+        _, mask = self._kept(positions)
+        return mask is None or bool(mask[0])
 
     def _kept(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
         """Positions to keep and, when some are dropped, the boolean mask selecting their rows.
@@ -121,6 +155,11 @@ class TraceRecorder:
                                    "call begin_forward first")
 
     def capture(self, point: str, layer: int | None, rows: torch.Tensor, positions: Sequence[int]) -> None:
+        if positions is self._logging:
+            self._logged.append((point, layer))
+            self._log.append(rows)
+            self._log_versions.append(version_of(rows))
+            return
         key = (point, layer)
         target = self._targets[key] if key in self._targets else self._resolve(point, layer)
         if target is None:
@@ -138,6 +177,11 @@ class TraceRecorder:
 
     def capture_norm(self, norm: str, layer: int | None, norm_input: torch.Tensor, norm_output: torch.Tensor,
                      positions: Sequence[int]) -> None:
+        if positions is self._logging:
+            self._logged.append(("stats:" + norm, layer))
+            self._log += (norm_input, norm_output)
+            self._log_versions += (version_of(norm_input), version_of(norm_output))
+            return
         key = ("stats:" + norm, layer)
         target = self._targets[key] if key in self._targets else self._resolve(*key)
         if target is None:
@@ -177,10 +221,44 @@ class TraceRecorder:
     def end_forward(self) -> None:
         if self._positions is None:
             raise ProbeIntegrityError("end_forward called outside a forward: call begin_forward first")
+        if self._logging is not None and self._end_repeat():
+            return
         if (self._reads_only, self._fired) != self._checked:      # decode steps repeat one layout: checked once
             self._check_fired()
+        one_position = len(self._positions) == 1 and self._kept(self._positions)[0].size == 1
         self._positions = None
-        self.writer.commit()
+        staged = self.writer.commit()
+        if one_position:
+            self._repeat = _Repeat(self._reads_only, self._fired, staged) if staged is not None else None
+
+    def _end_repeat(self) -> bool:
+        """End a forward whose captures were logged: True when they repeat the layout and went to
+        the writer together; False when they were handed to the capture methods one by one."""
+        repeat, logging = self._repeat, self._logging
+        logged, log, versions = self._logged, self._log, self._log_versions
+        self._logging, self._logged, self._log, self._log_versions = None, [], [], []
+        if not self._fired and logged == repeat.fired and [rows.numel() for rows in log] == repeat.staged.numels:
+            self._fired = logged
+            if (self._reads_only, self._fired) != self._checked:
+                self._check_fired()
+            self._positions = None
+            self.writer.commit_repeat(repeat.staged, log, versions, self._kept(logging)[0])
+            return True
+        owners = [key for key in logged for _ in range(2 if key[0].startswith("stats:") else 1)]
+        for owner, rows, version in zip(owners, log, versions):
+            if version is not None and rows._version != version:
+                self.writer.abort()
+                raise ProbeIntegrityError(
+                    f"the model changed the captured rows of {owner[0]!r} at layer {owner[1]} in place before its "
+                    "forward ended, so they were not copied: the trace was dropped; leave that point out of the "
+                    "capture to record this model")
+        pending = iter(log)
+        for point, layer in logged:
+            if point.startswith("stats:"):
+                self.capture_norm(point[6:], layer, next(pending), next(pending), logging)
+            else:
+                self.capture(point, layer, next(pending), logging)
+        return False
 
     def _check_fired(self) -> None:
         """Every declared (point, layer) and selected norm's statistics fired exactly once."""

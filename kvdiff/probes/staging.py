@@ -7,6 +7,9 @@ asynchronous copy per device and dtype. Until then a staged capture is either ke
 reference, when its tensor has a version counter that shows whether anything changed it in
 place before the seal (`Stage.changed`), or cloned where it lives (inference tensors have no
 version counter). Large captures get a `HostRows` copy of their own at once.
+
+Decode steps repeat one layout: a `StageLayout` keeps what a stage held apart from the tensors,
+and `Stage.repeat` stages a later forward's captures, handed over as one list, in that layout.
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ def _copied_event(device: torch.device) -> torch.cuda.Event:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def version_of(rows: torch.Tensor) -> int | None:
+    """`rows`' version counter; None for an inference tensor, which has none (and which nothing
+    outside inference mode can change in place)."""
+    try:
+        return rows._version
+    except RuntimeError:        # cheaper than asking first
+        return None
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,18 @@ class SealedStage:
         return out
 
 
+@dataclass(eq=False)
+class StageLayout:
+    """A stage without its tensors: what each capture is stored as and what the writer makes of
+    it. Compared by identity: one object stands for one layout for as long as it repeats."""
+
+    shapes: list[tuple[int, ...]]
+    numels: list[int]
+    rows: list[tuple[str, int]]                 # dataset, index
+    norms: list[tuple[str, int, int]]           # statistics group, input and output index
+    nbytes: int
+
+
 @dataclass
 class Stage:
     """Small captures of one forward and what the writer will make of them: rows of a dataset,
@@ -119,10 +143,7 @@ class Stage:
         original is watched so that `changed` tells whether it would have been safe to keep."""
         if rows.requires_grad:
             rows = rows.detach()
-        try:
-            version = rows._version
-        except RuntimeError:        # an inference tensor: no version counter (cheaper than asking first)
-            version = None
+        version = version_of(rows)
         if by_reference and version is not None:
             self.captured.append(rows)
             self.versions.append(version)
@@ -134,6 +155,26 @@ class Stage:
         self.shapes.append(shape)
         self.nbytes += rows.numel() * rows.element_size()
         return len(self.captured) - 1
+
+    @classmethod
+    def repeat(cls, layout: StageLayout, captured: list[torch.Tensor], versions: list[int | None],
+               positions: np.ndarray) -> "Stage":
+        """A stage of `captured` (kept by reference, with their `versions` when captured) in
+        `layout`, every capture at `positions`; the caller has checked they fit it. Inference
+        tensors (version None) are cloned, as `add` does; nothing outside inference mode can have
+        changed them since they were captured."""
+        if None in versions:
+            captured = [rows.clone(memory_format=torch.contiguous_format) if version is None else rows
+                        for rows, version in zip(captured, versions)]
+        return cls(captured, list(layout.shapes), versions, [], layout.nbytes,
+                   [(name, positions, i) for name, i in layout.rows],
+                   [(name, positions, x, y) for name, x, y in layout.norms])
+
+    def layout(self) -> StageLayout:
+        """This stage's layout, for `repeat`."""
+        return StageLayout(self.shapes, [math.prod(shape) for shape in self.shapes],
+                           [(name, i) for name, _, i in self.rows], [(name, x, y) for name, _, x, y in self.norms],
+                           self.nbytes)
 
     def changed(self) -> tuple[list[int], list[int]]:
         """Captures changed in place since they were added: (kept by reference, so their staged

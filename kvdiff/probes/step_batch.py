@@ -19,7 +19,7 @@ import torch
 
 from kvdiff.probes.norm_stats import norm_statistics
 from kvdiff.probes.points import NORM_STATS
-from kvdiff.probes.staging import SealedStage
+from kvdiff.probes.staging import SealedStage, StageLayout
 from kvdiff.probes.trace_file import TraceFile
 from kvdiff.probes.trace_format import from_storage, to_storage
 
@@ -33,6 +33,8 @@ class StagedForward:
     rows: list[tuple[str, np.ndarray, int]]           # dataset name, positions, index in the stage
     norms: list[tuple[str, np.ndarray, int, int]]     # statistics group, positions, input and output index
     sealed: SealedStage
+    layout: StageLayout | None = None     # set when it repeats a layout (Stage.repeat) ...
+    position: int | None = None           # ... with every capture at this one position
 
 
 def _one_position(fwd: StagedForward) -> int | None:
@@ -100,13 +102,16 @@ class StepBatch:
 
     def add(self, fwd: StagedForward) -> None:
         """Write `fwd` now, or keep it to write with the next steps (its rows are read then)."""
-        position = _one_position(fwd)
-        if position is None:
-            self.flush()
-            _write(self.file, fwd, fwd.sealed.stored())
-            return
-        signature = ([(name, i) for name, _, i in fwd.rows], [(name, x, y) for name, _, x, y in fwd.norms],
-                     [(part.members, part.shapes) for part in fwd.sealed.parts])
+        if fwd.layout is not None:          # a repeated layout: compared by identity, and how it was flattened
+            position, signature = fwd.position, (fwd.layout, [part.members for part in fwd.sealed.parts])
+        else:
+            position = _one_position(fwd)
+            if position is None:
+                self.flush()
+                _write(self.file, fwd, fwd.sealed.stored())
+                return
+            signature = ([(name, i) for name, _, i in fwd.rows], [(name, x, y) for name, _, x, y in fwd.norms],
+                         [(part.members, part.shapes) for part in fwd.sealed.parts])
         if self._kept and (signature != self._signature or position != self._first + len(self._kept)):
             self.flush()
         if not self._kept:

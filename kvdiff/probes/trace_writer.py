@@ -33,7 +33,7 @@ from kvdiff.errors import KvdiffError, TraceError, TraceWriteError
 from kvdiff.probes.background import SerialWorker
 from kvdiff.probes.norm_stats import norm_statistics
 from kvdiff.probes.sink import ProbeIntegrityError
-from kvdiff.probes.staging import Stage, host_copy
+from kvdiff.probes.staging import Stage, StageLayout, host_copy
 from kvdiff.probes.step_batch import StagedForward, StepBatch, put_norm_stats
 from kvdiff.probes.trace_file import Source, Step, TraceFile
 from kvdiff.probes.trace_format import ChunkRecord, TraceMeta, dtype_name, to_storage
@@ -87,6 +87,7 @@ class TraceWriter:
         self._provenance: dict[int, Source] = {}
         self._steps: list[Step] = []
         self._stage: Stage | None = None
+        self._split = False                     # this forward's captures did not all go into one stage
         self._learning = True                   # the first forward: every staged capture cloned
         self._in_place: set[str] = set()        # captures the model changes in place: always cloned
         self._batch = StepBatch(self._file)          # used by the writer thread only
@@ -125,6 +126,7 @@ class TraceWriter:
             stage.rows.append((name, positions, stage.add(rows, shape, self._by_reference(name))))
             return
         self._commit_stage()   # rows staged earlier are written first: a later row replaces an earlier one
+        self._split = True
         host, file, steps = host_copy(rows.reshape(shape)), self._file, self._batch
 
         def job() -> None:
@@ -157,6 +159,7 @@ class TraceWriter:
             stage.norms.append((name, positions, x_index, y_index))
         else:
             self._commit_stage()
+            self._split = True
             stats = host_copy(norm_statistics(norm_input.reshape(x_shape), norm_output.reshape(y_shape)))
             file, steps = self._file, self._batch
             self._submit(lambda: (steps.flush(), put_norm_stats(file, name, positions, stats.ready())),
@@ -171,6 +174,7 @@ class TraceWriter:
             self._stage = Stage()
         elif self._stage.full:
             self._commit_stage()
+            self._split = True
             self._stage = Stage()
         return self._stage
 
@@ -179,15 +183,30 @@ class TraceWriter:
         not in the first forward, nor for captures the model was seen to change in place."""
         return not self._learning and name not in self._in_place
 
-    def commit(self) -> None:
+    def commit(self) -> StageLayout | None:
         """The end of a forward: hand the captures staged so far to the writer thread as one job.
         The first forward's captures are all cloned, and tell which kinds of capture the model
         changes in place before the end of a forward; those stay clones, the others are kept by
-        reference until here."""
-        self._commit_stage()
-        self._learning = False
+        reference until here.
 
-    def _commit_stage(self) -> None:
+        Returns the forward's layout, for `commit_repeat`, when every capture of the forward was
+        staged in the one stage committed now and none needs to be cloned."""
+        stage, whole = self._stage, not self._split
+        self._commit_stage()
+        self._learning, self._split = False, False
+        return stage.layout() if stage is not None and whole and not self._in_place else None
+
+    def commit_repeat(self, layout: StageLayout, captured: list[torch.Tensor], versions: list[int | None],
+                      positions: np.ndarray) -> None:
+        """`commit` for a forward whose captures, handed over together, repeat the forward that
+        `commit` returned `layout` for: each at `positions`, kept by reference with its version
+        counter when captured. The recorder's path for decode steps."""
+        if self._stage is not None:
+            raise ProbeIntegrityError("commit_repeat with captures staged one by one in the same forward")
+        self._stage = Stage.repeat(layout, captured, versions, positions)
+        self._commit_stage(layout, int(positions[0]))
+
+    def _commit_stage(self, layout: StageLayout | None = None, position: int | None = None) -> None:
         stage, self._stage = self._stage, None
         if stage is None:
             return
@@ -202,7 +221,7 @@ class TraceWriter:
                     f"the model changed the captured rows {names[stale[0]]} in place before its forward ended, "
                     "though not in its first forward, so they were not copied: the trace was dropped; "
                     "leave that point out of the capture to record this model")
-        forward, steps = StagedForward(stage.rows, stage.norms, stage.seal()), self._batch
+        forward, steps = StagedForward(stage.rows, stage.norms, stage.seal(), layout, position), self._batch
         self._submit(lambda: steps.add(forward), stage.nbytes)
 
     def write_norm_weight(self, layer: int | None, norm: str, weight: torch.Tensor, eps: float) -> None:
