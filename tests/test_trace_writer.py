@@ -143,6 +143,38 @@ def test_a_sealed_stage_waits_for_its_asynchronous_copies_before_giving_rows():
     assert np.array_equal(stored[1][0], a.numpy()) and np.array_equal(stored[0][0], b.numpy())
 
 
+
+def test_a_tensor_staged_twice_is_copied_once_and_given_to_both_captures():
+    a, b = torch.randn(1, 1, 6), torch.randn(3)
+    stage = staging.Stage()
+    for rows, shape in ((a, (1, 6)), (b, (3,)), (a, (6,)), (b, (1, 3))):
+        stage.add(rows, shape, by_reference=True)
+    sealed = stage.seal()
+    assert sealed.parts[0].members == [0, 1] and sealed.same == {2: (0, (6,)), 3: (1, (1, 3))}
+    stored = [rows for rows, _ in sealed.stored()]
+    assert [r.shape for r in stored] == [(1, 6), (3,), (6,), (1, 3)]
+    assert np.array_equal(stored[2], a.reshape(6).numpy()) and np.array_equal(stored[3], b.reshape(1, 3).numpy())
+
+
+def test_decode_steps_capturing_one_tensor_twice_write_it_to_both_datasets(tmp_path):
+    meta = replace(make_meta(), layers=(0, 1), points=("resid_pre", "resid_post"))
+    g = torch.Generator().manual_seed(5)
+    hidden = [torch.randn(1, 32, generator=g) for _ in range(12)]
+    with torch.no_grad(), TraceWriter(tmp_path / "t.h5", meta) as w:
+        for p in range(10):        # layer 0's output is layer 1's input, as in a decoder
+            w.write_rows("layers/0", "resid_pre", [p], hidden[p])
+            w.write_rows("layers/0", "resid_post", [p], hidden[p + 1])
+            w.write_rows("layers/1", "resid_pre", [p], hidden[p + 1])
+            w.write_norm("layers/1", "attn_norm", [p], hidden[p + 1], hidden[p + 2])
+            w.write_rows("layers/1", "resid_post", [p], hidden[p + 2])
+            w.commit()
+    with open_trace(tmp_path / "t.h5") as tr:
+        assert np.array_equal(tr.layer(0)["resid_post"], torch.cat(hidden[1:11]).numpy())
+        assert np.array_equal(tr.layer(1)["resid_pre"], torch.cat(hidden[1:11]).numpy())
+        assert np.array_equal(tr.layer(1)["resid_post"], torch.cat(hidden[2:12]).numpy())
+        np.testing.assert_allclose(tr.norm_stats(1)["attn_norm"]["output_rms"],
+                                   torch.cat(hidden[2:12]).double().square().mean(-1).sqrt().numpy(), rtol=1e-12)
+
 def test_staged_captures_are_private_copies_and_norms_are_computed_in_batches(tmp_path):
     rows, x = torch.randn(5, 32), torch.randn(5, 32) * 3
     want_rows, want_x = rows.clone(), x.clone()

@@ -89,6 +89,8 @@ class SealedStage:
 
     count: int
     parts: list[FlatCopy]
+    same: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)   # a capture of a tensor captured
+                                                                                # earlier: that index, stored shape
 
     def stored(self) -> list[tuple[np.ndarray, str]]:
         """Each capture's rows as stored in a trace (trace_format.to_storage), once its copy has
@@ -98,7 +100,14 @@ class SealedStage:
             flat, dtype = to_storage(part.host.ready())
             for i, shape, span in part.spans():
                 out[i] = flat[span].reshape(shape), dtype
+        self.fill_same(out)
         return out
+
+    def fill_same(self, out: list, steps: int = 1) -> None:
+        """Give each capture in `same` the rows of the earlier capture of its tensor (of `steps`
+        stacked steps)."""
+        for i, (j, shape) in self.same.items():
+            out[i] = out[j][0].reshape(steps * shape[0], *shape[1:]), out[j][1]
 
 
 @dataclass(eq=False)
@@ -186,10 +195,17 @@ class Stage:
 
     def seal(self) -> SealedStage:
         """Start the copies to host memory: the captures are flattened per device and dtype, and
-        those on CUDA copied asynchronously into pinned memory."""
+        those on CUDA copied asynchronously into pinned memory. A tensor captured more than once
+        (a layer's output is the next one's input, a norm's input a residual) is copied once."""
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        first: dict[int, int] = {}
+        same: dict[int, tuple[int, tuple[int, ...]]] = {}
         for i, rows in enumerate(self.captured):
-            groups.setdefault((rows.device, rows.dtype), []).append(i)
+            j = first.setdefault(id(rows), i)       # the stage holds every capture: ids are not reused
+            if j != i:
+                same[i] = j, self.shapes[i]
+            else:
+                groups.setdefault((rows.device, rows.dtype), []).append(i)
         parts = []
         for members in groups.values():
             tensors = [self.captured[i] for i in members]
@@ -199,4 +215,4 @@ class Stage:
             else:                                                   # on the CPU, a copy unless a view
                 host = HostRows(flat.clone() if len(tensors) == 1 and self.versions[members[0]] is not None else flat)
             parts.append(FlatCopy(members, [self.shapes[i] for i in members], host))
-        return SealedStage(len(self.captured), parts)
+        return SealedStage(len(self.captured), parts, same)

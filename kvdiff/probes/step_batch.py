@@ -86,6 +86,7 @@ def _stacked(steps: list[SealedStage]) -> list[tuple[np.ndarray, str]]:
         block, dtype = np.stack([flat for flat, _ in flats]), flats[0][1]
         for i, shape, span in part.spans():
             out[i] = block[:, span].reshape(len(steps) * shape[0], *shape[1:]), dtype
+    steps[0].fill_same(out, len(steps))
     return out
 
 
@@ -103,7 +104,8 @@ class StepBatch:
     def add(self, fwd: StagedForward) -> None:
         """Write `fwd` now, or keep it to write with the next steps (its rows are read then)."""
         if fwd.layout is not None:          # a repeated layout: compared by identity, and how it was flattened
-            position, signature = fwd.position, (fwd.layout, [part.members for part in fwd.sealed.parts])
+            position, signature = fwd.position, (fwd.layout, [part.members for part in fwd.sealed.parts],
+                                                 fwd.sealed.same)
         else:
             position = _one_position(fwd)
             if position is None:
@@ -111,7 +113,7 @@ class StepBatch:
                 _write(self.file, fwd, fwd.sealed.stored())
                 return
             signature = ([(name, i) for name, _, i in fwd.rows], [(name, x, y) for name, _, x, y in fwd.norms],
-                         [(part.members, part.shapes) for part in fwd.sealed.parts])
+                         [(part.members, part.shapes) for part in fwd.sealed.parts], fwd.sealed.same)
         if self._kept and (signature != self._signature or position != self._first + len(self._kept)):
             self.flush()
         if not self._kept:
