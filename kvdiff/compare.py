@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 from kvdiff.engine.conversation import Messages, validate_messages
 from kvdiff.errors import InputError
 from kvdiff.files import check_folder_of, write_text_atomically
-from kvdiff.probes.selection import parse_points
+from kvdiff.probes.selection import check_ranges, parse_points
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,9 @@ class CompareResult:
 
 
 def check_options(strategy: str, numerics: str, max_new_tokens: int, recompute_ratio: float,
-                  chunk_size: int | None, capture: str | None = None) -> None:
-    """Reject bad options before any model is loaded (layers are checked against the model)."""
+                  chunk_size: int | None, capture: str | None = None, layers: str | None = None) -> None:
+    """Reject bad options before any model is loaded (the layers' range is checked against the
+    model once it is loaded, their syntax here)."""
     if strategy not in STRATEGIES:
         raise InputError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
     if numerics not in NUMERICS:
@@ -74,6 +75,8 @@ def check_options(strategy: str, numerics: str, max_new_tokens: int, recompute_r
         raise InputError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     if capture is not None:
         parse_points(capture)
+    if isinstance(layers, str):
+        check_ranges(layers, "layer")
 
 
 def prepare_out_dir(out: Path | str | None, strategy: str) -> Path:
@@ -163,7 +166,7 @@ def compare(
 
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
-    check_options(strategy, numerics, max_new_tokens, recompute_ratio, chunk_size, capture)
+    check_options(strategy, numerics, max_new_tokens, recompute_ratio, chunk_size, capture, layers)
     if json_path is not None:
         check_folder_of(json_path, "report.json")
     if html is not None:

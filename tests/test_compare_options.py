@@ -16,6 +16,9 @@ from kvdiff.errors import InputError
         (dict(max_new_tokens=10**9), "max_new_tokens must be between"),
         (dict(recompute_ratio=1.5), "recompute_ratio must be in [0, 1]"),
         (dict(chunk_size=0), "chunk_size must be a positive"),
+        (dict(capture="k,vv"), "unknown probe point(s) vv"),
+        (dict(layers="0-x"), "bad layer '0-x' in '0-x'"),
+        (dict(layers="3-1"), "bad layer range '3-1'"),
     ],
 )
 def test_bad_options_are_rejected_before_loading(kwargs, message):

@@ -15,6 +15,15 @@ def parse_ranges(spec: str, what: str, limit: int | None = None) -> list[int]:
     """'0-3,29' -> [0, 1, 2, 3, 29]; with `limit`, every number must be below it (checked before
     a range is expanded, so '0-99999999999' fails at once)."""
     out: list[int] = []
+    for lo, hi in check_ranges(spec, what, limit):
+        out.extend(range(lo, hi + 1))
+    return out
+
+
+def check_ranges(spec: str, what: str, limit: int | None = None) -> list[tuple[int, int]]:
+    """The (first, last) pairs of '0-3,29', checked but not expanded: the syntax can be checked
+    before the model (and so the limit) is known."""
+    pairs: list[tuple[int, int]] = []
     for part in spec.replace(" ", "").split(","):
         if not part:
             continue
@@ -27,8 +36,8 @@ def parse_ranges(spec: str, what: str, limit: int | None = None) -> list[int]:
             raise InputError(f"bad {what} range {part!r}: give first-last with 0 <= first <= last")
         if limit is not None and hi >= limit:
             _out_of_range(what, part, limit)
-        out.extend(range(lo, hi + 1))
-    return out
+        pairs.append((lo, hi))
+    return pairs
 
 
 def _out_of_range(what: str, given: str, limit: int) -> NoReturn:
