@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvdiff
 from kvdiff.compare import compare
 from kvdiff.engine.conversation import build_messages
 from kvdiff.probes.trace import TraceWriter, open_trace
@@ -91,6 +92,15 @@ def test_prompt_longer_than_the_context_fails_before_recording(tmp_path, extra, 
     assert_no_finished_run(tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
+
+
+def test_generate_and_record_past_the_context_fail_before_the_model_runs(tmp_path):
+    result = cli("generate", "--model", "tiny-llama", "-p", "What is the capital of France?", "-n", "2047")
+    assert_error(result, 2, "plus max_new_tokens 2047 exceeds the model context of 2048: shorten the prompt")
+    model, tokenizer = kvdiff.load_model("tiny-llama")
+    with pytest.raises(kvdiff.InputError, match="exceeds the model context of 2048"):
+        kvdiff.record(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=2047)
+    assert list(tmp_path.iterdir()) == []
 
 def test_conversation_with_an_assistant_turn_and_an_empty_system_message(tmp_path):
     messages = [{"role": "system", "content": ""}, MESSAGES[1], {"role": "assistant", "content": "Paris."},

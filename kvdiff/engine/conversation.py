@@ -64,3 +64,11 @@ def build_messages(prompt: str | None, system: str | None = None, messages_file:
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": prompt})
     return validate_messages(messages)
+
+
+def check_fits(prompt_tokens: int, max_new_tokens: int, context: int, where: str = "") -> None:
+    """InputError when a prompt of `prompt_tokens` plus `max_new_tokens` would run past a model
+    context of `context` positions."""
+    if prompt_tokens + max_new_tokens > context:
+        raise InputError(f"{where}prompt of {prompt_tokens} tokens plus max_new_tokens {max_new_tokens} "
+                         f"exceeds the model context of {context}: shorten the prompt or lower max_new_tokens")

@@ -11,7 +11,7 @@ import torch
 
 from kvdiff.engine.adapters import get_adapter
 from kvdiff.engine.chunks import ChunkedPrompt, split_conversation
-from kvdiff.engine.conversation import Messages
+from kvdiff.engine.conversation import Messages, check_fits
 from kvdiff.engine.kv_cache import BLOCK_SIZE, BlockPool, BlockTable
 from kvdiff.engine.numerics import exact_numerics
 from kvdiff.engine.outputs import RequestOutput
@@ -73,10 +73,7 @@ class Engine:
 
     def check_fits(self, prompt: ChunkedPrompt, max_new_tokens: int, where: str = "") -> None:
         """InputError when the prompt plus `max_new_tokens` would run past the model's context."""
-        if len(prompt) + max_new_tokens > self.adapter.max_length:
-            raise InputError(f"{where}prompt of {len(prompt)} tokens plus max_new_tokens {max_new_tokens} "
-                             f"exceeds the model context of {self.adapter.max_length}: shorten the prompt "
-                             "or lower max_new_tokens")
+        check_fits(len(prompt), max_new_tokens, self.adapter.max_length, where)
 
     def _forward(self, groups: list[RowGroup], num_layers: int | None = None) -> list[torch.Tensor | None]:
         self._forwards += 1

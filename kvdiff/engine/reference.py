@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiff.engine.conversation import Messages
+from kvdiff.engine.conversation import Messages, check_fits
 from kvdiff.probes.sink import ProbeSink
 
 
@@ -50,6 +50,9 @@ def reference_generate(model, tokenizer, messages: Messages, max_new_tokens: int
     from transformers import DynamicCache
 
     input_ids = render_prompt_ids(tokenizer, messages)
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None:
+        check_fits(len(input_ids), max_new_tokens, int(context))
     stops = stop_token_ids(model, tokenizer)
     cache = DynamicCache(config=model.config)
     step_input = torch.tensor([input_ids], device=model.device)
