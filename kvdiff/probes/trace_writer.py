@@ -6,9 +6,10 @@ thread, so the model's forward does not wait for the disk; the writer's backlog 
 captures are staged (staging.Stage) and go to the thread as one job at `commit()` (the recorder
 commits at the end of each forward), when the stage is full, or at `flush`; that thread
 computes their norm statistics in batches and writes consecutive decode steps together
-(step_batch.StepBatch). An error on
-the thread (disk full, file too large) is raised in the caller at its next write or at `close`,
-as a TraceWriteError, and the unfinished file is deleted.
+(step_batch.StepBatch). A decode step that repeats an earlier forward's layout is handed over
+as one list (`commit_repeat`, the recorder's path). An error on the thread (disk full, file too
+large) is raised in the caller at its next write or at `close`, as a TraceWriteError, and the
+unfinished file is deleted.
 
 The file is written under a temporary name in the target's folder; `close()` checks that every
 recorded point holds every recorded position, sets the `complete` attribute last, and renames
