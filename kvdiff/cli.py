@@ -354,13 +354,12 @@ def gate(
     from rich.markup import escape
     from rich.table import Table
 
-    from kvdiff.compare import prepare_out_dir
+    from kvdiff.compare import claimed_out_dir
     from kvdiff.gate.cases import load_cases
     from kvdiff.gate.runner import run_cases, write_junit
 
     cases = load_cases(cases_file)
-    out_dir = prepare_out_dir(out, "gate")
-    with _progress() as progress:
+    with claimed_out_dir(out, "gate") as out_dir, _progress() as progress:
         def announce(outcome):
             progress(f"{outcome.name}: {outcome.status}")
 

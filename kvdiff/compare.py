@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ STRATEGIES = ("none", "prefix", "isolated-local", "isolated-global", "rerotate",
 NUMERICS = ("exact", "fast")
 RUNS_ROOT = Path("kvdiff-runs")
 ARTEFACTS = ("reference.h5", "candidate.h5", "report.json", "report.html")
+CLAIM = ".kvdiff-writing"      # marks a run folder in use (claimed_out_dir)
 
 
 @dataclass
@@ -87,8 +89,7 @@ def prepare_out_dir(out: Path | str | None, strategy: str) -> Path:
             if out.exists():
                 if not out.is_dir():
                     raise InputError(f"--out {out} exists and is not a folder")
-                if any(out.iterdir()):
-                    raise InputError(f"--out {out} already holds files (an earlier run?): choose a new folder or empty it")
+                _refuse_if_holding_files(out)
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise InputError(f"cannot create output folder {out}: {exc.strerror}") from None
@@ -109,19 +110,56 @@ def prepare_out_dir(out: Path | str | None, strategy: str) -> Path:
     raise InputError(f"too many runs in {RUNS_ROOT} this second: pass --out DIR")
 
 
+def _in_use(out: Path) -> InputError:
+    return InputError(f"--out {out} is being written by another kvdiff run: wait for it to end or choose another "
+                      f"folder (if none runs, one was killed: remove {out / CLAIM})")
+
+
+def _refuse_if_holding_files(out: Path, ignore: str | None = None) -> None:
+    names = [name for name in itertools.islice((entry.name for entry in out.iterdir()), 3) if name != ignore]
+    if names == [CLAIM]:
+        raise _in_use(out)
+    if names:
+        raise InputError(f"--out {out} already holds files (an earlier run?): choose a new folder or empty it")
+
+
 @contextmanager
-def _discarded_on_failure(out_dir: Path, created: bool) -> Iterator[None]:
-    """On any failure or interrupt, remove what the run wrote, and its folder if the run created it."""
+def claimed_out_dir(out: Path | str | None, label: str) -> Iterator[Path]:
+    """The run's folder (`prepare_out_dir`), claimed for the run by a marker file created
+    exclusively: another kvdiff process given the same `--out` meanwhile is refused. The marker
+    goes when the run ends; after a failure, so does the folder if this call made it and
+    nothing is left in it."""
+    created = out is None or not Path(out).exists()
+    out_dir = prepare_out_dir(out, label)
+    claim = out_dir / CLAIM
     try:
-        yield
+        claim.open("x").close()
+    except FileExistsError:
+        raise _in_use(out_dir) from None
+    except OSError as exc:
+        raise InputError(f"cannot write in output folder {out_dir}: {exc.strerror}") from None
+    try:
+        _refuse_if_holding_files(out_dir, ignore=CLAIM)     # a run that ended between the check and the claim
+        yield out_dir
     except BaseException:
-        for name in ARTEFACTS:
-            (out_dir / name).unlink(missing_ok=True)
+        claim.unlink(missing_ok=True)
         if created:
             try:
                 out_dir.rmdir()
             except OSError:
                 log.debug("kept %s: it holds files this run did not write", out_dir)
+        raise
+    claim.unlink(missing_ok=True)
+
+
+@contextmanager
+def _discarded_on_failure(out_dir: Path) -> Iterator[None]:
+    """On any failure or interrupt, remove what the run wrote."""
+    try:
+        yield
+    except BaseException:
+        for name in ARTEFACTS:
+            (out_dir / name).unlink(missing_ok=True)
         raise
 
 
@@ -171,9 +209,7 @@ def compare(
         check_folder_of(json_path, "report.json")
     if html is not None:
         check_folder_of(html, "the HTML report")
-    created = out is None or not Path(out).exists()
-    out_dir = prepare_out_dir(out, strategy)
-    with _discarded_on_failure(out_dir, created):
+    with claimed_out_dir(out, strategy) as out_dir, _discarded_on_failure(out_dir):
         step("loading model")
         key = (model, dtype, device, device_map)
         if model_cache is not None and key in model_cache:

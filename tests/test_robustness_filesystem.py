@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from kvdiff.compare import ARTEFACTS
+from kvdiff.compare import ARTEFACTS, CLAIM
 from robustness import REPO, assert_error, assert_no_finished_run, cli, compare_args, run_kvdiff
 
 
@@ -40,6 +40,37 @@ def test_output_folder_holding_a_killed_runs_partial_trace_is_refused(tmp_path):
     assert_error(cli(*compare_args(run)), 2, "already holds files")
     assert [p.name for p in run.iterdir()] == [".reference.h5.4242.partial"]
 
+
+
+def test_an_output_folder_another_run_is_writing_is_refused_for_compare_and_gate(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / CLAIM).touch()                               # what a run writing into `run` keeps there
+    assert_error(cli(*compare_args(run)), 2, f"--out {run} is being written by another kvdiff run",
+                 f"one was killed: remove {run / CLAIM}")
+    cases = tmp_path / "cases.toml"
+    cases.write_text('[[case]]\nname = "a"\nprompt = "Hi"\nmodel = "tiny-llama"\nmax_new_tokens = 1\n')
+    assert_error(cli("gate", cases, "--out", run), 2, "is being written by another kvdiff run")
+    assert [p.name for p in run.iterdir()] == [CLAIM]
+
+
+def test_a_run_claims_its_folder_until_it_ends_and_one_finished_meanwhile_is_not_mixed(tmp_path, monkeypatch):
+    from kvdiff import compare as compare_module
+
+    seen = []
+    result = cli(*compare_args(tmp_path / "run"))
+    assert result.exit_code == 0 and CLAIM not in {p.name for p in (tmp_path / "run").iterdir()}
+    prepare = compare_module.prepare_out_dir
+
+    def finished_meanwhile(out, label):         # another run ends between the emptiness check and the claim
+        folder = prepare(out, label)
+        (folder / "report.json").write_text("{}")
+        seen.append(folder)
+        return folder
+
+    monkeypatch.setattr(compare_module, "prepare_out_dir", finished_meanwhile)
+    assert_error(cli(*compare_args(tmp_path / "other")), 2, "already holds files")
+    assert [p.name for p in seen[0].iterdir()] == ["report.json"]
 
 def test_a_report_that_cannot_be_written_discards_the_whole_run(tmp_path, monkeypatch):
     """Disk full while writing report.html: exit 3, and neither traces nor report.json stay behind."""

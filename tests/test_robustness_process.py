@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvdiff.analysis.synthetic import SyntheticModel, write_trace
+from kvdiff.compare import CLAIM
 from kvdiff.errors import TraceError
 from kvdiff.probes.trace import open_trace
 from robustness import REPO, assert_error, assert_no_finished_run, cli, compare_args
@@ -84,7 +85,8 @@ def test_sigkill_during_capture(tmp_path):
     result = interrupted(CAPTURE, signal.SIGKILL, tmp_path, *compare_args(run))
     assert result.returncode == -signal.SIGKILL
     assert_no_finished_run(run)
-    partial = [p for p in run.iterdir()]
+    partial = [p for p in run.iterdir() if p.name != CLAIM]        # the killed run's claim stays too
+    assert (run / CLAIM).exists()
     assert len(partial) == 1 and partial[0].name.startswith(".reference.h5.") and partial[0].name.endswith(".partial")
     with pytest.raises(TraceError, match="incomplete|truncated|corrupt"):
         open_trace(partial[0])
