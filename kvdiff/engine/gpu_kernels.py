@@ -27,6 +27,29 @@ BLOCK_M = 64   # query rows per program
 BLOCK_N = 64   # keys per tile: must equal numerics.KEY_TILE's alignment
 
 
+@triton.jit
+def online_softmax_tile(q, k, v, visible, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    """Fold one tile of keys into an online softmax: scores of rows `q` against `k`, where
+    `visible`, update the running max `m_i`, sum `l_i` and output `acc` (all fp32). A fully
+    masked tile leaves the state bit-for-bit unchanged. Shared by the exact attention kernel and
+    the paged decode kernel (paged_kernel.py)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 # Triton compiles a variant per integer argument divisible by 16; the row and key counts and
 # the mask's row stride vary from call to call, and a variant must never change a row's bits.
 @triton.jit(do_not_specialize=["T", "L", "svis_t"])
@@ -46,24 +69,10 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, T, L, scale,
         cols = start + tl.arange(0, BN)
         in_keys = cols < L
         k = tl.load(k_ptr + cols[:, None] * sk_l + kv_head * sk_h + dims[None, :], mask=in_keys[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
+        v = tl.load(v_ptr + cols[:, None] * sv_l + kv_head * sv_h + dims[None, :], mask=in_keys[:, None], other=0.0)
         vis = tl.load(vis_ptr + rows[:, None] * svis_t + cols[None, :],
                       mask=(rows[:, None] < T) & in_keys[None, :], other=0)
-        s = tl.where(vis != 0, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + cols[:, None] * sv_l + kv_head * sv_h + dims[None, :], mask=in_keys[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_tile(q, k, v, vis != 0, m_i, l_i, acc, scale, IEEE)
     out = acc / l_i[:, None]
     tl.store(o_ptr + rows[:, None] * so_t + head * so_h + dims[None, :], out.to(o_ptr.dtype.element_ty),
              mask=rows[:, None] < T)

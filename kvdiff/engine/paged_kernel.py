@@ -16,6 +16,8 @@ try:
     available = True
 except ImportError:
     available = False
+else:
+    from kvdiff.engine.gpu_kernels import online_softmax_tile
 
 BLOCK_N = 64   # keys per tile
 
@@ -42,21 +44,8 @@ if available:
             slots = tl.load(table_ptr + row * st_n + cols, mask=inside, other=0)
             kv_mask = inside[:, None] & (dims[None, :] < D)
             k = tl.load(k_ptr + slots[:, None] * sk_s + kv_head * sk_h + dims[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where(inside[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))       # finite: every tile walked holds a key
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + slots[:, None] * sv_s + kv_head * sv_h + dims[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_tile(q, k, v, inside[None, :], m_i, l_i, acc, scale, IEEE)
         out = acc / l_i[:, None]
         tl.store(o_ptr + row * so_n + heads[:, None] * so_h + dims[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=q_mask)
