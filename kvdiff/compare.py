@@ -230,11 +230,13 @@ def compare(
         step("recording the reference")
         with numerics_ctx:
             kvdiff.record(loaded, tokenizer, chunked.messages, reference_path, max_new_tokens=max_new_tokens,
-                          capture=capture, layers=layers, strategy="reference", numerics=numerics)
+                          capture=capture, layers=layers, strategy="reference", numerics=numerics,
+                          fingerprint=engine.fingerprint)     # the weights' hash, once per compare
 
         step(f"running the engine ({strategy}, {numerics})")
         recorder = TraceRecorder.for_model(loaded, tokenizer, chunked.messages, candidate_path, strategy=strategy,
-                                           numerics=numerics, capture=capture, layers=layers)
+                                           numerics=numerics, capture=capture, layers=layers,
+                                           fingerprint=engine.fingerprint)
         try:
             (output,) = engine.generate([chunked.messages], max_new_tokens=max_new_tokens, sinks={0: recorder})
         except BaseException:

@@ -29,6 +29,29 @@ def test_prefix_exact_is_identical_with_no_bit_difference(tmp_path):
     assert [c["name"] for c in report["chunks"]] == ["system", "user", "generation"]
 
 
+
+def test_a_compare_hashes_the_weights_once_for_the_engine_and_both_traces(tmp_path, monkeypatch):
+    import kvdiff
+    from kvdiff.engine import engine as engine_module
+    from kvdiff.probes import model_meta
+    from kvdiff.probes.trace import open_trace
+
+    hashed = []
+    fingerprint = model_meta.model_fingerprint
+
+    def counted(model):
+        hashed.append(model)
+        return fingerprint(model)
+
+    monkeypatch.setattr(model_meta, "model_fingerprint", counted)
+    monkeypatch.setattr(engine_module, "model_fingerprint", counted)
+    result = compare(MESSAGES, model="tiny-llama", max_new_tokens=2, out=tmp_path / "run")
+    assert len(hashed) == 1
+    want = fingerprint(kvdiff.load_model("tiny-llama")[0])
+    for path in (result.reference_trace, result.candidate_trace):
+        with open_trace(path) as trace:
+            assert trace.meta.model_fingerprint == want
+
 def test_isolated_local_is_divergent_and_diagnosed(tmp_path):
     result = compare(MESSAGES, model="tiny-qwen3", strategy="isolated-local", numerics="exact",
                      max_new_tokens=6, out=tmp_path / "run")

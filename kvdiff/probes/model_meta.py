@@ -124,8 +124,10 @@ def norm_eps(module: torch.nn.Module) -> float:
 
 
 def build_meta(model, tokenizer, messages: list[dict], input_ids, selection: Selection,
-               strategy: str, numerics: str) -> TraceMeta:
-    """The metadata known before generation starts (generated ids, text and chunks come at finish)."""
+               strategy: str, numerics: str, fingerprint: str | None = None) -> TraceMeta:
+    """The metadata known before generation starts (generated ids, text and chunks come at finish).
+    `fingerprint`: the model's `model_fingerprint`, when the caller has it already (hashing every
+    weight takes about half a second for the default model on a CPU)."""
     import transformers
 
     dims = ModelDims.of(model)
@@ -134,7 +136,7 @@ def build_meta(model, tokenizer, messages: list[dict], input_ids, selection: Sel
         kvdiff_version=kvdiff.__version__,
         model_name=str(getattr(model, "kvdiff_source", None) or getattr(model, "name_or_path", "") or
                        type(model).__name__),
-        model_fingerprint=model_fingerprint(model),
+        model_fingerprint=fingerprint or model_fingerprint(model),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         dtype=dtype_name(param.dtype), device=str(param.device),
         torch_version=str(torch.__version__), transformers_version=transformers.__version__,

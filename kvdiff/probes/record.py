@@ -18,17 +18,19 @@ log = logging.getLogger(__name__)
 def record(model, tokenizer, messages: list[dict], path: str | os.PathLike, max_new_tokens: int = 16,
            capture: str | Iterable[str] | None = None, layers: str | Iterable[int] | None = None,
            positions: str | Iterable[int] | None = None, spec: ProbeSpec | None = None,
-           strategy: str = "reference", numerics: str = "fast", compression: str | None = None) -> str:
+           strategy: str = "reference", numerics: str = "fast", compression: str | None = None,
+           fingerprint: str | None = None) -> str:
     """Generate greedily with probes on and write the trace to `path`; returns the path.
 
     The model may be the user's own (changed weights or modules): `spec` maps its module names
     to probe points when the built-in spec for its architecture does not fit. `capture`,
     `layers` and `positions` select what is kept ('k,v', '0-3,29', ...); default everything.
+    `fingerprint`: the model's `model_fingerprint` if the caller has it, else it is computed.
     """
     messages = validate_messages(messages)
     recorder = TraceRecorder.for_model(model, tokenizer, messages, path, strategy=strategy, numerics=numerics,
                                        capture=capture, layers=layers, positions=positions, spec=spec,
-                                       compression=compression)
+                                       compression=compression, fingerprint=fingerprint)
     try:
         with attach_probes(model, recorder, spec) as probes:
             out = reference_generate(model, tokenizer, messages, max_new_tokens, sink=probes)

@@ -76,7 +76,8 @@ class TraceRecorder:
                   strategy: str = "reference", numerics: str = "fast", input_ids: Sequence[int] | None = None,
                   capture: str | Iterable[str] | None = None, layers: str | Iterable[int] | None = None,
                   positions: str | Iterable[int] | None = None, spec: ProbeSpec | None = None,
-                  compression: str | None = None, top_k: int = 5) -> "TraceRecorder":
+                  compression: str | None = None, top_k: int = 5,
+                  fingerprint: str | None = None) -> "TraceRecorder":
         """A recorder writing a trace of `model` (any path: reference, engine) to `path`.
 
         `input_ids` default to the conversation rendered with the chat template. Norm weights and
@@ -87,7 +88,7 @@ class TraceRecorder:
         dims = ModelDims.of(model)
         selection = Selection.parse(dims.num_layers, capture, layers, positions)
         ids = list(input_ids) if input_ids is not None else render_prompt_ids(tokenizer, messages)
-        meta = build_meta(model, tokenizer, messages, ids, selection, strategy, numerics)
+        meta = build_meta(model, tokenizer, messages, ids, selection, strategy, numerics, fingerprint)
         writer = TraceWriter(path, meta, compression=compression)
         for (layer, norm), module in norm_modules(model, spec or default_spec(model)).items():
             writer.write_norm_weight(layer, norm, module.weight, norm_eps(module))
