@@ -93,6 +93,19 @@ def test_rows_arriving_one_position_at_a_time_are_written_once_per_hdf5_chunk(tm
     assert len(row_writes) == 5      # chunks ending at 128 and 256, rows 256-299, the scattered write, row 299
 
 
+def test_rows_reach_the_file_when_written_not_when_it_is_closed(tmp_path):
+    from kvdiff.probes.trace_file import TraceFile
+    rows = np.random.default_rng(3).standard_normal((384, 1024)).astype(np.float32)   # 3 chunks of 128 rows
+    path = tmp_path / "t.h5"
+    f = TraceFile(path, np.arange(384), None)
+    try:
+        for layer in range(4):
+            f.put(f"layers/{layer}/resid_pre", np.arange(384), rows, "float32")
+        assert path.stat().st_size >= 4 * rows.nbytes      # HDF5 kept none of it back in a chunk cache
+    finally:
+        f.discard()
+
+
 @pytest.mark.parametrize("compression, opts", [(None, None), ("gzip", 4), ("lzf", None)])
 def test_row_datasets_are_made_as_h5py_makes_them(tmp_path, compression, opts):
     import h5py

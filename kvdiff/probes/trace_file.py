@@ -12,7 +12,10 @@ cache; this way it never sees one, and the unfinished file can be closed and del
 Rows that extend a dataset's last write (a decode step's one row per point) are held in memory
 and written when they reach the end of an HDF5 chunk: one write per chunk instead of a
 read-modify-write of the chunk per step. The rows held are at most about one chunk
-(`_CHUNK_BYTES`) per dataset; `flush` and `finish` write them.
+(`_CHUNK_BYTES`) per dataset; `flush` and `finish` write them. Because of that the file has no
+HDF5 chunk cache: HDF5 keeps one per dataset, and with one the last chunks of each of a trace's
+hundreds of datasets (2 MB each) stayed in memory until the file was closed, and were only then
+written, after the run instead of beside it.
 """
 
 from __future__ import annotations
@@ -138,7 +141,7 @@ class TraceFile:
         self.compression = compression
         self._io = _LatchingFile(tmp_path)
         try:
-            self._file = h5py.File(self._io, "w", rdcc_nbytes=2 * _CHUNK_BYTES)
+            self._file = h5py.File(self._io, "w", rdcc_nbytes=0)      # no chunk cache: see above
         except BaseException:
             self._io.close()
             tmp_path.unlink(missing_ok=True)
