@@ -77,9 +77,9 @@ def test_rows_arriving_one_position_at_a_time_are_written_once_per_hdf5_chunk(tm
     monkeypatch.setattr(_Column, "write_run",
                         lambda col, start, data: (writes.append(col.ds.name), original_run(col, start, data)))
     g = torch.Generator().manual_seed(2)
-    rows = torch.randn(300, 2, 8, generator=g)                # 64-byte rows: 128 rows a chunk
+    rows = torch.randn(300, 2, 128, generator=g)              # 1 KB rows: 128 rows a chunk
     path = tmp_path / "t.h5"
-    meta = replace(make_meta(), layers=(1,), points=("k",))
+    meta = replace(make_meta(), layers=(1,), points=("k",), head_dim=128)
     with TraceWriter(path, meta) as w:
         for p in range(300):                                   # decode steps: one row each
             w.write_rows("layers/1", "k", [p], rows[p:p + 1])
@@ -106,6 +106,27 @@ def test_rows_reach_the_file_when_written_not_when_it_is_closed(tmp_path):
         f.discard()
 
 
+@pytest.mark.parametrize("row_shape, dtype, chunk_rows", [
+    ((), np.float64, 8192),              # a norm statistic: at least 64 KB a chunk, a multiple of 128 rows
+    ((2, 8), np.float32, 1024),
+    ((3, 64), np.uint16, 128),           # 384 B: 128 rows, though 64 KB would take 170
+    ((576,), np.uint16, 128),
+    ((49152,), np.uint16, 10),           # a logits row: about 1 MB a chunk
+])
+def test_chunks_hold_about_1_mb_at_most_128_rows_unless_rows_are_tiny(tmp_path, row_shape, dtype, chunk_rows):
+    import h5py
+    from kvdiff.probes.trace_file import TraceFile
+    path = tmp_path / "t.h5"
+    f = TraceFile(path, np.arange(3), None)
+    try:
+        f.put("layers/0/x", np.arange(3), np.zeros((3, *row_shape), dtype=dtype), "float32")
+        f.flush()
+        with h5py.File(path, "r") as h:
+            assert h["layers/0/x"].chunks == (chunk_rows, *row_shape)
+    finally:
+        f.discard()
+
+
 @pytest.mark.parametrize("compression, opts", [(None, None), ("gzip", 4), ("lzf", None)])
 def test_row_datasets_are_made_as_h5py_makes_them(tmp_path, compression, opts):
     import h5py
@@ -117,7 +138,7 @@ def test_row_datasets_are_made_as_h5py_makes_them(tmp_path, compression, opts):
             w.write_rows("layers/1", "k", range(3), rows)
     with h5py.File(paths[0], "r") as f:
         ds = f["layers/1/k"]
-        assert (ds.compression, ds.compression_opts, ds.maxshape, ds.chunks) == (compression, opts, (None, 2, 8), (128, 2, 8))
+        assert (ds.compression, ds.compression_opts, ds.maxshape, ds.chunks) == (compression, opts, (None, 2, 8), (1024, 2, 8))
         assert ds.attrs["kvdiff_dtype"] == "float32" and np.array_equal(ds[:], rows.numpy())
     assert paths[0].read_bytes() == paths[1].read_bytes()       # no time stamps in the objects
 

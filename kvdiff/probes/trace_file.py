@@ -35,6 +35,7 @@ from kvdiff.probes.trace_format import (
 )
 
 _CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
+_MIN_CHUNK_BYTES = 64 << 10       # and the least one: rows of a few bytes (norm statistics) get more than 128 a chunk
 
 Step = tuple[int, int, int, np.ndarray, np.ndarray, float]   # step, position, token, top-k ids, values, margin
 Source = tuple[str, int, int, bool]                          # chunk, prefill id, encoded position, reused
@@ -168,7 +169,7 @@ class TraceFile:
                     f"{name}: rows of shape {row_shape} {dtype} after rows of {col.row_shape} {col.dtype}")
             return col
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize)
-        chunk_rows = int(min(128, max(1, _CHUNK_BYTES // row_bytes)))
+        chunk_rows = int(min(max(128, _MIN_CHUNK_BYTES // row_bytes // 128 * 128), max(1, _CHUNK_BYTES // row_bytes)))
         ds = self._new_column(name, row_shape, dtype, chunk_rows)
         ds.attrs[DTYPE_ATTR] = torch_dtype
         col = self._columns[name] = _Column(ds, row_shape, dtype, chunk_rows)
