@@ -77,9 +77,9 @@ def test_rows_arriving_one_position_at_a_time_are_written_once_per_hdf5_chunk(tm
     monkeypatch.setattr(_Column, "write_run",
                         lambda col, start, data: (writes.append(col.ds.name), original_run(col, start, data)))
     g = torch.Generator().manual_seed(2)
-    rows = torch.randn(300, 2, 128, generator=g)              # 1 KB rows: 128 rows a chunk
+    rows = torch.randn(300, 2, 8, generator=g)                # 64-byte rows: 128 rows a chunk
     path = tmp_path / "t.h5"
-    meta = replace(make_meta(), layers=(1,), points=("k",), head_dim=128)
+    meta = replace(make_meta(), layers=(1,), points=("k",))
     with TraceWriter(path, meta) as w:
         for p in range(300):                                   # decode steps: one row each
             w.write_rows("layers/1", "k", [p], rows[p:p + 1])
@@ -107,9 +107,10 @@ def test_rows_reach_the_file_when_written_not_when_it_is_closed(tmp_path):
 
 
 @pytest.mark.parametrize("row_shape, dtype, chunk_rows", [
-    ((), np.float64, 8192),              # a norm statistic: at least 64 KB a chunk, a multiple of 128 rows
-    ((2, 8), np.float32, 1024),
-    ((3, 64), np.uint16, 128),           # 384 B: 128 rows, though 64 KB would take 170
+    ((), np.float64, 1024),              # a norm statistic: at least 8 KB a chunk, a multiple of 128 rows
+    ((2, 8), np.float32, 128),
+    ((1, 8), np.float32, 256),           # 32 B: 8 KB would take 256 rows
+    ((3, 64), np.uint16, 128),
     ((576,), np.uint16, 128),
     ((49152,), np.uint16, 10),           # a logits row: about 1 MB a chunk
 ])
@@ -138,7 +139,7 @@ def test_row_datasets_are_made_as_h5py_makes_them(tmp_path, compression, opts):
             w.write_rows("layers/1", "k", range(3), rows)
     with h5py.File(paths[0], "r") as f:
         ds = f["layers/1/k"]
-        assert (ds.compression, ds.compression_opts, ds.maxshape, ds.chunks) == (compression, opts, (None, 2, 8), (1024, 2, 8))
+        assert (ds.compression, ds.compression_opts, ds.maxshape, ds.chunks) == (compression, opts, (None, 2, 8), (128, 2, 8))
         assert ds.attrs["kvdiff_dtype"] == "float32" and np.array_equal(ds[:], rows.numpy())
     assert paths[0].read_bytes() == paths[1].read_bytes()       # no time stamps in the objects
 

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 # Each norm's input point and output point, per layer; the final norm reads the last resid_post.
 NORM_IO = {"attn_norm": ("resid_pre", "attn_norm"), "mlp_norm": ("resid_mid", "mlp_norm")}
 _BLOCK_BYTES = (64 << 10, 8 << 20)   # rows read at once from each trace: a quarter layer, within these bounds
-_HDF5_CHUNK_ROWS = 128                # the writer's chunk height for rows of 512 B to 8 KB (a multiple below)
+_HDF5_CHUNK_ROWS = 128                # the writer's chunk height for rows of 64 B to 8 KB (a multiple below)
 
 
 @dataclass

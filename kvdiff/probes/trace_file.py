@@ -35,7 +35,7 @@ from kvdiff.probes.trace_format import (
 )
 
 _CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
-_MIN_CHUNK_BYTES = 64 << 10       # and the least one: rows of a few bytes (norm statistics) get more than 128 a chunk
+_MIN_CHUNK_BYTES = 8 << 10        # and the least one: rows of a few bytes (norm statistics) get more than 128 a chunk
 
 Step = tuple[int, int, int, np.ndarray, np.ndarray, float]   # step, position, token, top-k ids, values, margin
 Source = tuple[str, int, int, bool]                          # chunk, prefill id, encoded position, reused
