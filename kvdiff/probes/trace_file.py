@@ -169,7 +169,8 @@ class TraceFile:
                     f"{name}: rows of shape {row_shape} {dtype} after rows of {col.row_shape} {col.dtype}")
             return col
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize)
-        chunk_rows = int(min(max(128, _MIN_CHUNK_BYTES // row_bytes // 128 * 128), max(1, _CHUNK_BYTES // row_bytes)))
+        most_rows = max(128, _MIN_CHUNK_BYTES // row_bytes // 128 * 128)     # a multiple of 128, as the diff reads
+        chunk_rows = int(min(most_rows, max(1, _CHUNK_BYTES // row_bytes)))
         ds = self._new_column(name, row_shape, dtype, chunk_rows)
         ds.attrs[DTYPE_ATTR] = torch_dtype
         col = self._columns[name] = _Column(ds, row_shape, dtype, chunk_rows)
