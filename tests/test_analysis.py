@@ -68,6 +68,16 @@ def test_isolated_local_is_a_position_mismatch_with_offset_minus_16(traces):
     assert "offset -16" in pm[0].evidence
 
 
+def test_keys_rotated_to_the_right_positions_but_rounded_differently_are_no_position_mismatch(traces, tmp_path):
+    cand = tmp_path / "rope_rounding.h5"
+    cand.write_bytes(traces["same"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f["layers/0/k"][16:] = f["layers/0/k"][16:] * np.float32(1 + 1e-3)   # k_pre_rope untouched
+    div = kvdiff.diff(traces["reference"], cand)
+    assert (div.first_divergence.layer, div.first_divergence.position, div.first_divergence.tensor) == (0, 16, "k")
+    assert "position_mismatch" not in kinds(div)
+
+
 def test_isolated_global_is_missing_context_without_position_mismatch(traces):
     div = kvdiff.diff(traces["reference"], traces["global"])
     first = div.first_divergence
@@ -77,6 +87,16 @@ def test_isolated_global_is_missing_context_without_position_mismatch(traces):
     assert len(mc) == 1 and mc[0].details["unattended"] == [0, 15] and mc[0].chunk == "user"
     assert 0 < mc[0].details["reference_attention_mass"] <= 1
     assert "0-15 were not attended" in mc[0].evidence
+
+
+@pytest.mark.parametrize("chunks", [CHUNKS, None])
+def test_attn_out_rounded_differently_is_no_missing_context(traces, tmp_path, model, chunks):
+    cand = write_trace(model, tmp_path / "rounded.h5", PROMPT, STEPS, strategy="prefix", chunks=chunks)
+    with h5py.File(cand, "r+") as f:
+        f["layers/0/attn_out"][16:] = f["layers/0/attn_out"][16:] * np.float32(1 + 1e-3)   # q, k, v untouched
+    div = kvdiff.diff(traces["reference"], cand)
+    assert (div.first_divergence.layer, div.first_divergence.position, div.first_divergence.tensor) == (0, 16, "attn_out")
+    assert "missing_context" not in kinds(div)
 
 
 def test_missing_context_falls_back_to_the_data_without_a_chunk_table(traces, tmp_path, model):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvdiff.analysis.attention import attention_mass
+from kvdiff.analysis.attention import attention_mass, attention_shift
 from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.rope import estimate_positions, estimate_thetas, rotate
 from kvdiff.analysis.synthetic import Faults, SyntheticModel, rope, write_trace
@@ -84,6 +84,22 @@ def test_attention_mass_matches_a_direct_softmax_with_gqa():
     assert mass[0] == pytest.approx(float(w[:, :2].sum(1).mean()))
     w2 = (torch.einsum("hd,shd->hs", q[2].double(), kk[:3].double()) * 8 ** -0.5).softmax(-1)
     assert mass[1] == pytest.approx(float(w2[:, :2].sum(1).mean()))
+
+
+def test_attention_shift_is_the_relative_move_of_a_direct_attention_output_with_gqa():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(6, 4, 8, generator=g), torch.randn(6, 2, 8, generator=g), torch.randn(6, 2, 8, generator=g)
+    shift = attention_shift(q.numpy(), k.numpy(), v.numpy(), np.arange(6), np.array([5, 2, 1]), (0, 1), 8 ** -0.5)
+    kk, vv = k.repeat_interleave(2, 1).double(), v.repeat_interleave(2, 1).double()
+
+    def out(row: int, keys: slice) -> torch.Tensor:
+        w = (torch.einsum("hd,shd->hs", q[row].double(), kk[keys]) * 8 ** -0.5).softmax(-1)
+        return torch.einsum("hs,shd->hd", w, vv[keys])
+
+    full, without = out(5, slice(0, 6)), out(5, slice(2, 6))
+    assert shift[0] == pytest.approx(float((without - full).norm() / full.norm()))
+    assert shift[1] == pytest.approx(float((out(2, slice(2, 3)) - out(2, slice(0, 3))).norm() / out(2, slice(0, 3)).norm()))
+    assert shift[2] == 1.0                        # every key it sees is left out
 
 
 def test_cli_diff_exit_codes_and_json(tmp_path):

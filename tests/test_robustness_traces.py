@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -173,6 +174,18 @@ def test_traces_of_different_dtypes_compare_at_the_looser_tolerance(traces, tmp_
                                                "bfloat16": {"atol": 1e-5, "rtol": 1.6e-2}}[dtype]
     assert report["tokens_identical"]
     json.dumps(report, allow_nan=False)
+
+
+def test_one_model_recorded_in_float32_and_float16_gets_no_structural_diagnosis(tiny_llama, tmp_path):
+    model, tokenizer = tiny_llama
+    messages = [{"role": "user", "content": "hello there, how are you today my friend"}]
+    ref = kvdiff.record(model, tokenizer, messages, tmp_path / "fp32.h5", max_new_tokens=8)
+    cand = kvdiff.record(copy.deepcopy(model).to(torch.float16), tokenizer, messages, tmp_path / "fp16.h5",
+                         max_new_tokens=8)
+    report = kvdiff.diff(ref, cand).to_json()
+    assert report["first_divergence"] is not None          # float16 rounding breaches the tolerance somewhere
+    found = {d["kind"] for d in report["diagnoses"]}
+    assert not found & {"position_mismatch", "missing_context", "cache_content_mismatch"}, report["diagnoses"]
 
 
 def test_a_trace_recording_fewer_points_is_compared_on_the_shared_ones(traces, tmp_path):

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
-from kvdiff.analysis.attention import attention_mass
+from kvdiff.analysis.attention import attention_mass, attention_shift
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
 from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.rope import estimate_positions, rotate
 from kvdiff.analysis.tolerance import Tier
 
+log = logging.getLogger(__name__)
+
+# Leaving a span out moves the attention output by `attention_shift` of its norm; o_proj, which
+# the trace does not hold, scales that by far less than this. A change of attn_out this many times
+# smaller than the shift refutes the missing span (rounding, e.g. another dtype, explains it).
+_SHIFT_TO_CHANGE = 100.0
 
 def _q_shift(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> np.ndarray:
     """Per column: the RoPE shift that maps the reference q onto the candidate q, or -1<<62 if none does."""
@@ -79,8 +87,17 @@ def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
         if start <= int(positions[0]):
             continue
         unattended = (int(positions[0]), start - 1)
-        mass = attention_mass(ref_q, ref_k, positions, gcols, unattended,
-                              inputs.reference.meta.attn_scale)
+        scale = inputs.reference.meta.attn_scale
+        shift = attention_shift(ref_q, ref_k, inputs.rows(layer, "v")[0], positions, gcols, unattended, scale)
+        ref_out, cand_out = (rows[gcols].astype(np.float64) for rows in inputs.rows(layer, "attn_out"))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            change = np.linalg.norm(cand_out - ref_out, axis=1) / np.linalg.norm(ref_out, axis=1)
+        if change.mean() * _SHIFT_TO_CHANGE < shift.mean():
+            log.debug("attn_out at %s changed by %.3g of its norm, but leaving %s out would move it by %.3g: "
+                      "not a missing context", span_text(int(group[0]), int(group[-1])), change.mean(),
+                      span_text(*unattended), shift.mean())
+            continue
+        mass = attention_mass(ref_q, ref_k, positions, gcols, unattended, scale)
         _, attn_rel = inputs.worst("attn_out", row, gcols)
         lo, hi = int(group[0]), int(group[-1])
         qnote = "" if not shifts[in_group].any() else f" (after undoing a RoPE shift of {int(shifts[in_group][0]):+d})"

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
 from kvdiff.analysis.rope import estimate_positions
+
+log = logging.getLogger(__name__)
 
 
 def _encoded(inputs: DiagnosisInputs, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -18,7 +22,9 @@ def _encoded(inputs: DiagnosisInputs, cols: np.ndarray) -> tuple[np.ndarray, np.
 
 
 def diagnose_position_mismatch(inputs: DiagnosisInputs) -> list[Diagnosis]:
-    """One diagnosis per candidate chunk whose first-layer k_pre_rope matches but k does not."""
+    """One diagnosis per candidate chunk whose first-layer k_pre_rope matches but k does not, unless
+    the keys' rotation angles fit the expected positions exactly (then RoPE's arithmetic differs,
+    e.g. its precision, not the positions it used)."""
     kp_ok, k_bad = inputs.ok("k_pre_rope", 0), inputs.divergent("k", 0)
     if kp_ok is None or k_bad is None:
         return []
@@ -41,6 +47,10 @@ def diagnose_position_mismatch(inputs: DiagnosisInputs) -> list[Diagnosis]:
         if fit is not None:
             enc, quality = fit[0][np.isin(positions[cols], group)], fit[1][np.isin(positions[cols], group)]
             offsets = enc - group
+            if not offsets.any():
+                log.debug("k differs after RoPE at %s, but rotated to the expected positions: not a position "
+                          "mismatch", span_text(lo, hi))
+                continue
             values, counts = np.unique(offsets, return_counts=True)
             offset = int(values[counts.argmax()])
             details.update(offset=offset, encoded_positions=[int(enc.min()), int(enc.max())],
