@@ -7,32 +7,36 @@ from typing import Iterator
 import numpy as np
 
 
+def _by_head(rows: np.ndarray, heads: int) -> np.ndarray:
+    """(n, kv_heads, d) rows as float64 (heads, n, d), each kv head repeated for its query heads."""
+    return np.ascontiguousarray(np.repeat(rows.astype(np.float64), heads // rows.shape[1], axis=1).transpose(1, 0, 2))
+
+
 def _weights(q: np.ndarray, k: np.ndarray, positions: np.ndarray, query_rows: np.ndarray,
-             scale: float) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Per query row: its keys' visibility (positions <= its own) and the softmax weights
-    (heads, visible keys) over them, in float64."""
-    group = q.shape[1] // k.shape[1]
-    kk = np.repeat(k.astype(np.float64), group, axis=1)                   # (n, heads, d)
+             scale: float) -> Iterator[tuple[int, np.ndarray]]:
+    """Per query row: how many keys it sees (positions are increasing: those up to its own) and the
+    softmax weights (heads, seen keys) over them, in float64."""
+    kk = _by_head(k, q.shape[1])
+    seen = np.searchsorted(positions, positions[query_rows], side="right")
     with np.errstate(invalid="ignore", over="ignore"):
-        for row in query_rows:
-            visible = positions <= positions[row]
-            scores = np.einsum("hd,shd->hs", q[row].astype(np.float64), kk[visible]) * scale
+        for row, n in zip(query_rows, seen):
+            scores = np.matmul(kk[:, :n], q[row].astype(np.float64)[:, :, None])[..., 0] * scale
             scores -= scores.max(axis=1, keepdims=True)
             weights = np.exp(scores)
-            yield visible, weights / weights.sum(axis=1, keepdims=True)
+            yield n, weights / weights.sum(axis=1, keepdims=True)
 
 
 def attention_mass(q: np.ndarray, k: np.ndarray, positions: np.ndarray, query_rows: np.ndarray,
                    span: tuple[int, int], scale: float) -> np.ndarray:
     """Share of each query row's attention mass (mean over heads) on key positions within `span`.
 
-    q: (n, heads, d) and k: (n, kv_heads, d) rows at `positions`; `query_rows` index q; each query
+    q: (n, heads, d) and k: (n, kv_heads, d) rows at increasing `positions`; `query_rows` index q; each query
     attends causally to keys at positions <= its own. Softmax in float64; NaN for a query row whose
     scores hold NaN or Inf.
     """
     inside = (positions >= span[0]) & (positions <= span[1])
-    return np.array([weights[:, inside[visible]].sum(axis=1).mean()
-                     for visible, weights in _weights(q, k, positions, query_rows, scale)])
+    return np.array([weights[:, inside[:n]].sum(axis=1).mean()
+                     for n, weights in _weights(q, k, positions, query_rows, scale)])
 
 
 def attention_shift(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, query_rows: np.ndarray,
@@ -40,16 +44,15 @@ def attention_shift(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.n
     """How far each query row's attention output (all heads, before o_proj) moves, relative to its
     norm, when the keys at positions within `span` are left out; the same arguments as
     `attention_mass` and v: (n, kv_heads, d). 1 where no key outside `span` is visible."""
-    group = q.shape[1] // k.shape[1]
-    vv = np.repeat(v.astype(np.float64), group, axis=1)                   # (n, heads, d)
+    vv = _by_head(v, q.shape[1])
     outside = (positions < span[0]) | (positions > span[1])
     out = np.ones(query_rows.size)
     with np.errstate(invalid="ignore", divide="ignore"):
-        for i, (visible, weights) in enumerate(_weights(q, k, positions, query_rows, scale)):
-            kept = weights * outside[visible]
+        for i, (n, weights) in enumerate(_weights(q, k, positions, query_rows, scale)):
+            kept = weights * outside[:n]
             if not kept.any():
                 continue
-            full = np.einsum("hs,shd->hd", weights, vv[visible])
-            without = np.einsum("hs,shd->hd", kept / kept.sum(axis=1, keepdims=True), vv[visible])
+            full = np.matmul(weights[:, None, :], vv[:, :n])
+            without = np.matmul((kept / kept.sum(axis=1, keepdims=True))[:, None, :], vv[:, :n])
             out[i] = np.linalg.norm(without - full) / np.linalg.norm(full)
     return out
