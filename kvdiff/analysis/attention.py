@@ -9,7 +9,8 @@ import numpy as np
 
 def _by_head(rows: np.ndarray, heads: int) -> np.ndarray:
     """(n, kv_heads, d) rows as float64 (heads, n, d), each kv head repeated for its query heads."""
-    return np.ascontiguousarray(np.repeat(rows.astype(np.float64), heads // rows.shape[1], axis=1).transpose(1, 0, 2))
+    repeated = np.repeat(rows.astype(np.float64), heads // rows.shape[1], axis=1)
+    return np.ascontiguousarray(repeated.transpose(1, 0, 2))
 
 
 def _weights(q: np.ndarray, k: np.ndarray, positions: np.ndarray, query_rows: np.ndarray,
@@ -30,9 +31,9 @@ def attention_mass(q: np.ndarray, k: np.ndarray, positions: np.ndarray, query_ro
                    span: tuple[int, int], scale: float) -> np.ndarray:
     """Share of each query row's attention mass (mean over heads) on key positions within `span`.
 
-    q: (n, heads, d) and k: (n, kv_heads, d) rows at increasing `positions`; `query_rows` index q; each query
-    attends causally to keys at positions <= its own. Softmax in float64; NaN for a query row whose
-    scores hold NaN or Inf.
+    q: (n, heads, d) and k: (n, kv_heads, d) rows at increasing `positions`; `query_rows` index q;
+    each query attends causally to keys at positions <= its own. Softmax in float64; NaN for a query
+    row whose scores hold NaN or Inf.
     """
     inside = (positions >= span[0]) & (positions <= span[1])
     return np.array([weights[:, inside[:n]].sum(axis=1).mean()

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 # smaller than the shift refutes the missing span (rounding, e.g. another dtype, explains it).
 _SHIFT_TO_CHANGE = 100.0
 
+
 def _q_shift(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> np.ndarray:
     """Per column: the RoPE shift that maps the reference q onto the candidate q, or -1<<62 if none does."""
     none = np.full(cols.size, -(1 << 62), dtype=np.int64)
