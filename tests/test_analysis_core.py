@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from kvdiff.analysis.attention import attention_mass, attention_shift
 from kvdiff.analysis.metrics import row_metrics
+from kvdiff.analysis.norms import same_norm
 from kvdiff.analysis.rope import estimate_positions, estimate_thetas, rotate
 from kvdiff.analysis.synthetic import Faults, SyntheticModel, rope, write_trace
 from kvdiff.analysis.tolerance import DTYPE_DEFAULTS, Tier, Tolerance, Tolerances, parse_tolerance
@@ -100,6 +101,19 @@ def test_attention_shift_is_the_relative_move_of_a_direct_attention_output_with_
     assert shift[0] == pytest.approx(float((without - full).norm() / full.norm()))
     assert shift[1] == pytest.approx(float((out(2, slice(2, 3)) - out(2, slice(0, 3))).norm() / out(2, slice(0, 3)).norm()))
     assert shift[2] == 1.0                        # every key it sees is left out
+
+
+def test_same_norm_compares_eps_and_weights_rounded_to_the_less_precise_dtype():
+    w = np.array([1.0, 1.0001, 0.3], dtype=np.float32)
+    half = torch.from_numpy(w).half().numpy()
+    assert same_norm((w, 1e-5, "float32"), (w.copy(), 1e-5, "float32"))
+    assert same_norm((w, 1e-5, "float32"), (half, 1e-5, "float16"))
+    assert same_norm((half, 1e-5, "float16"), (w, 1e-5, "float32"))
+    assert not same_norm((w, 1e-5, "float32"), (half, 1e-6, "float16"))              # eps
+    assert not same_norm((w, 1e-5, "float32"), (w * 2, 1e-5, "float32"))             # weights
+    assert not same_norm((w, 1e-5, "float32"), (half * 2, 1e-5, "float16"))
+    assert same_norm((half, 1e-5, "float16"), (w, 1e-5, "bfloat16")) is None           # two half precisions
+    assert same_norm(None, (w, 1e-5, "float32")) is None
 
 
 def test_cli_diff_exit_codes_and_json(tmp_path):

@@ -186,6 +186,8 @@ def test_one_model_recorded_in_float32_and_float16_gets_no_structural_diagnosis(
     assert report["first_divergence"] is not None          # float16 rounding breaches the tolerance somewhere
     found = {d["kind"] for d in report["diagnoses"]}
     assert not found & {"position_mismatch", "missing_context", "cache_content_mismatch"}, report["diagnoses"]
+    norms = [d for d in report["diagnoses"] if d["kind"] == "norm_consistency"]
+    assert [d["source"] for d in norms] == ["inputs"] and norms[0]["explained_by_input_rounding"] > 0
 
 
 def test_a_trace_recording_fewer_points_is_compared_on_the_shared_ones(traces, tmp_path):

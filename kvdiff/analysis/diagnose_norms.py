@@ -21,6 +21,15 @@ def _inconsistent(checks: list[NormCheck], which: str, comparable: np.ndarray) -
     return None
 
 
+def _rounded_inputs(check: NormCheck, differ: np.ndarray) -> np.ndarray:
+    """Of the positions where `check`'s statistics differ, those whose inputs differ only within
+    tolerance while both traces declare the same weight and eps and both recompute the norm
+    exactly: the same function of slightly different inputs, so the inputs explain them too."""
+    if not check.same_norm or check.ref_consistent is None or check.cand_consistent is None:
+        return np.zeros_like(differ)
+    return differ & (check.input_tier == Tier.NOISE) & check.ref_consistent & check.cand_consistent
+
+
 def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
     cmp = inputs.comparison
     checks, comparable, positions = cmp.norms, cmp.alignment.comparable, cmp.alignment.positions
@@ -30,6 +39,7 @@ def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
               for c in checks]
     n_differ = sum(int(d.sum()) for _, d in differ)
     from_inputs = sum(int((d & (c.input_tier == Tier.DIVERGENT)).sum()) for c, d in differ)
+    from_rounding = sum(int(_rounded_inputs(c, d).sum()) for c, d in differ)
     bad_ref = _inconsistent(checks, "ref", comparable)
     bad_cand = _inconsistent(checks, "cand", comparable)
     if n_differ == 0 and bad_cand is None and bad_ref is None:
@@ -52,9 +62,15 @@ def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
         parts.append(f"norm statistics differ at {n_differ} (norm, position) pairs, first at {_where(first_c)} "
                      f"position {int(positions[cols[0]])}; {from_inputs} of {n_differ} have a differing input "
                      f"(RMSNorm is per token with no running statistics, so those follow from their inputs)")
-        if from_inputs < n_differ:
-            parts.append(f"{n_differ - from_inputs} differ with matching inputs: the norm itself differs there")
-    source = "norm" if bad_cand is not None or bad_ref is not None or from_inputs < n_differ else "inputs"
+        if from_rounding:
+            parts.append(f"{from_rounding} more have inputs within tolerance but not equal, and both traces declare "
+                         f"the same weight and eps and recompute their norms exactly: the same norm turns those "
+                         f"small input differences into these")
+        if from_inputs + from_rounding < n_differ:
+            parts.append(f"{n_differ - from_inputs - from_rounding} differ with matching inputs: the norm itself "
+                         f"differs there")
+    explained = from_inputs + from_rounding
+    source = "norm" if bad_cand is not None or bad_ref is not None or explained < n_differ else "inputs"
     spots = np.flatnonzero(np.logical_or.reduce([d for _, d in differ]))
     if bad_cand is not None:
         spots = np.union1d(spots, [bad_cand[1]])
@@ -65,5 +81,6 @@ def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
         evidence = f"positions {span_text(*span)}: " + evidence
     return [Diagnosis("norm_consistency", chunk, span, evidence, {
         "source": source, "stat_differences": n_differ, "explained_by_inputs": from_inputs,
+        "explained_by_input_rounding": from_rounding,
         "candidate_inconsistent": None if bad_cand is None else {"layer": bad_cand[0].layer, "norm": bad_cand[0].norm,
                                                                  "position": int(positions[bad_cand[1]])}})]

@@ -35,6 +35,7 @@ class NormCheck:
     output_tier: np.ndarray                 # int8 (P,): reference vs candidate norm output
     stats_differ: np.ndarray | None         # bool (P,): a recorded statistic differs beyond tolerance
     differing_stats: list[str]              # names of the statistics that differ somewhere
+    same_norm: bool | None = None           # both traces declare the same weight and eps (None: unknown)
 
 
 def recompute_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, dtype: str) -> np.ndarray:
@@ -52,6 +53,20 @@ def _weight(trace: TraceReader, layer: int | None, norm: str) -> tuple[np.ndarra
     except TraceError:
         return None
     return weight, eps, trace.meta.dtype
+
+
+def same_norm(ref: tuple[np.ndarray, float, str] | None, cand: tuple[np.ndarray, float, str] | None) -> bool | None:
+    """Whether two traces declare the same norm: equal eps, and weights equal once the float32 one
+    is rounded to the other's dtype. None when a trace holds no weight or the dtypes are two
+    different half precisions."""
+    if ref is None or cand is None:
+        return None
+    dtypes = {ref[2], cand[2]} - {"float32"}
+    if len(dtypes) > 1 or not dtypes <= set(_TORCH_DTYPES):
+        return None
+    low = _TORCH_DTYPES[dtypes.pop()] if dtypes else torch.float32
+    weights = [torch.from_numpy(np.asarray(w, dtype=np.float32)).to(low) for w, _, _ in (ref, cand)]
+    return ref[1] == cand[1] and weights[0].shape == weights[1].shape and torch.equal(*weights)
 
 
 def _stats_differ(ref: dict | None, cand: dict | None, alignment: Alignment,
@@ -101,4 +116,4 @@ class NormChecker:
         """The NormCheck over every block added, in order, with the recorded statistics compared."""
         joined = [None if parts[0] is None else np.concatenate(parts) for parts in zip(*self._blocks)]
         differ, names = _stats_differ(ref_stats, cand_stats, alignment, self.tolerances, self.norm)
-        return NormCheck(self.layer, self.norm, *joined, differ, names)
+        return NormCheck(self.layer, self.norm, *joined, differ, names, same_norm(*self._weights))
