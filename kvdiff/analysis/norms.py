@@ -35,7 +35,7 @@ class NormCheck:
     output_tier: np.ndarray                 # int8 (P,): reference vs candidate norm output
     stats_differ: np.ndarray | None         # bool (P,): a recorded statistic differs beyond tolerance
     differing_stats: list[str]              # names of the statistics that differ somewhere
-    same_norm: bool | None = None           # both traces declare the same weight and eps (None: unknown)
+    same_norm: bool | None                  # both traces declare the same weight and eps (None: unknown)
 
 
 def recompute_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, dtype: str) -> np.ndarray:
