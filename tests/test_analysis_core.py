@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvdiff.analysis.attention import attention_mass, attention_shift
+from kvdiff.analysis.attention import span_attention
 from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.norms import same_norm
 from kvdiff.analysis.rope import estimate_positions, estimate_thetas, rotate
@@ -78,8 +78,8 @@ def test_rope_frequencies_and_encoded_positions_are_read_back_without_the_base(b
 
 def test_attention_mass_matches_a_direct_softmax_with_gqa():
     g = torch.Generator().manual_seed(1)
-    q, k = torch.randn(6, 4, 8, generator=g), torch.randn(6, 2, 8, generator=g)
-    mass = attention_mass(q.numpy(), k.numpy(), np.arange(6), np.array([5, 2]), (0, 1), 8 ** -0.5)
+    q, k, v = torch.randn(6, 4, 8, generator=g), torch.randn(6, 2, 8, generator=g), torch.randn(6, 2, 8, generator=g)
+    mass, _ = span_attention(q.numpy(), k.numpy(), v.numpy(), np.arange(6), np.array([5, 2]), (0, 1), 8 ** -0.5)
     kk = k.repeat_interleave(2, 1)
     w = (torch.einsum("hd,shd->hs", q[5].double(), kk.double()) * 8 ** -0.5).softmax(-1)
     assert mass[0] == pytest.approx(float(w[:, :2].sum(1).mean()))
@@ -90,7 +90,7 @@ def test_attention_mass_matches_a_direct_softmax_with_gqa():
 def test_attention_shift_is_the_relative_move_of_a_direct_attention_output_with_gqa():
     g = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(6, 4, 8, generator=g), torch.randn(6, 2, 8, generator=g), torch.randn(6, 2, 8, generator=g)
-    shift = attention_shift(q.numpy(), k.numpy(), v.numpy(), np.arange(6), np.array([5, 2, 1]), (0, 1), 8 ** -0.5)
+    _, shift = span_attention(q.numpy(), k.numpy(), v.numpy(), np.arange(6), np.array([5, 2, 1]), (0, 1), 8 ** -0.5)
     kk, vv = k.repeat_interleave(2, 1).double(), v.repeat_interleave(2, 1).double()
 
     def out(row: int, keys: slice) -> torch.Tensor:

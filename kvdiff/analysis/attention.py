@@ -27,33 +27,26 @@ def _weights(q: np.ndarray, k: np.ndarray, positions: np.ndarray, query_rows: np
             yield n, weights / weights.sum(axis=1, keepdims=True)
 
 
-def attention_mass(q: np.ndarray, k: np.ndarray, positions: np.ndarray, query_rows: np.ndarray,
-                   span: tuple[int, int], scale: float) -> np.ndarray:
-    """Share of each query row's attention mass (mean over heads) on key positions within `span`.
+def span_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, query_rows: np.ndarray,
+                   span: tuple[int, int], scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per query row, in one pass over its softmax: the share of its attention mass (mean over
+    heads) on key positions within `span`, and how far its attention output (all heads, before
+    o_proj) moves, relative to its norm, when those keys are left out (1 where it sees no other).
 
-    q: (n, heads, d) and k: (n, kv_heads, d) rows at increasing `positions`; `query_rows` index q;
-    each query attends causally to keys at positions <= its own. Softmax in float64; NaN for a query
-    row whose scores hold NaN or Inf.
+    q: (n, heads, d), k and v: (n, kv_heads, d) rows at increasing `positions`; `query_rows` index
+    q; each query attends causally to keys at positions <= its own. Softmax in float64; NaN for a
+    query row whose scores hold NaN or Inf.
     """
-    inside = (positions >= span[0]) & (positions <= span[1])
-    return np.array([weights[:, inside[:n]].sum(axis=1).mean()
-                     for n, weights in _weights(q, k, positions, query_rows, scale)])
-
-
-def attention_shift(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, query_rows: np.ndarray,
-                    span: tuple[int, int], scale: float) -> np.ndarray:
-    """How far each query row's attention output (all heads, before o_proj) moves, relative to its
-    norm, when the keys at positions within `span` are left out; the same arguments as
-    `attention_mass` and v: (n, kv_heads, d). 1 where no key outside `span` is visible."""
     vv = _by_head(v, q.shape[1])
-    outside = (positions < span[0]) | (positions > span[1])
-    out = np.ones(query_rows.size)
+    inside = (positions >= span[0]) & (positions <= span[1])
+    mass, shift = np.zeros(query_rows.size), np.ones(query_rows.size)
     with np.errstate(invalid="ignore", divide="ignore"):
         for i, (n, weights) in enumerate(_weights(q, k, positions, query_rows, scale)):
-            kept = weights * outside[:n]
+            mass[i] = weights[:, inside[:n]].sum(axis=1).mean()
+            kept = weights * ~inside[:n]
             if not kept.any():
                 continue
             full = np.matmul(weights[:, None, :], vv[:, :n])
             without = np.matmul((kept / kept.sum(axis=1, keepdims=True))[:, None, :], vv[:, :n])
-            out[i] = np.linalg.norm(without - full) / np.linalg.norm(full)
-    return out
+            shift[i] = np.linalg.norm(without - full) / np.linalg.norm(full)
+    return mass, shift

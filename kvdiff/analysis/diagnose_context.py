@@ -6,7 +6,7 @@ import logging
 
 import numpy as np
 
-from kvdiff.analysis.attention import attention_mass, attention_shift
+from kvdiff.analysis.attention import span_attention
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
 from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.rope import estimate_positions, rotate
@@ -14,7 +14,7 @@ from kvdiff.analysis.tolerance import Tier
 
 log = logging.getLogger(__name__)
 
-# Leaving a span out moves the attention output by `attention_shift` of its norm; o_proj, which
+# Leaving a span out moves the attention output by `span_attention`'s shift of its norm; o_proj, which
 # the trace does not hold, scales that by far less than this. A change of attn_out this many times
 # smaller than the shift refutes the missing span (rounding, e.g. another dtype, explains it).
 _SHIFT_TO_CHANGE = 100.0
@@ -89,7 +89,7 @@ def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
             continue
         unattended = (int(positions[0]), start - 1)
         scale = inputs.reference.meta.attn_scale
-        shift = attention_shift(ref_q, ref_k, inputs.rows(layer, "v")[0], positions, gcols, unattended, scale)
+        mass, shift = span_attention(ref_q, ref_k, inputs.rows(layer, "v")[0], positions, gcols, unattended, scale)
         ref_out, cand_out = (rows[gcols].astype(np.float64) for rows in inputs.rows(layer, "attn_out"))
         with np.errstate(invalid="ignore", divide="ignore"):
             change = np.linalg.norm(cand_out - ref_out, axis=1) / np.linalg.norm(ref_out, axis=1)
@@ -98,7 +98,6 @@ def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
                       "not a missing context", span_text(int(group[0]), int(group[-1])), change.mean(),
                       span_text(*unattended), shift.mean())
             continue
-        mass = attention_mass(ref_q, ref_k, positions, gcols, unattended, scale)
         _, attn_rel = inputs.worst("attn_out", row, gcols)
         lo, hi = int(group[0]), int(group[-1])
         qnote = "" if not shifts[in_group].any() else f" (after undoing a RoPE shift of {int(shifts[in_group][0]):+d})"
