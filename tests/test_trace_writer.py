@@ -106,6 +106,54 @@ def test_rows_reach_the_file_when_written_not_when_it_is_closed(tmp_path):
         f.discard()
 
 
+def test_rows_from_the_first_chunk_on_go_into_chunks_allocated_as_the_column_grows(tmp_path, monkeypatch):
+    import h5py
+    from kvdiff.probes.trace_file import TraceFile, _LatchingFile
+    writes = []
+    original = _LatchingFile.pwrite
+    monkeypatch.setattr(_LatchingFile, "pwrite", lambda io, view, at: (writes.append(len(view)), original(io, view, at)))
+    rng = np.random.default_rng(5)
+    want = {name: rng.standard_normal((600, 256)).astype(np.float32) for name in ("a", "b")}   # 1 KB rows, 128 a chunk
+    path = tmp_path / "t.h5"
+    f = TraceFile(path, np.arange(600), None)
+    try:
+        f.put("layers/0/a", np.arange(300), want["a"][:300], "float32")
+        assert writes == [300 * 1024]                     # three chunks allocated together: one write
+        for p in range(300, 600):                         # decode steps; the two columns' chunks interleave
+            for name in ("a", "b") if p > 300 else ("a",):
+                f.put(f"layers/0/{name}", np.array([p]), want[name][p:p + 1], "float32")
+            if p == 300:
+                f.put("layers/0/b", np.arange(301), want["b"][:301], "float32")
+        want["a"][[5, 450, 10]] *= -1
+        f.put("layers/0/a", np.array([450, 5, 10]), want["a"][[450, 5, 10]], "float32")   # scattered, through HDF5
+        f.finish(make_meta(), [], {})
+    except BaseException:
+        f.discard()
+        raise
+    with h5py.File(path, "r") as h:
+        for name, rows in want.items():
+            ds = h[f"layers/0/{name}"]
+            assert ds.id.get_create_plist().get_alloc_time() == h5py.h5d.ALLOC_TIME_EARLY
+            np.testing.assert_array_equal(ds[:], rows)
+    # chunks allocated as they are needed (5 of 128 rows a column), not by doubling the extent (6)
+    assert path.stat().st_size < 2 * 5 * 128 * 1024 + (64 << 10)
+
+
+def test_rows_that_start_past_the_first_chunk_leave_the_chunks_before_them_unallocated(tmp_path):
+    import h5py
+    from kvdiff.probes.trace_file import TraceFile
+    rows = np.random.default_rng(6).standard_normal((10, 256)).astype(np.float32)
+    path = tmp_path / "t.h5"
+    f = TraceFile(path, np.arange(5010), None)
+    f.put("layers/0/a", np.arange(5000, 5010), rows, "float32")     # a positions= selection near the end
+    f.finish(make_meta(), [], {})
+    with h5py.File(path, "r") as h:
+        ds = h["layers/0/a"]
+        assert ds.shape == (5010, 256) and ds.id.get_create_plist().get_alloc_time() != h5py.h5d.ALLOC_TIME_EARLY
+        np.testing.assert_array_equal(ds[5000:], rows)
+    assert path.stat().st_size < 5000 * 1024 // 4
+
+
 @pytest.mark.parametrize("row_shape, dtype, chunk_rows", [
     ((), np.float64, 1024),              # a norm statistic: at least 8 KB a chunk, a multiple of 128 rows
     ((2, 8), np.float32, 128),

@@ -16,11 +16,22 @@ read-modify-write of the chunk per step. The rows held are at most about one chu
 HDF5 chunk cache: HDF5 keeps one per dataset, and with one the last chunks of each of a trace's
 hundreds of datasets (2 MB each) stayed in memory until the file was closed, and were only then
 written, after the run instead of beside it.
+
+An uncompressed dataset whose first rows are consecutive and start in its first chunk (every
+dataset of a full capture) has its chunks allocated by HDF5 when its extent grows, without fill
+values, and `_Column` writes the rows' bytes into them itself with `os.pwrite`: one system call
+for a prefill's rows when their chunks lie together in the file. For the 2.1 GB trace of a
+2,461-token prompt on the GPU host, the writer thread spent 1.1-1.3 s in HDF5's writes and spends
+0.7 s this way (docs/benchmarks.md). Other datasets (compressed,
+or a `positions=` selection far from position 0, whose earlier chunks should stay unallocated)
+are written by HDF5.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -44,12 +55,19 @@ Source = tuple[str, int, int, bool]                          # chunk, prefill id
 @dataclass
 class _Column:
     """One dataset being written: its handle, facts h5py would look up on every call (rows
-    allocated, chunk rows), which positions hold rows, and the rows held back from `held_start`."""
+    allocated, chunk rows), which positions hold rows, and the rows held back from `held_start`.
+
+    A column with `io` has its chunks allocated when its extent grows (HDF5's early allocation)
+    and writes its rows into them itself, at the chunks' byte offsets (`offsets`, one per chunk);
+    one without goes through HDF5's own writes (compressed chunks, or rows that start far from
+    position 0, whose unwritten chunks should stay unallocated)."""
 
     ds: h5py.Dataset
     row_shape: tuple[int, ...]
     dtype: np.dtype
     chunk_rows: int
+    io: "_LatchingFile | None" = None
+    offsets: list[int] = field(default_factory=list)
     allocated: int = 0
     filled: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     held: list[np.ndarray] = field(default_factory=list)
@@ -68,17 +86,48 @@ class _Column:
         self.filled[positions] = True
 
     def grow(self, end: int) -> None:
-        if end > self.allocated:
+        """Make room for rows up to `end`: a doubled extent, or for a column with allocated
+        chunks the chunks `end` needs and no more (they take space in the file)."""
+        if end <= self.allocated:
+            return
+        if self.io is None:
             self.allocated = max(end, 2 * self.allocated)
             self.ds.id.set_extent((self.allocated, *self.row_shape))
+            return
+        self.allocated = -(-end // self.chunk_rows) * self.chunk_rows
+        self.ds.id.set_extent((self.allocated, *self.row_shape))
+        zeros = (0,) * len(self.row_shape)
+        for first in range(len(self.offsets) * self.chunk_rows, self.allocated, self.chunk_rows):
+            self.offsets.append(self.ds.id.get_chunk_info_by_coord((first, *zeros)).byte_offset)
 
     def write_run(self, start: int, data: np.ndarray) -> None:
-        """Write consecutive rows from `start` through h5py's low-level calls (its slicing front
-        end costs a few hundred microseconds a call, which the writer thread holds the GIL for)."""
+        """Write consecutive rows from `start`: into the allocated chunks with one write per
+        stretch of adjacent chunks, or through h5py's low-level calls (its slicing front end costs
+        a few hundred microseconds a call, which the writer thread holds the GIL for)."""
         data = np.ascontiguousarray(data)
+        if self.io is not None:
+            self._write_into_chunks(start, data)
+            return
         file_space = self.ds.id.get_space()
         file_space.select_hyperslab((start,) + (0,) * len(self.row_shape), data.shape)
         self.ds.id.write(h5py.h5s.create_simple(data.shape), file_space, data)
+
+    def _write_into_chunks(self, start: int, data: np.ndarray) -> None:
+        row_bytes = data.nbytes // data.shape[0]
+        view = memoryview(data.reshape(-1).view(np.uint8))
+        end, c = start + data.shape[0], self.chunk_rows
+        piece_at, piece_from, piece_to = -1, 0, 0       # file offset and the bytes of data it takes
+        for chunk in range(start // c, (end - 1) // c + 1):
+            first, last = max(start, chunk * c), min(end, (chunk + 1) * c)
+            at = self.offsets[chunk] + (first - chunk * c) * row_bytes
+            lo, hi = (first - start) * row_bytes, (last - start) * row_bytes
+            if piece_at >= 0 and at == piece_at + (piece_to - piece_from):
+                piece_to = hi
+                continue
+            if piece_at >= 0:
+                self.io.pwrite(view[piece_from:piece_to], piece_at)
+            piece_at, piece_from, piece_to = at, lo, hi
+        self.io.pwrite(view[piece_from:piece_to], piece_at)
 
     def hold(self, start: int, data: np.ndarray) -> None:
         if not self.held:
@@ -118,6 +167,18 @@ class _LatchingFile:
             except OSError as exc:
                 self.error = exc
         return len(data)
+
+    def pwrite(self, view: memoryview, offset: int) -> None:
+        """Write `view` at `offset` without moving the file position (rows into allocated chunks)."""
+        while view and self.error is None:
+            try:
+                written = os.pwrite(self._raw.fileno(), view, offset)
+                if not written:
+                    raise OSError(errno.EIO, "the file took no bytes")
+            except OSError as exc:
+                self.error = exc
+                return
+            view, offset = view[written:], offset + written
 
     def truncate(self, size: int) -> int:
         if self.error is None:
@@ -161,7 +222,10 @@ class TraceFile:
         if self._io.error is not None:
             raise self._io.error
 
-    def _column(self, name: str, row_shape: tuple[int, ...], dtype: np.dtype, torch_dtype: str) -> _Column:
+    def _column(self, name: str, row_shape: tuple[int, ...], dtype: np.dtype, torch_dtype: str,
+                first_rows: tuple[int, bool]) -> _Column:
+        """The column `name`, made on its first rows: `first_rows` is their first position and
+        whether they are consecutive."""
         col = self._columns.get(name)
         if col is not None:
             if col.row_shape != row_shape or col.dtype != dtype:
@@ -171,25 +235,35 @@ class TraceFile:
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize)
         most_rows = max(128, _MIN_CHUNK_BYTES // row_bytes // 128 * 128)     # a multiple of 128, as the diff reads
         chunk_rows = int(min(most_rows, max(1, _CHUNK_BYTES // row_bytes)))
-        ds = self._new_column(name, row_shape, dtype, chunk_rows)
+        first, consecutive = first_rows
+        # rows from the first chunk on, with nothing between them: the chunks are allocated as the
+        # column grows, and all of them will hold rows
+        own_writes = (self.compression is None and consecutive and first < chunk_rows
+                      and dtype.isnative and dtype.kind in "biuf")
+        ds = self._new_column(name, row_shape, dtype, chunk_rows, own_writes)
         ds.attrs[DTYPE_ATTR] = torch_dtype
-        col = self._columns[name] = _Column(ds, row_shape, dtype, chunk_rows)
+        col = self._columns[name] = _Column(ds, row_shape, dtype, chunk_rows, self._io if own_writes else None)
         return col
 
-    def _new_column(self, name: str, row_shape: tuple[int, ...], dtype: np.dtype, chunk_rows: int) -> h5py.Dataset:
+    def _new_column(self, name: str, row_shape: tuple[int, ...], dtype: np.dtype, chunk_rows: int,
+                    allocated_chunks: bool) -> h5py.Dataset:
         """An empty, extendable dataset made with h5py's low-level calls, as `create_dataset` would
         make it: a trace has hundreds of datasets, and `create_dataset` costs about a millisecond
-        each in Python."""
+        each in Python. With `allocated_chunks`, HDF5 allocates chunks when the extent grows and
+        writes no fill values into them (_Column writes the rows)."""
         parent, _, leaf = name.rpartition("/")
         group = self._groups.get(parent)
         if group is None:
             group = self._groups[parent] = self._file.require_group(parent) if parent else self._file
         chunks = (chunk_rows, *row_shape)
-        dcpl = self._layouts.get(chunks)
+        dcpl = self._layouts.get((chunks, allocated_chunks))
         if dcpl is None:
-            dcpl = self._layouts[chunks] = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            dcpl = self._layouts[chunks, allocated_chunks] = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
             dcpl.set_chunk(chunks)
             dcpl.set_obj_track_times(False)       # as h5py does: no time stamps, the same bytes every run
+            if allocated_chunks:
+                dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+                dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
             if self.compression == "gzip":
                 dcpl.set_deflate(4)                 # h5py's default level
             elif self.compression == "lzf":
@@ -202,11 +276,11 @@ class TraceFile:
         """Rows `data` at row index = global position; a later row for a position replaces an earlier one."""
         if positions.size == 0:
             return
-        col = self._column(name, data.shape[1:], data.dtype, torch_dtype)
         if positions.size > 1 and not bool(np.all(positions[1:] > positions[:-1])):
             order = np.argsort(positions, kind="stable")
             positions, data = positions[order], data[order]
         first, end = int(positions[0]), int(positions[-1]) + 1
+        col = self._column(name, data.shape[1:], data.dtype, torch_dtype, (first, end - first == positions.size))
         col.mark_filled(positions, end)
         if end - first != positions.size:
             col.write_held()
