@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -39,6 +40,31 @@ def test_submit_waits_while_the_backlog_would_pass_the_bound():
     assert worker.backlog == 0 and worker.error is None and worker.peak_backlog == 500
 
 
+def test_gpu_memory_has_a_backlog_bound_of_its_own():
+    worker = SerialWorker("test", max_bytes=100, max_device_bytes=1000)
+    gate = threading.Event()
+    worker.submit(gate.wait, 0, 600)
+    worker.submit(lambda: None, 90, 0)          # host memory: its own bound, not passed
+    blocked = threading.Thread(target=worker.submit, args=(lambda: None, 0, 600))
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive() and worker.backlog == 90
+    gate.set()
+    blocked.join(5)
+    assert not blocked.is_alive()
+    worker.stop()
+    assert worker.peak_device_backlog == 600 and worker.peak_backlog == 90
+
+
+def test_wait_idle_waits_for_jobs_that_hold_no_bytes():
+    worker = SerialWorker("test", max_bytes=100)
+    ran = []
+    worker.submit(lambda: (time.sleep(0.2), ran.append(1)))
+    worker.wait_idle()
+    assert ran == [1]
+    worker.stop()
+
+
 def test_a_failed_job_stops_the_worker_and_drops_later_jobs():
     worker = SerialWorker("test", max_bytes=10)
     ran = []
@@ -65,6 +91,31 @@ def test_rows_written_through_a_tiny_backlog_round_trip_bit_for_bit(tmp_path, dt
         got = tr.layer(1)["k"]
     want = rows.float().numpy() if dtype == torch.bfloat16 else rows.numpy()
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (see docs/gpu.md)")
+@pytest.mark.parametrize("device_bytes, on_gpu", [(None, True), (0, False)])
+def test_large_gpu_captures_wait_on_the_gpu_and_reach_the_file_in_pieces(tmp_path, monkeypatch, device_bytes, on_gpu):
+    from kvdiff.probes.device_rows import Bounce
+    monkeypatch.setattr(trace_writer, "Bounce", lambda: Bounce(4096))     # pieces of 128 or 64 rows
+    g = torch.Generator(device="cuda").manual_seed(7)
+    rows = {dtype: (torch.randn(700, 2, 8, device="cuda", generator=g) * 1e3).to(dtype)
+            for dtype in (torch.bfloat16, torch.float32)}
+    want = {dtype: r.cpu() for dtype, r in rows.items()}
+    for dtype, r in rows.items():
+        path = tmp_path / f"{str(dtype)[6:]}.h5"
+        meta = replace(make_meta(str(dtype)[6:]), layers=(1,), points=("k",))
+        monkeypatch.setattr(staging, "STAGED_ROWS_BYTES", 1024)
+        with TraceWriter(path, meta, max_queued_bytes=1024, max_device_bytes=device_bytes) as w:
+            w.write_rows("layers/1", "k", range(600), r[:600])
+            w.write_rows("layers/1", "k", range(600, 700), r[600:])
+            r.fill_(0)                                          # the caller reuses its buffer at once
+            peaks = w._worker.peak_backlog, w._worker.peak_device_backlog
+        assert (peaks[1] > 0) == on_gpu and (peaks[0] > 1024) != on_gpu
+        with open_trace(path) as tr:
+            got = tr.layer(1)["k"]
+        expected = want[dtype].float().numpy() if dtype == torch.bfloat16 else want[dtype].numpy()
+        assert np.array_equal(got.view(np.uint8), expected.view(np.uint8))
 
 
 def test_rows_arriving_one_position_at_a_time_are_written_once_per_hdf5_chunk(tmp_path, monkeypatch):

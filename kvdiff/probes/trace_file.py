@@ -139,7 +139,12 @@ class _Column:
         if not self.held:
             return
         self.grow(self.held_end)
-        self.write_run(self.held_start, self.held[0] if len(self.held) == 1 else np.concatenate(self.held))
+        held = self.held
+        if self.io is not None and len(held) > 1 and held[-1].shape[0] > self.chunk_rows:   # a large piece: not copied
+            self.write_run(self.held_start, np.concatenate(held[:-1]) if len(held) > 2 else held[0])
+            self.write_run(self.held_end - held[-1].shape[0], held[-1])
+        else:
+            self.write_run(self.held_start, held[0] if len(held) == 1 else np.concatenate(held))
         self.held, self.held_count = [], 0
 
 

@@ -1,8 +1,10 @@
 """TraceWriter: appends captured rows to an HDF5 trace as generation proceeds.
 
-Rows are copied to host memory when they are handed over and written to HDF5 by one background
-thread, so the model's forward does not wait for the disk; the writer's backlog is bounded
-(`max_queued_bytes`), and a capture that would pass the bound waits for the thread. Small
+Rows are copied when they are handed over and written to HDF5 by one background thread, so the
+model's forward does not wait for the disk. Large captures on a GPU are copied there
+(device_rows.DeviceRows) and brought to the host by the thread; others are copied to host
+memory. Both backlogs are bounded (`max_queued_bytes` of host memory, `max_device_bytes` of GPU
+memory), and a capture that would pass a bound waits for the thread. Small
 captures are staged (staging.Stage) and go to the thread as one job at `commit()` (the recorder
 commits at the end of each forward), when the stage is full, or at `flush`; that thread
 computes their norm statistics in batches and writes consecutive decode steps together
@@ -32,6 +34,7 @@ import torch
 
 from kvdiff.errors import KvdiffError, TraceError, TraceWriteError
 from kvdiff.probes.background import SerialWorker
+from kvdiff.probes.device_rows import Bounce, DeviceRows
 from kvdiff.probes.norm_stats import norm_statistics
 from kvdiff.probes.sink import ProbeIntegrityError
 from kvdiff.probes.staging import Stage, StageLayout, host_copy
@@ -43,6 +46,7 @@ log = logging.getLogger(__name__)
 
 _COMPRESSIONS = (None, "gzip", "lzf")
 DEFAULT_QUEUED_BYTES = 256 << 20
+DEFAULT_DEVICE_BYTES = 4 << 30          # and at most a quarter of the GPU's free memory
 
 
 def _reason(exc: BaseException) -> str:
@@ -72,7 +76,10 @@ class TraceWriter:
     """Writes one trace. Use as a context manager, or call `close()` / `abort()` yourself."""
 
     def __init__(self, path: str | os.PathLike, meta: TraceMeta, compression: str | None = None,
-                 max_queued_bytes: int = DEFAULT_QUEUED_BYTES):
+                 max_queued_bytes: int = DEFAULT_QUEUED_BYTES, max_device_bytes: int | None = None):
+        """`max_device_bytes`: GPU memory that copies of large captures may hold until written;
+        None: a quarter of the free memory of the GPU of the first such capture, at most
+        DEFAULT_DEVICE_BYTES; 0: captures go to host memory at once."""
         if compression not in _COMPRESSIONS:
             raise TraceError(f"unknown compression {compression!r}: use none, gzip or lzf")
         self.path = Path(path)
@@ -92,14 +99,16 @@ class TraceWriter:
         self._learning = True                   # the first forward: every staged capture cloned
         self._in_place: set[str] = set()        # captures the model changes in place: always cloned
         self._batch = StepBatch(self._file)          # used by the writer thread only
+        self._bounce = Bounce()                      # likewise
         self._open = True
-        self._worker = SerialWorker(f"kvdiff-trace {self.path.name}", max_queued_bytes)
+        self._device_bytes = max_device_bytes
+        self._worker = SerialWorker(f"kvdiff-trace {self.path.name}", max_queued_bytes, max_device_bytes or 0)
         weakref.finalize(self, self._worker.cancel)     # a writer dropped unclosed ends its thread
 
-    def _submit(self, job: Callable[[], None], nbytes: int) -> None:
+    def _submit(self, job: Callable[[], None], nbytes: int, device_bytes: int = 0) -> None:
         if not self._open:
             raise TraceError(f"trace {self.path} is already closed or aborted")
-        self._worker.submit(job, nbytes)
+        self._worker.submit(job, nbytes, device_bytes)
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
@@ -128,7 +137,19 @@ class TraceWriter:
             return
         self._commit_stage()   # rows staged earlier are written first: a later row replaces an earlier one
         self._split = True
-        host, file, steps = host_copy(rows.reshape(shape)), self._file, self._batch
+        rows, file, steps = rows.reshape(shape), self._file, self._batch
+        if rows.is_cuda and rows.nbytes <= self._device_room(rows.device):
+            kept, bounce = DeviceRows(rows), self._bounce
+
+            def from_device() -> None:
+                steps.flush()
+                for first, piece in kept.host_pieces(bounce):
+                    data, torch_dtype = to_storage(piece)
+                    file.put(name, positions[first:first + data.shape[0]], data, torch_dtype)
+
+            self._submit(from_device, 0, kept.nbytes)
+            return
+        host = host_copy(rows)
 
         def job() -> None:
             steps.flush()
@@ -136,6 +157,14 @@ class TraceWriter:
             file.put(name, positions, data, torch_dtype)
 
         self._submit(job, host.tensor.nbytes)
+
+    def _device_room(self, device: torch.device) -> int:
+        """GPU memory copies of large captures may hold (fixed at the first capture on a GPU)."""
+        if self._device_bytes is None:
+            free, _ = torch.cuda.mem_get_info(device)
+            self._device_bytes = min(DEFAULT_DEVICE_BYTES, free // 4)
+            self._worker.max_device_bytes = self._device_bytes
+        return self._device_bytes
 
     def write_norm(self, group: str, norm: str, positions: Sequence[int], norm_input: torch.Tensor,
                    norm_output: torch.Tensor) -> None:
@@ -284,8 +313,9 @@ class TraceWriter:
             self.abort()
             raise
         self._open = False
-        log.info("trace written: %s (%d positions, %.1f MB; peak write backlog %.0f MB)", self.path, n_positions,
-                 self.path.stat().st_size / 1e6, self._worker.peak_backlog / 1e6)
+        log.info("trace written: %s (%d positions, %.1f MB; peak write backlog %.0f MB in host memory, "
+                 "%.0f MB on the GPU)", self.path, n_positions, self.path.stat().st_size / 1e6,
+                 self._worker.peak_backlog / 1e6, self._worker.peak_device_backlog / 1e6)
         return self.path
 
     def abort(self) -> None:
