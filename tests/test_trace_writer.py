@@ -21,18 +21,24 @@ from kvdiff.probes.trace import TraceWriter, open_trace
 from test_trace import make_meta
 
 
+def _assert_submit_waits_for(worker: SerialWorker, gate: threading.Event, *sizes: int) -> None:
+    """A submit of a job holding `sizes` blocks until `gate` lets the first job finish."""
+    blocked = threading.Thread(target=worker.submit, args=(lambda: None, *sizes))
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive()
+    gate.set()
+    blocked.join(5)
+    assert not blocked.is_alive()
+
+
 def test_submit_waits_while_the_backlog_would_pass_the_bound():
     worker = SerialWorker("test", max_bytes=100)
     gate = threading.Event()
     worker.submit(gate.wait, 60)
     worker.submit(lambda: None, 30)
-    blocked = threading.Thread(target=worker.submit, args=(lambda: None, 30))
-    blocked.start()
-    blocked.join(0.3)
-    assert blocked.is_alive() and worker.backlog == 90
-    gate.set()
-    blocked.join(5)
-    assert not blocked.is_alive()
+    assert worker.backlog == 90
+    _assert_submit_waits_for(worker, gate, 30)
     worker.wait_idle()
     assert worker.peak_backlog == 90
     worker.submit(lambda: None, 500)          # larger than the bound: admitted once the backlog is empty
@@ -45,13 +51,7 @@ def test_gpu_memory_has_a_backlog_bound_of_its_own():
     gate = threading.Event()
     worker.submit(gate.wait, 0, 600)
     worker.submit(lambda: None, 90, 0)          # host memory: its own bound, not passed
-    blocked = threading.Thread(target=worker.submit, args=(lambda: None, 0, 600))
-    blocked.start()
-    blocked.join(0.3)
-    assert blocked.is_alive() and worker.backlog == 90
-    gate.set()
-    blocked.join(5)
-    assert not blocked.is_alive()
+    _assert_submit_waits_for(worker, gate, 0, 600)
     worker.stop()
     assert worker.peak_device_backlog == 600 and worker.peak_backlog == 90
 
