@@ -377,7 +377,7 @@ class TraceFile:
         positions = self._recorded_positions()
         self._check_complete(positions)
         for col in self._columns.values():
-            col.ds.resize(int(positions[-1]) + 1 if positions.size else 0, axis=0)
+            col.ds.id.set_extent((int(positions[-1]) + 1 if positions.size else 0, *col.row_shape))
         self._write_tables(positions, meta, steps, provenance)
         self._write_meta(meta)
         self._file.attrs["complete"] = True
