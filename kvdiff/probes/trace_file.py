@@ -47,6 +47,7 @@ from kvdiff.probes.trace_format import (
 
 _CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
 _MIN_CHUNK_BYTES = 8 << 10        # and the least one: rows of a few bytes (norm statistics) get more than 128 a chunk
+_WRITE_BYTES = 1 << 20            # the most one system call writes (_LatchingFile.pwrite)
 
 Step = tuple[int, int, int, np.ndarray, np.ndarray, float]   # step, position, token, top-k ids, values, margin
 Source = tuple[str, int, int, bool]                          # chunk, prefill id, encoded position, reused
@@ -174,10 +175,15 @@ class _LatchingFile:
         return len(data)
 
     def pwrite(self, view: memoryview, offset: int) -> None:
-        """Write `view` at `offset` without moving the file position (rows into allocated chunks)."""
-        while view and self.error is None:
+        """Write `view` at `offset` without moving the file position (rows into allocated chunks),
+        at most `_WRITE_BYTES` a system call: on the 2-core VM of docs/benchmarks.md, the trace of a
+        2,000-token prefill took 1.4-3.2 s to write in pieces of 4 MB or more and 0.6 s in pieces
+        of 1 MB (the cause was not found); on the H100 host the size made no difference."""
+        end = offset + len(view)
+        while offset < end and self.error is None:
+            piece = view[: min(len(view), _WRITE_BYTES)]
             try:
-                written = os.pwrite(self._raw.fileno(), view, offset)
+                written = os.pwrite(self._raw.fileno(), piece, offset)
                 if not written:
                     raise OSError(errno.EIO, "the file took no bytes")
             except OSError as exc:
