@@ -120,12 +120,12 @@ def test_large_gpu_captures_wait_on_the_gpu_and_reach_the_file_in_pieces(tmp_pat
 
 def test_rows_arriving_one_position_at_a_time_are_written_once_per_hdf5_chunk(tmp_path, monkeypatch):
     import h5py
-    from kvdiff.probes.trace_file import _Column
-    writes = []                     # runs of rows go through _Column.write_run, scattered rows through h5py's slicing
-    original, original_run = h5py.Dataset.__setitem__, _Column.write_run
+    from kvdiff.probes.trace_column import TraceColumn
+    writes = []                     # runs of rows go through TraceColumn.write_run, scattered rows through h5py's slicing
+    original, original_run = h5py.Dataset.__setitem__, TraceColumn.write_run
     monkeypatch.setattr(h5py.Dataset, "__setitem__",
                         lambda ds, sel, val: (writes.append(ds.name), original(ds, sel, val)))
-    monkeypatch.setattr(_Column, "write_run",
+    monkeypatch.setattr(TraceColumn, "write_run",
                         lambda col, start, data: (writes.append(col.ds.name), original_run(col, start, data)))
     g = torch.Generator().manual_seed(2)
     rows = torch.randn(300, 2, 8, generator=g)                # 64-byte rows: 128 rows a chunk
@@ -159,10 +159,11 @@ def test_rows_reach_the_file_when_written_not_when_it_is_closed(tmp_path):
 
 def test_rows_from_the_first_chunk_on_go_into_chunks_allocated_as_the_column_grows(tmp_path, monkeypatch):
     import h5py
-    from kvdiff.probes.trace_file import TraceFile, _LatchingFile
+    from kvdiff.probes.trace_column import LatchingFile
+    from kvdiff.probes.trace_file import TraceFile
     writes = []
-    original = _LatchingFile.pwrite
-    monkeypatch.setattr(_LatchingFile, "pwrite", lambda io, view, at: (writes.append(len(view)), original(io, view, at)))
+    original = LatchingFile.pwrite
+    monkeypatch.setattr(LatchingFile, "pwrite", lambda io, view, at: (writes.append(len(view)), original(io, view, at)))
     rng = np.random.default_rng(5)
     want = {name: rng.standard_normal((600, 256)).astype(np.float32) for name in ("a", "b")}   # 1 KB rows, 128 a chunk
     path = tmp_path / "t.h5"
@@ -188,6 +189,20 @@ def test_rows_from_the_first_chunk_on_go_into_chunks_allocated_as_the_column_gro
             np.testing.assert_array_equal(ds[:], rows)
     # chunks allocated as they are needed (5 of 128 rows a column), not by doubling the extent (6)
     assert path.stat().st_size < 2 * 5 * 128 * 1024 + (64 << 10)
+
+
+def test_rows_go_into_allocated_chunks_at_most_1_mb_a_system_call(tmp_path, monkeypatch):
+    import h5py
+    from kvdiff.probes.trace_file import TraceFile
+    calls, original = [], os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, at: (calls.append(len(data)), original(fd, data, at))[1])
+    rows = np.random.default_rng(8).standard_normal((3000, 256)).astype(np.float32)       # 3 MB
+    f = TraceFile(tmp_path / "t.h5", np.arange(3000), None)
+    f.put("layers/0/a", np.arange(3000), rows, "float32")
+    f.finish(make_meta(), [], {})
+    assert sum(calls) == rows.nbytes and max(calls) <= 1 << 20 and len(calls) <= 4
+    with h5py.File(tmp_path / "t.h5", "r") as h:
+        np.testing.assert_array_equal(h["layers/0/a"][:], rows)
 
 
 def test_rows_that_start_past_the_first_chunk_leave_the_chunks_before_them_unallocated(tmp_path):

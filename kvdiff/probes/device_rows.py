@@ -4,10 +4,10 @@ A prefill's captures are hundreds of MB to GBs, produced in the few milliseconds
 takes on a GPU, and the disk takes about a second for 2 GB. With host copies alone the forward
 waits for the writer's bounded host backlog; pinning host memory for the whole trace instead
 costs about half a second per GB the first time (on an H100 host). A `DeviceRows` is a copy
-made on the rows' GPU (a device-to-device copy: a millisecond or two for 2 GB), so the forward goes on at once; the
-writer thread copies it to the host through one pinned `Bounce` buffer, a piece at a time, on
-a stream of its own, and writes each piece before the next. TraceWriter bounds the GPU memory
-these copies hold (`max_device_bytes`).
+made on the rows' GPU (a device-to-device copy: a millisecond or two for 2 GB), so the forward
+goes on at once; the writer thread copies it to the host through one pinned `Bounce` buffer, a
+piece at a time, on a stream of its own, and writes each piece before the next. TraceWriter
+bounds the GPU memory these copies hold (`max_device_bytes`).
 """
 
 from __future__ import annotations

@@ -4,35 +4,14 @@ h5py must not be used on one file from two threads at once; TraceWriter opens a 
 before its writer thread starts, lets only that thread call it, and finishes or discards it
 after the thread has ended.
 
-HDF5 writes through `_LatchingFile` (h5py's file-object driver): an OS error (disk full, file
-too large) is kept there instead of being returned to HDF5, and TraceFile raises it after the
-call. HDF5 2.0 crashes the process when it closes a file after a failed write from its chunk
-cache; this way it never sees one, and the unfinished file can be closed and deleted.
-
-Rows that extend a dataset's last write (a decode step's one row per point) are held in memory
-and written when they reach the end of an HDF5 chunk: one write per chunk instead of a
-read-modify-write of the chunk per step. The rows held are at most about one chunk
-(`_CHUNK_BYTES`) per dataset; `flush` and `finish` write them. Because of that the file has no
-HDF5 chunk cache: HDF5 keeps one per dataset, and with one the last chunks of each of a trace's
-hundreds of datasets (2 MB each) stayed in memory until the file was closed, and were only then
-written, after the run instead of beside it.
-
-An uncompressed dataset whose first rows are consecutive and start in its first chunk (every
-dataset of a full capture) has its chunks allocated by HDF5 when its extent grows, without fill
-values, and `_Column` writes the rows' bytes into them itself with `os.pwrite`: one system call
-for a prefill's rows when their chunks lie together in the file. For the 2.1 GB trace of a
-2,461-token prompt on the GPU host, the writer thread spent 1.1-1.3 s in HDF5's writes and spends
-0.7 s this way (docs/benchmarks.md). Other datasets (compressed,
-or a `positions=` selection far from position 0, whose earlier chunks should stay unallocated)
-are written by HDF5.
+HDF5 writes through a LatchingFile and rows go into datasets through TraceColumns
+(trace_column.py): how rows are held until a chunk is full, written into chunks HDF5 allocated,
+and how a write error is kept from HDF5.
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -41,169 +20,16 @@ import numpy as np
 
 from kvdiff.probes.selection import format_ranges
 from kvdiff.probes.sink import ProbeIntegrityError
+from kvdiff.probes.trace_column import LatchingFile, TraceColumn
 from kvdiff.probes.trace_format import (
     DTYPE_ATTR, FORMAT_NAME, SCHEMA_VERSION, TraceMeta, norm_weight_path,
 )
 
 _CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
 _MIN_CHUNK_BYTES = 8 << 10        # and the least one: rows of a few bytes (norm statistics) get more than 128 a chunk
-_WRITE_BYTES = 1 << 20            # the most one system call writes (_LatchingFile.pwrite)
 
 Step = tuple[int, int, int, np.ndarray, np.ndarray, float]   # step, position, token, top-k ids, values, margin
 Source = tuple[str, int, int, bool]                          # chunk, prefill id, encoded position, reused
-
-
-@dataclass
-class _Column:
-    """One dataset being written: its handle, facts h5py would look up on every call (rows
-    allocated, chunk rows), which positions hold rows, and the rows held back from `held_start`.
-
-    A column with `io` has its chunks allocated when its extent grows (HDF5's early allocation)
-    and writes its rows into them itself, at the chunks' byte offsets (`offsets`, one per chunk);
-    one without goes through HDF5's own writes (compressed chunks, or rows that start far from
-    position 0, whose unwritten chunks should stay unallocated)."""
-
-    ds: h5py.Dataset
-    row_shape: tuple[int, ...]
-    dtype: np.dtype
-    chunk_rows: int
-    io: "_LatchingFile | None" = None
-    offsets: list[int] = field(default_factory=list)
-    allocated: int = 0
-    filled: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
-    held: list[np.ndarray] = field(default_factory=list)
-    held_start: int = 0
-    held_count: int = 0
-
-    @property
-    def held_end(self) -> int:
-        return self.held_start + self.held_count
-
-    def mark_filled(self, positions: np.ndarray, end: int) -> None:
-        if self.filled.size < end:
-            grown = np.zeros(max(end, 2 * self.filled.size), dtype=bool)
-            grown[: self.filled.size] = self.filled
-            self.filled = grown
-        self.filled[positions] = True
-
-    def grow(self, end: int) -> None:
-        """Make room for rows up to `end`: a doubled extent, or for a column with allocated
-        chunks the chunks `end` needs and no more (they take space in the file)."""
-        if end <= self.allocated:
-            return
-        if self.io is None:
-            self.allocated = max(end, 2 * self.allocated)
-            self.ds.id.set_extent((self.allocated, *self.row_shape))
-            return
-        self.allocated = -(-end // self.chunk_rows) * self.chunk_rows
-        self.ds.id.set_extent((self.allocated, *self.row_shape))
-        zeros = (0,) * len(self.row_shape)
-        for first in range(len(self.offsets) * self.chunk_rows, self.allocated, self.chunk_rows):
-            self.offsets.append(self.ds.id.get_chunk_info_by_coord((first, *zeros)).byte_offset)
-
-    def write_run(self, start: int, data: np.ndarray) -> None:
-        """Write consecutive rows from `start`: into the allocated chunks with one write per
-        stretch of adjacent chunks, or through h5py's low-level calls (its slicing front end costs
-        a few hundred microseconds a call, which the writer thread holds the GIL for)."""
-        data = np.ascontiguousarray(data)
-        if self.io is not None:
-            self._write_into_chunks(start, data)
-            return
-        file_space = self.ds.id.get_space()
-        file_space.select_hyperslab((start,) + (0,) * len(self.row_shape), data.shape)
-        self.ds.id.write(h5py.h5s.create_simple(data.shape), file_space, data)
-
-    def _write_into_chunks(self, start: int, data: np.ndarray) -> None:
-        row_bytes = data.nbytes // data.shape[0]
-        view = memoryview(data.reshape(-1).view(np.uint8))
-        end, c = start + data.shape[0], self.chunk_rows
-        piece_at, piece_from, piece_to = -1, 0, 0       # file offset and the bytes of data it takes
-        for chunk in range(start // c, (end - 1) // c + 1):
-            first, last = max(start, chunk * c), min(end, (chunk + 1) * c)
-            at = self.offsets[chunk] + (first - chunk * c) * row_bytes
-            lo, hi = (first - start) * row_bytes, (last - start) * row_bytes
-            if piece_at >= 0 and at == piece_at + (piece_to - piece_from):
-                piece_to = hi
-                continue
-            if piece_at >= 0:
-                self.io.pwrite(view[piece_from:piece_to], piece_at)
-            piece_at, piece_from, piece_to = at, lo, hi
-        self.io.pwrite(view[piece_from:piece_to], piece_at)
-
-    def hold(self, start: int, data: np.ndarray) -> None:
-        if not self.held:
-            self.held_start = start
-        self.held.append(data)
-        self.held_count += data.shape[0]
-
-    def write_held(self) -> None:
-        if not self.held:
-            return
-        self.grow(self.held_end)
-        held = self.held
-        if self.io is not None and len(held) > 1 and held[-1].shape[0] > self.chunk_rows:   # a large piece: not copied
-            self.write_run(self.held_start, np.concatenate(held[:-1]) if len(held) > 2 else held[0])
-            self.write_run(self.held_end - held[-1].shape[0], held[-1])
-        else:
-            self.write_run(self.held_start, held[0] if len(held) == 1 else np.concatenate(held))
-        self.held, self.held_count = [], 0
-
-
-class _LatchingFile:
-    """An unbuffered file that keeps its first write error and from then on drops writes."""
-
-    def __init__(self, path: Path):
-        self._raw = open(path, "w+b", buffering=0)
-        self.error: OSError | None = None
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self._raw.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self._raw.tell()
-
-    def read(self, size: int) -> bytes:
-        data = self._raw.read(size)
-        return data + bytes(size - len(data))          # past the end reads as zeros, as in HDF5's own driver
-
-    def write(self, data) -> int:
-        if self.error is None:
-            try:
-                return self._raw.write(data)
-            except OSError as exc:
-                self.error = exc
-        return len(data)
-
-    def pwrite(self, view: memoryview, offset: int) -> None:
-        """Write `view` at `offset` without moving the file position (rows into allocated chunks),
-        at most `_WRITE_BYTES` a system call: on the 2-core VM of docs/benchmarks.md, the trace of a
-        2,000-token prefill took 1.4-3.2 s to write in pieces of 4 MB or more and 0.6 s in pieces
-        of 1 MB (the cause was not found); on the H100 host the size made no difference."""
-        end = offset + len(view)
-        while offset < end and self.error is None:
-            piece = view[: min(len(view), _WRITE_BYTES)]
-            try:
-                written = os.pwrite(self._raw.fileno(), piece, offset)
-                if not written:
-                    raise OSError(errno.EIO, "the file took no bytes")
-            except OSError as exc:
-                self.error = exc
-                return
-            view, offset = view[written:], offset + written
-
-    def truncate(self, size: int) -> int:
-        if self.error is None:
-            try:
-                return self._raw.truncate(size)
-            except OSError as exc:
-                self.error = exc
-        return size
-
-    def flush(self) -> None:
-        """Writes are unbuffered: nothing to do."""
-
-    def close(self) -> None:
-        self._raw.close()
 
 
 class TraceFile:
@@ -212,14 +38,14 @@ class TraceFile:
     def __init__(self, tmp_path: Path, input_ids: np.ndarray, compression: str | None):
         self.tmp_path = tmp_path
         self.compression = compression
-        self._io = _LatchingFile(tmp_path)
+        self._io = LatchingFile(tmp_path)
         try:
-            self._file = h5py.File(self._io, "w", rdcc_nbytes=0)      # no chunk cache: see above
+            self._file = h5py.File(self._io, "w", rdcc_nbytes=0)      # no chunk cache: see trace_column.py
         except BaseException:
             self._io.close()
             tmp_path.unlink(missing_ok=True)
             raise
-        self._columns: dict[str, _Column] = {}
+        self._columns: dict[str, TraceColumn] = {}
         self._groups: dict[str, h5py.Group] = {}
         self._layouts: dict[tuple[int, ...], h5py.h5p.PropDCID] = {}
         self._file.attrs["format"] = FORMAT_NAME
@@ -234,7 +60,7 @@ class TraceFile:
             raise self._io.error
 
     def _column(self, name: str, row_shape: tuple[int, ...], dtype: np.dtype, torch_dtype: str,
-                first_rows: tuple[int, bool]) -> _Column:
+                first_rows: tuple[int, bool]) -> TraceColumn:
         """The column `name`, made on its first rows: `first_rows` is their first position and
         whether they are consecutive."""
         col = self._columns.get(name)
@@ -253,7 +79,7 @@ class TraceFile:
                       and dtype.isnative and dtype.kind in "biuf")
         ds = self._new_column(name, row_shape, dtype, chunk_rows, own_writes)
         ds.attrs[DTYPE_ATTR] = torch_dtype
-        col = self._columns[name] = _Column(ds, row_shape, dtype, chunk_rows, self._io if own_writes else None)
+        col = self._columns[name] = TraceColumn(ds, row_shape, dtype, chunk_rows, self._io if own_writes else None)
         return col
 
     def _new_column(self, name: str, row_shape: tuple[int, ...], dtype: np.dtype, chunk_rows: int,
@@ -261,7 +87,7 @@ class TraceFile:
         """An empty, extendable dataset made with h5py's low-level calls, as `create_dataset` would
         make it: a trace has hundreds of datasets, and `create_dataset` costs about a millisecond
         each in Python. With `allocated_chunks`, HDF5 allocates chunks when the extent grows and
-        writes no fill values into them (_Column writes the rows)."""
+        writes no fill values into them (TraceColumn writes the rows)."""
         parent, _, leaf = name.rpartition("/")
         group = self._groups.get(parent)
         if group is None:
