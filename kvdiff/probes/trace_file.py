@@ -47,7 +47,7 @@ class TraceFile:
             raise
         self._columns: dict[str, TraceColumn] = {}
         self._groups: dict[str, h5py.Group] = {}
-        self._layouts: dict[tuple[int, ...], h5py.h5p.PropDCID] = {}
+        self._layouts: dict[tuple[tuple[int, ...], bool], h5py.h5p.PropDCID] = {}
         self._file.attrs["format"] = FORMAT_NAME
         self._file.attrs["schema_version"] = SCHEMA_VERSION
         self._file.attrs["complete"] = False
@@ -75,11 +75,11 @@ class TraceFile:
         first, consecutive = first_rows
         # rows from the first chunk on, with nothing between them: the chunks are allocated as the
         # column grows, and all of them will hold rows
-        own_writes = (self.compression is None and consecutive and first < chunk_rows
-                      and dtype.isnative and dtype.kind in "biuf")
-        ds = self._new_column(name, row_shape, dtype, chunk_rows, own_writes)
+        allocated_chunks = (self.compression is None and consecutive and first < chunk_rows
+                            and dtype.isnative and dtype.kind in "biuf")
+        ds = self._new_column(name, row_shape, dtype, chunk_rows, allocated_chunks)
         ds.attrs[DTYPE_ATTR] = torch_dtype
-        col = self._columns[name] = TraceColumn(ds, row_shape, dtype, chunk_rows, self._io if own_writes else None)
+        col = self._columns[name] = TraceColumn(ds, row_shape, dtype, chunk_rows, self._io if allocated_chunks else None)
         return col
 
     def _new_column(self, name: str, row_shape: tuple[int, ...], dtype: np.dtype, chunk_rows: int,
