@@ -118,6 +118,30 @@ def test_large_gpu_captures_wait_on_the_gpu_and_reach_the_file_in_pieces(tmp_pat
         assert np.array_equal(got.view(np.uint8), expected.view(np.uint8))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (see docs/gpu.md)")
+def test_a_gpu_out_of_memory_for_a_capture_sends_it_and_the_later_ones_to_host_memory(tmp_path, monkeypatch):
+    from kvdiff.probes.device_rows import DeviceRows
+    copies = []
+
+    def short_of_memory(rows):
+        copies.append(rows.shape[0])
+        if len(copies) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return DeviceRows(rows)
+
+    monkeypatch.setattr(trace_writer, "DeviceRows", short_of_memory)
+    monkeypatch.setattr(staging, "STAGED_ROWS_BYTES", 1024)
+    rows = torch.randn(300, 2, 8, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
+    path = tmp_path / "t.h5"
+    with TraceWriter(path, replace(make_meta(), layers=(1,), points=("k",)), max_queued_bytes=1024) as w:
+        for lo in range(0, 300, 100):
+            w.write_rows("layers/1", "k", range(lo, lo + 100), rows[lo:lo + 100])
+        peaks = w._worker.peak_backlog, w._worker.peak_device_backlog
+    assert copies == [100, 100] and peaks[0] > 1024 and peaks[1] > 0      # the third went to the host directly
+    with open_trace(path) as tr:
+        assert np.array_equal(tr.layer(1)["k"], rows.cpu().numpy())
+
+
 def test_rows_arriving_one_position_at_a_time_are_written_once_per_hdf5_chunk(tmp_path, monkeypatch):
     import h5py
     from kvdiff.probes.trace_column import TraceColumn

@@ -138,8 +138,9 @@ class TraceWriter:
         self._commit_stage()   # rows staged earlier are written first: a later row replaces an earlier one
         self._split = True
         rows, file, steps = rows.reshape(shape), self._file, self._batch
-        if rows.is_cuda and rows.nbytes <= self._device_room(rows.device):
-            kept, bounce = DeviceRows(rows), self._bounce
+        kept = self._device_copy(rows)
+        if kept is not None:
+            bounce = self._bounce
 
             def from_device() -> None:
                 steps.flush()
@@ -158,13 +159,27 @@ class TraceWriter:
 
         self._submit(job, host.tensor.nbytes)
 
-    def _device_room(self, device: torch.device) -> int:
-        """GPU memory copies of large captures may hold (fixed at the first capture on a GPU)."""
+    def _device_copy(self, rows: torch.Tensor) -> DeviceRows | None:
+        """A copy of large `rows` on their GPU, or None where they go to host memory: rows not on a
+        GPU, more than the GPU memory allowed (`max_device_bytes`, fixed at the first capture on a
+        GPU), or a copy the GPU has no memory for (from then on every capture goes to the host)."""
+        if not rows.is_cuda or self._device_bytes == 0:
+            return None
         if self._device_bytes is None:
-            free, _ = torch.cuda.mem_get_info(device)
-            self._device_bytes = min(DEFAULT_DEVICE_BYTES, free // 4)
-            self._worker.max_device_bytes = self._device_bytes
-        return self._device_bytes
+            free, _ = torch.cuda.mem_get_info(rows.device)
+            self._set_device_bytes(min(DEFAULT_DEVICE_BYTES, free // 4))
+        if rows.nbytes > self._device_bytes:
+            return None
+        try:
+            return DeviceRows(rows)
+        except torch.cuda.OutOfMemoryError:
+            log.info("no GPU memory for a %.0f MB capture of %s: captures go to host memory from here",
+                     rows.nbytes / 1e6, self.path)
+            self._set_device_bytes(0)
+            return None
+
+    def _set_device_bytes(self, nbytes: int) -> None:
+        self._device_bytes = self._worker.max_device_bytes = nbytes
 
     def write_norm(self, group: str, norm: str, positions: Sequence[int], norm_input: torch.Tensor,
                    norm_output: torch.Tensor) -> None:
