@@ -102,10 +102,10 @@ def test_large_gpu_captures_wait_on_the_gpu_and_reach_the_file_in_pieces(tmp_pat
     rows = {dtype: (torch.randn(700, 2, 8, device="cuda", generator=g) * 1e3).to(dtype)
             for dtype in (torch.bfloat16, torch.float32)}
     want = {dtype: r.cpu() for dtype, r in rows.items()}
+    monkeypatch.setattr(staging, "STAGED_ROWS_BYTES", 1024)           # not staged: copied alone
     for dtype, r in rows.items():
         path = tmp_path / f"{str(dtype)[6:]}.h5"
         meta = replace(make_meta(str(dtype)[6:]), layers=(1,), points=("k",))
-        monkeypatch.setattr(staging, "STAGED_ROWS_BYTES", 1024)
         with TraceWriter(path, meta, max_queued_bytes=1024, max_device_bytes=device_bytes) as w:
             w.write_rows("layers/1", "k", range(600), r[:600])
             w.write_rows("layers/1", "k", range(600, 700), r[600:])
