@@ -56,6 +56,13 @@ def test_gpu_memory_has_a_backlog_bound_of_its_own():
     assert worker.peak_device_backlog == 600 and worker.peak_backlog == 90
 
 
+@pytest.mark.parametrize("bounds", [{"max_queued_bytes": 0}, {"max_device_bytes": -1}])
+def test_bad_backlog_bounds_are_a_trace_error_before_any_file_is_made(tmp_path, bounds):
+    with pytest.raises(TraceError, match="max_queued_bytes must be positive and max_device_bytes None or not negative"):
+        TraceWriter(tmp_path / "t.h5", make_meta(), **bounds)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_wait_idle_waits_for_jobs_that_hold_no_bytes():
     worker = SerialWorker("test", max_bytes=100)
     ran = []

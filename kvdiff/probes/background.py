@@ -19,9 +19,6 @@ class SerialWorker:
     """One daemon thread running submitted jobs in submission order."""
 
     def __init__(self, name: str, max_bytes: int, max_device_bytes: int = 0):
-        if max_bytes <= 0 or max_device_bytes < 0:
-            raise ValueError(f"max_bytes must be positive and max_device_bytes not negative, "
-                             f"got {max_bytes} and {max_device_bytes}")
         self.max_bytes = max_bytes
         self.max_device_bytes = max_device_bytes
         self.error: BaseException | None = None

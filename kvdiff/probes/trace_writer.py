@@ -82,6 +82,9 @@ class TraceWriter:
         DEFAULT_DEVICE_BYTES; 0: captures go to host memory at once."""
         if compression not in _COMPRESSIONS:
             raise TraceError(f"unknown compression {compression!r}: use none, gzip or lzf")
+        if max_queued_bytes <= 0 or (max_device_bytes is not None and max_device_bytes < 0):
+            raise TraceError(f"max_queued_bytes must be positive and max_device_bytes None or not negative, "
+                             f"got {max_queued_bytes} and {max_device_bytes}")
         self.path = Path(path)
         if not self.path.parent.is_dir():
             raise TraceError(f"cannot write trace {self.path}: folder {self.path.parent} does not exist")
