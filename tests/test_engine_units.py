@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
@@ -172,6 +173,27 @@ def test_fingerprint_is_stable_and_weight_sensitive():
         m2.lm_head.weight[0, 0] += 1.0
     assert model_fingerprint(m1) != model_fingerprint(m2)
 
+
+
+def test_device_weight_digests_match_their_definition_across_chunks(monkeypatch):
+    """The on-device hash (run here on CPU tensors) against numpy: words mixed with their index
+    and summed modulo 2**64, whatever the chunking and word size."""
+    from kvdiff.probes import model_meta
+
+    def by_definition(tensor: torch.Tensor) -> bytes:
+        words = tensor.contiguous().view(-1).view({2: torch.int16, 4: torch.int32}[tensor.element_size()])
+        x = words.numpy().astype(np.int64) * model_meta._MUL1 + np.arange(words.numel()) * model_meta._MUL2
+        x ^= x >> 31
+        x *= model_meta._MUL3
+        x ^= x >> 29
+        return int(x.view(np.uint64).sum(dtype=np.uint64)).to_bytes(8, "little")
+
+    monkeypatch.setattr(model_meta, "_HASH_CHUNK", 1000)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(37, 101, generator=gen).to(torch.bfloat16), torch.randn(4099, generator=gen),
+               torch.randn(5, 3, generator=gen).to(torch.float16)]
+    assert model_meta.gpu_weight_digests(tensors) == [by_definition(t) for t in tensors]
+    assert model_meta.gpu_weight_digests([]) == []
 
 # --- paged KV cache -----------------------------------------------------------------------------
 

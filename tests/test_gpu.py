@@ -112,6 +112,25 @@ def test_gpu_fingerprint_is_stable_and_sees_a_one_ulp_change():
     assert model_fingerprint(model) != first
 
 
+
+def test_gpu_weight_hash_kernel_matches_the_torch_form(monkeypatch):
+    """The Triton hash against the torch form, for every word size, sizes that do not fill the
+    last block, an empty tensor and more than 2**31 words (64-bit indices)."""
+    from kvdiff.probes import hash_kernel, model_meta
+
+    assert hash_kernel.available
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [torch.randn(3001, 577, device="cuda", generator=gen).to(torch.bfloat16),
+               torch.randn(1_000_003, device="cuda", generator=gen),
+               torch.randn(2, 3, device="cuda", dtype=torch.float64, generator=gen),
+               torch.randint(0, 256, (2**31 + 4097,), device="cuda", dtype=torch.uint8, generator=gen),
+               torch.empty(0, device="cuda", dtype=torch.bfloat16)]
+    by_kernel = model_meta.gpu_weight_digests(tensors)
+    monkeypatch.setattr(hash_kernel, "available", False)
+    monkeypatch.setattr(model_meta, "_HASH_CHUNK", 1 << 20)
+    assert model_meta.gpu_weight_digests(tensors) == by_kernel
+    assert len(set(by_kernel)) == len(tensors)
+
 def test_prefix_exact_tokens_match_reference_on_the_suite(gpu_model):
     dtype, model, tok = gpu_model
     with exact_numerics(model):

@@ -52,47 +52,70 @@ _HASH_CHUNK = 1 << 26                 # elements hashed at once (bounds the int6
 _MUL1, _MUL2, _MUL3 = -7046029254386353131, -4658895280553007687, 6364136223846793005
 
 
-def gpu_weight_digest(tensor: torch.Tensor) -> bytes:
-    """An 8-byte hash of a GPU tensor's bytes, computed on the GPU.
-
-    Each word is mixed with its index (multiply, xor-shift) and the results are summed modulo
-    2**64 (an integer sum, so its order does not matter). Copying a billion weights to the host
-    to hash them there costs seconds; this costs milliseconds.
-    """
+def _mixed_word_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Every word of `tensor` mixed with its index (multiply, xor-shift), summed with int64
+    wrap-around: a 0-dim tensor on the tensor's device, queued there without waiting for it."""
     words = tensor.detach().contiguous().view(-1)
     words = words.view(_WORDS[words.element_size()])
-    total = 0
+    if words.is_cuda:
+        from kvdiff.probes import hash_kernel      # imports Triton: only when weights are on a GPU
+
+        if hash_kernel.available:
+            return hash_kernel.mixed_word_sum(words, _MUL1, _MUL2, _MUL3)
+    total = torch.zeros((), dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), _HASH_CHUNK):
-        w = words[start:start + _HASH_CHUNK].to(torch.int64)
-        x = w * _MUL1 + torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64) * _MUL2
-        x = x ^ (x >> 31)
-        x = x * _MUL3
-        x = x ^ (x >> 29)
-        total += int(x.sum())
-    return (total % 2**64).to_bytes(8, "little")
+        x = words[start:start + _HASH_CHUNK].to(torch.int64) * _MUL1
+        x += torch.arange(start, start + x.numel(), device=x.device, dtype=torch.int64) * _MUL2
+        x ^= x >> 31
+        x *= _MUL3
+        x ^= x >> 29
+        total += x.sum()
+    return total
+
+
+def gpu_weight_digests(tensors: list[torch.Tensor]) -> list[bytes]:
+    """An 8-byte hash of each GPU tensor's bytes, computed on its GPU.
+
+    Each hash is the sum modulo 2**64 of the tensor's words mixed with their indices (an integer
+    sum, so its order does not matter). Every tensor is queued first and each GPU is then waited
+    on once. Copying a billion weights to the host to hash them there costs seconds; this costs
+    milliseconds.
+    """
+    sums = [_mixed_word_sum(t) for t in tensors]
+    values: dict[int, int] = {}
+    for device in {s.device for s in sums}:
+        indices = [i for i, s in enumerate(sums) if s.device == device]
+        values.update(zip(indices, torch.stack([sums[i] for i in indices]).tolist()))
+    return [(values[i] % 2**64).to_bytes(8, "little") for i in range(len(sums))]
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
     """'cfg:<16 hex>/w:<16 hex>': a hash of the config and one of every weight's bytes.
 
-    Weights on a GPU are hashed there (`gpu_weight_digest`) and the weight part is then
+    Weights on a GPU are hashed there (`gpu_weight_digests`) and the weight part is then
     written 'wg:', so a fingerprint says which scheme made it: the same weights on CPU and on
     GPU give different fingerprints.
     """
     config = {k: v for k, v in model.config.to_dict().items()
               if not k.startswith("_") and k not in ("transformers_version", "name_or_path", "dtype", "torch_dtype")}
     cfg = hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
-    digest, seen, on_gpu = hashlib.blake2b(digest_size=8), set(), False
+    parts: list[bytes | int] = []          # bytes to hash, or the index of a GPU tensor's digest
+    on_gpu: list[torch.Tensor] = []
+    seen = set()
     for name, tensor in model.state_dict().items():
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        parts.append(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         if tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
         if tensor.is_cuda:
-            on_gpu = True
-            digest.update(gpu_weight_digest(tensor))
+            parts.append(len(on_gpu))
+            on_gpu.append(tensor)
         else:
-            digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().data)
+            parts.append(tensor.detach().contiguous().view(torch.uint8).numpy().data)
+    gpu_digests = gpu_weight_digests(on_gpu)
+    digest = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        digest.update(gpu_digests[part] if isinstance(part, int) else part)
     return f"cfg:{cfg}/{'wg' if on_gpu else 'w'}:{digest.hexdigest()}"
 
 
