@@ -1,5 +1,6 @@
 """The trace writer's background thread: bounded backlog, bit-exact data, errors in the caller."""
 
+import errno
 import os
 import subprocess
 import sys
@@ -516,3 +517,27 @@ def test_rows_changed_in_place_only_after_the_first_forward_drop_the_trace(tmp_p
         with pytest.raises(ProbeIntegrityError, match="changed the captured rows layers/0/resid_pre in place"):
             w.commit()
     assert not (tmp_path / "t.h5").exists() and not w.tmp_path.exists()
+
+
+def test_latching_file_keeps_the_first_write_error_and_drops_every_later_write(tmp_path, monkeypatch):
+    from kvdiff.probes.trace_column import LatchingFile
+    io = LatchingFile(tmp_path / "f")
+    io.pwrite(memoryview(b"abcd"), 0)
+    tried = []
+
+    def disk_full(fd, data, at):
+        tried.append(at)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", disk_full)
+    io.pwrite(memoryview(bytes(3 << 20)), 4)           # three 1 MB pieces: the first fails, no other is tried
+    assert tried == [4] and io.error.errno == errno.ENOSPC
+    assert io.write(b"xyz") == 3 and io.truncate(1 << 20) == 1 << 20      # dropped, reported as done to HDF5
+    io.close()
+    assert (tmp_path / "f").read_bytes() == b"abcd"
+
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, at: 0)
+    stuck = LatchingFile(tmp_path / "g")
+    stuck.pwrite(memoryview(b"abcd"), 0)                # a file that takes no bytes: an error, not a loop
+    assert stuck.error.errno == errno.EIO
+    stuck.close()

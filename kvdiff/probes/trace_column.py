@@ -28,6 +28,7 @@ import errno
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import h5py
 import numpy as np
@@ -148,38 +149,33 @@ class LatchingFile:
         data = self._raw.read(size)
         return data + bytes(size - len(data))          # past the end reads as zeros, as in HDF5's own driver
 
-    def write(self, data) -> int:
+    def _latched(self, call: Callable[[], int], unwritten: int) -> int:
+        """`call()`, a write, unless an earlier one failed; its OSError is kept, and `unwritten`
+        returned then, as it is from then on."""
         if self.error is None:
             try:
-                return self._raw.write(data)
+                return call()
             except OSError as exc:
                 self.error = exc
-        return len(data)
+        return unwritten
+
+    def write(self, data) -> int:
+        return self._latched(lambda: self._raw.write(data), len(data))
 
     def pwrite(self, view: memoryview, offset: int) -> None:
         """Write `view` at `offset` without moving the file position (rows into allocated chunks),
         at most `_WRITE_BYTES` a system call: on the 2-core VM of docs/benchmarks.md, the 1.65 GB
         of a 2,000-token prefill took 1.4-4.1 s to write in pieces of 4 MB or more and 0.6 s in
         pieces of 1 MB (the cause was not found)."""
-        end = offset + len(view)
+        end, fd = offset + len(view), self._raw.fileno()
         while offset < end and self.error is None:
-            piece = view[: min(len(view), _WRITE_BYTES)]
-            try:
-                written = os.pwrite(self._raw.fileno(), piece, offset)
-                if not written:
-                    raise OSError(errno.EIO, "the file took no bytes")
-            except OSError as exc:
-                self.error = exc
-                return
+            written = self._latched(lambda: os.pwrite(fd, view[: min(len(view), _WRITE_BYTES)], offset), 0)
+            if not written and self.error is None:
+                self.error = OSError(errno.EIO, "the file took no bytes")
             view, offset = view[written:], offset + written
 
     def truncate(self, size: int) -> int:
-        if self.error is None:
-            try:
-                return self._raw.truncate(size)
-            except OSError as exc:
-                self.error = exc
-        return size
+        return self._latched(lambda: self._raw.truncate(size), size)
 
     def flush(self) -> None:
         """Writes are unbuffered: nothing to do."""

@@ -140,27 +140,18 @@ class TraceWriter:
             return
         self._commit_stage()   # rows staged earlier are written first: a later row replaces an earlier one
         self._split = True
-        rows, file, steps = rows.reshape(shape), self._file, self._batch
+        rows, file, steps, bounce = rows.reshape(shape), self._file, self._batch, self._bounce
         kept = self._device_copy(rows)
-        if kept is not None:
-            bounce = self._bounce
-
-            def from_device() -> None:
-                steps.flush()
-                for first, piece in kept.host_pieces(bounce):
-                    data, torch_dtype = to_storage(piece)
-                    file.put(name, positions[first:first + data.shape[0]], data, torch_dtype)
-
-            self._submit(from_device, 0, kept.nbytes)
-            return
-        host = host_copy(rows)
+        host = host_copy(rows) if kept is None else None
 
         def job() -> None:
             steps.flush()
-            data, torch_dtype = to_storage(host.ready())
-            file.put(name, positions, data, torch_dtype)
+            pieces = kept.host_pieces(bounce) if kept is not None else [(0, host.ready())]
+            for first, piece in pieces:
+                data, torch_dtype = to_storage(piece)
+                file.put(name, positions[first:first + data.shape[0]], data, torch_dtype)
 
-        self._submit(job, host.tensor.nbytes)
+        self._submit(job, 0 if host is None else host.tensor.nbytes, 0 if kept is None else kept.nbytes)
 
     def _device_copy(self, rows: torch.Tensor) -> DeviceRows | None:
         """A copy of large `rows` on their GPU, or None where they go to host memory: rows not on a
