@@ -178,8 +178,11 @@ def test_a_model_split_across_two_gpus_gives_the_tokens_of_one_gpu(bf16_folder, 
 
 @two_gpus
 def test_probes_and_diff_work_on_a_split_model(bf16_folder, tmp_path):
+    from kvdiff.probes.model_meta import model_fingerprint
+
     split, tok = kvdiff.load_model(str(bf16_folder), dtype="bfloat16", device_map="balanced")
     single, _ = kvdiff.load_model(str(bf16_folder), dtype="bfloat16", device="cuda:0")
+    assert model_fingerprint(split) == model_fingerprint(single)      # hashed on each GPU, one wait per GPU
     for name, model in (("split", split), ("single", single)):
         with exact_numerics(model):
             kvdiff.record(model, tok, SUITE[0], tmp_path / f"{name}.h5", max_new_tokens=NEW, numerics="exact")
