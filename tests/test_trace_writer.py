@@ -541,3 +541,25 @@ def test_latching_file_keeps_the_first_write_error_and_drops_every_later_write(t
     stuck.pwrite(memoryview(b"abcd"), 0)                # a file that takes no bytes: an error, not a loop
     assert stuck.error.errno == errno.EIO
     stuck.close()
+
+
+def test_finishing_a_trace_reads_nothing_back_from_the_file(tmp_path, monkeypatch):
+    """Datasets grow to exactly the rows they hold: shrinking them at the end made HDF5 read and
+    rewrite the last chunk of every dataset."""
+    import h5py
+    from kvdiff.probes.trace_column import LatchingFile
+    from kvdiff.probes.trace_file import TraceFile
+    rows = np.random.default_rng(9).standard_normal((300, 1024)).astype(np.float32)     # 128 rows a chunk
+    f = TraceFile(tmp_path / "t.h5", np.arange(300), None)
+    f.put("layers/0/a", np.arange(290), rows[:290], "float32")
+    f.put("layers/0/a", np.arange(290, 300), rows[290:], "float32")
+    f.put("layers/0/b", np.arange(0, 300, 2), rows[::2], "float32")     # scattered rows: written by HDF5
+    f.put("layers/0/b", np.arange(1, 300, 2), rows[1::2], "float32")
+    reads, original = [], LatchingFile.read
+    monkeypatch.setattr(LatchingFile, "read", lambda io, size: (reads.append(size), original(io, size))[1])
+    f.finish(make_meta(), [], {})
+    assert reads == []
+    with h5py.File(tmp_path / "t.h5", "r") as h:
+        for name in ("a", "b"):
+            assert h[f"layers/0/{name}"].shape == (300, 1024)
+            np.testing.assert_array_equal(h[f"layers/0/{name}"][:], rows)

@@ -207,9 +207,7 @@ class TraceFile:
         `complete` last and close the file. Returns the number of recorded positions."""
         self._write_all_held()
         positions = self._recorded_positions()
-        self._check_complete(positions)
-        for col in self._columns.values():
-            col.ds.id.set_extent((int(positions[-1]) + 1 if positions.size else 0, *col.row_shape))
+        self._check_complete(positions)     # so every dataset's extent ends at the last position
         self._write_tables(positions, meta, steps, provenance)
         self._write_meta(meta)
         self._file.attrs["complete"] = True
