@@ -174,7 +174,6 @@ def test_fingerprint_is_stable_and_weight_sensitive():
     assert model_fingerprint(m1) != model_fingerprint(m2)
 
 
-
 def test_device_weight_digests_match_their_definition_across_chunks(monkeypatch):
     """The on-device hash (run here on CPU tensors) against numpy: words mixed with their index
     and summed modulo 2**64, whatever the chunking and word size."""
@@ -194,6 +193,7 @@ def test_device_weight_digests_match_their_definition_across_chunks(monkeypatch)
                torch.randn(5, 3, generator=gen).to(torch.float16)]
     assert model_meta.gpu_weight_digests(tensors) == [by_definition(t) for t in tensors]
     assert model_meta.gpu_weight_digests([]) == []
+
 
 # --- paged KV cache -----------------------------------------------------------------------------
 

@@ -112,7 +112,6 @@ def test_gpu_fingerprint_is_stable_and_sees_a_one_ulp_change():
     assert model_fingerprint(model) != first
 
 
-
 def test_gpu_weight_hash_kernel_matches_the_torch_form(monkeypatch):
     """The Triton hash against the torch form, for every word size, sizes that do not fill the
     last block, an empty tensor and more than 2**31 words (64-bit indices)."""
@@ -130,6 +129,7 @@ def test_gpu_weight_hash_kernel_matches_the_torch_form(monkeypatch):
     monkeypatch.setattr(model_meta, "_HASH_CHUNK", 1 << 20)
     assert model_meta.gpu_weight_digests(tensors) == by_kernel
     assert len(set(by_kernel)) == len(tensors)
+
 
 def test_prefix_exact_tokens_match_reference_on_the_suite(gpu_model):
     dtype, model, tok = gpu_model
