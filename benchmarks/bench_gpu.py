@@ -7,15 +7,22 @@ shape: exact vs fast numerics, full capture on vs off (HDF5 written to local dis
 context, against the plain run plus the time the disk takes for the trace's bytes alone), time to
 first token with an 8,000-token cached chunk vs no reuse, decode tokens/s vs transformers
 `generate` at batch 1 and 32.
+
+The lent machines' host timings wander by 2x between runs of the same code, so the numerics and
+capture rows time the two sides in alternated pairs (`--pairs`, default 7) and report the median
+time of each side, the median of the pairs' ratios and the pairs' lowest and highest ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,7 +39,8 @@ SYSTEM_2K = " ".join(f"Rule {i}: answer briefly, politely and in plain words." f
 SYSTEM_8K = " ".join(f"Clause {i}: the assistant keeps every answer short, exact and kind." for i in range(470))
 NEW = 32
 BATCH = 32
-REPEATS = 3        # the lent machines' host timings wander by 2-3x: ratios of alternated best-of-3 runs
+REPEATS = 3        # best-of for the disk alone
+PAIRS = 7          # alternated (baseline, kvdiff) pairs for the numerics and capture rows; --pairs
 
 
 def timed(fn) -> float:
@@ -42,6 +50,44 @@ def timed(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+@dataclass
+class Row:
+    """One line of the table: the two sides' times (or rates), their ratio, the goal, and for
+    paired rows the lowest and highest ratio of the pairs."""
+
+    name: str
+    baseline: float
+    kvdiff: float
+    ratio: float
+    goal: str
+    spread: tuple[float, float] | None = None
+
+
+@dataclass
+class Setup:
+    """What every benchmark gets: the model, its tokenizer, a folder for traces, and how many
+    alternated pairs a paired row times."""
+
+    model: torch.nn.Module
+    tok: object
+    trace_dir: str
+    pairs: int
+
+
+def paired(setup: Setup, name: str, baseline: Callable[[], None], ours: Callable[[], None], goal: str,
+           before_ours: Callable[[], None] = lambda: None) -> Row:
+    """`setup.pairs` alternated timings of `baseline` and `ours` (each after an untimed `before_ours`):
+    median times, the median ratio of the pairs and their range."""
+    base, mine = [], []
+    for _ in range(setup.pairs):
+        base.append(timed(baseline))
+        before_ours()
+        mine.append(timed(ours))
+    ratios = [m / b for b, m in zip(base, mine)]
+    return Row(name, statistics.median(base), statistics.median(mine), statistics.median(ratios), goal,
+               (min(ratios), max(ratios)))
 
 
 def hf_batch_generate(model, tok, convs, new_tokens):
@@ -61,48 +107,47 @@ def decode_rate(run, batch: int) -> float:
     return batch * (NEW - 1) / (timed(lambda: run(NEW)) - timed(lambda: run(1)))
 
 
-def bench_numerics(model, tok, trace_dir: str) -> list[tuple]:
+def bench_numerics(setup: Setup) -> list[Row]:
+    model, tok = setup.model, setup.tok
     long_req = conv(SYSTEM_2K, "What is the capital of France?")
     n_long = len(render_prompt_ids(tok, long_req))
-    times = {"fast": float("inf"), "exact": float("inf")}
-    ref_fast = ref_exact = float("inf")
+
+    def reference_exact() -> None:
+        with exact_numerics(model):
+            reference_generate(model, tok, long_req, NEW)
+
     for numerics in ("fast", "exact"):
         Engine(model, tok, numerics=numerics).generate([long_req], max_new_tokens=2)
     reference_generate(model, tok, long_req, 2)
-    with exact_numerics(model):
-        reference_generate(model, tok, long_req, 2)
-    for _ in range(REPEATS):       # alternated, best of each, as for capture
-        for numerics in ("fast", "exact"):
-            run = timed(lambda: Engine(model, tok, numerics=numerics).generate([long_req], max_new_tokens=NEW))
-            times[numerics] = min(times[numerics], run)
-        ref_fast = min(ref_fast, timed(lambda: reference_generate(model, tok, long_req, NEW)))
-        with exact_numerics(model):
-            ref_exact = min(ref_exact, timed(lambda: reference_generate(model, tok, long_req, NEW)))
-    return [(f"engine exact vs fast, {n_long}-token prompt + {NEW} tokens, s", times["fast"], times["exact"],
-             times["exact"] / times["fast"], "<= 1.3x"),
-            ("reference exact vs fast, same request, s", ref_fast, ref_exact, ref_exact / ref_fast, "<= 1.3x")]
+    reference_exact()
+    return [paired(setup, f"engine exact vs fast, {n_long}-token prompt + {NEW} tokens, s",
+                   lambda: Engine(model, tok, numerics="fast").generate([long_req], max_new_tokens=NEW),
+                   lambda: Engine(model, tok, numerics="exact").generate([long_req], max_new_tokens=NEW), "<= 1.3x"),
+            paired(setup, "reference exact vs fast, same request, s",
+                   lambda: reference_generate(model, tok, long_req, NEW), reference_exact, "<= 1.3x")]
 
 
-def bench_capture(model, tok, trace_dir: str) -> list[tuple]:
-    rows = []
+def bench_capture(setup: Setup) -> list[Row]:
+    model, tok, trace_dir, rows = setup.model, setup.tok, setup.trace_dir, []
     kvdiff.record(model, tok, conv("Hi", "Hi"), os.path.join(trace_dir, "warm.h5"), max_new_tokens=2)
     long_req = conv(SYSTEM_2K, "What is the capital of France?")
     for req, new in ((long_req, NEW), (conv(SYSTEM_2K[:2000], "Tell me a long story."), 256)):
         path = os.path.join(trace_dir, f"capture-{new}.h5")
         n_prompt = len(render_prompt_ids(tok, req))
-        off, on = float("inf"), float("inf")
-        for _ in range(REPEATS):      # alternated, best of each: the lent machines' timings wander by 2x
-            off = min(off, timed(lambda: reference_generate(model, tok, req, new)))
-            if os.path.exists(path):  # untimed: replacing the last run's trace frees its blocks (0.2-0.7 s)
+
+        def remove_trace() -> None:     # untimed: replacing the last run's trace frees its blocks (0.2-0.7 s)
+            if os.path.exists(path):
                 os.remove(path)
-            on = min(on, timed(lambda: kvdiff.record(model, tok, req, path, max_new_tokens=new)))
+
+        row = paired(setup, f"full capture on vs off, {n_prompt} + {new} tokens, s",
+                     lambda: reference_generate(model, tok, req, new),
+                     lambda: kvdiff.record(model, tok, req, path, max_new_tokens=new), "<= 1.5x", remove_trace)
         size = os.path.getsize(path)
         os.remove(path)
-        rows.append((f"full capture on vs off, {n_prompt} + {new} tokens, HDF5 {size / 1e9:.2f} GB, s", off, on,
-                     on / off, "<= 1.5x"))
-        floor = off + disk_write_time(trace_dir, size)
-        rows.append(("  the same vs the plain run + writing the trace's bytes to that disk, s", floor, on,
-                     on / floor, "context"))
+        row.name = row.name.replace(" tokens,", f" tokens, HDF5 {size / 1e9:.2f} GB,")
+        floor = row.baseline + disk_write_time(trace_dir, size)
+        rows += [row, Row("  the same (medians) vs the plain run + writing the trace's bytes to that disk, s",
+                          floor, row.kvdiff, row.kvdiff / floor, "context")]
     return rows
 
 
@@ -124,27 +169,29 @@ def disk_write_time(folder: str, nbytes: int) -> float:
     return best
 
 
-def bench_ttft(model, tok, trace_dir: str) -> list[tuple]:
+def bench_ttft(setup: Setup) -> list[Row]:
+    model, tok = setup.model, setup.tok
     eng = Engine(model, tok, strategy="prefix")
     n_sys = len(render_prompt_ids(tok, conv(SYSTEM_8K, "Hi")))
     eng.generate([conv("Warm up.", "Hi")], max_new_tokens=1)
     cold = eng.generate([conv(SYSTEM_8K, "What is the capital of France?")], max_new_tokens=1)[0]
     torch.cuda.synchronize()
     warm = eng.generate([conv(SYSTEM_8K, "Name a colour.")], max_new_tokens=1)[0]
-    return [(f"TTFT, cached {n_sys}-token chunk vs no reuse, s", cold.stats.ttft_s, warm.stats.ttft_s,
-             cold.stats.ttft_s / warm.stats.ttft_s, "speed-up")]
+    return [Row(f"TTFT, cached {n_sys}-token chunk vs no reuse, s", cold.stats.ttft_s, warm.stats.ttft_s,
+                cold.stats.ttft_s / warm.stats.ttft_s, "speed-up")]
 
 
-def bench_decode(model, tok, trace_dir: str) -> list[tuple]:
+def bench_decode(setup: Setup) -> list[Row]:
+    model, tok = setup.model, setup.tok
     one = [conv("You are a helpful assistant.", "Write a long story about a dragon.")]
     many = [conv("You are a helpful assistant.", f"Story {i}: write about a dragon named {i}.") for i in range(BATCH)]
     hf_1 = decode_rate(lambda n: hf_generate(model, tok, one[0], n), 1)
     eng_1 = decode_rate(lambda n: Engine(model, tok).generate(one, max_new_tokens=n), 1)
     hf_32 = decode_rate(lambda n: hf_batch_generate(model, tok, many, n), BATCH)
     eng_32 = decode_rate(lambda n: Engine(model, tok).generate(many, max_new_tokens=n), BATCH)
-    return [("decode tokens/s, batch 1: generate vs engine", hf_1, eng_1, eng_1 / hf_1, ">= 1.0x"),
-            (f"decode tokens/s, batch {BATCH}: generate vs engine", hf_32, eng_32, eng_32 / hf_32, ">= 3x"),
-            (f"decode tokens/s, generate batch 1 vs engine batch {BATCH}", hf_1, eng_32, eng_32 / hf_1, "report")]
+    return [Row("decode tokens/s, batch 1: generate vs engine", hf_1, eng_1, eng_1 / hf_1, ">= 1.0x"),
+            Row(f"decode tokens/s, batch {BATCH}: generate vs engine", hf_32, eng_32, eng_32 / hf_32, ">= 3x"),
+            Row(f"decode tokens/s, generate batch 1 vs engine batch {BATCH}", hf_1, eng_32, eng_32 / hf_1, "report")]
 
 
 BENCHMARKS = {"numerics": bench_numerics, "capture": bench_capture, "ttft": bench_ttft, "decode": bench_decode}
@@ -156,18 +203,21 @@ def main() -> None:
     parser.add_argument("--shape", nargs="+", default=list(REAL_SHAPES), choices=list(REAL_SHAPES))
     parser.add_argument("--only", nargs="+", default=list(BENCHMARKS), choices=list(BENCHMARKS),
                         help="run only these benchmarks")
+    parser.add_argument("--pairs", type=int, default=PAIRS, help="alternated pairs per numerics and capture row")
     args = parser.parse_args()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16")
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVDIFF_BENCH_DIR")) as trace_dir:
         for shape in args.shape:
             model, tok = random_model(shape, args.tokenizer, dtype="bfloat16", device="cuda")
-            rows = [row for name in args.only for row in BENCHMARKS[name](model, tok, trace_dir)]
-            del model
+            setup = Setup(model, tok, trace_dir, args.pairs)
+            rows = [row for name in args.only for row in BENCHMARKS[name](setup)]
+            del setup, model
             torch.cuda.empty_cache()
             print(f"\n{shape}")
-            print(f"  {'benchmark':72} {'baseline':>10} {'kvdiff':>10} {'ratio':>8}  goal")
-            for name, base, ours, ratio, goal in rows:
-                print(f"  {name:72} {base:10.4f} {ours:10.4f} {ratio:7.2f}x  {goal}")
+            print(f"  {'benchmark':84} {'baseline':>10} {'kvdiff':>10} {'ratio':>8} {'pairs':>13}  goal")
+            for row in rows:
+                spread = f"{row.spread[0]:.2f}-{row.spread[1]:.2f}x" if row.spread else ""
+                print(f"  {row.name:84} {row.baseline:10.4f} {row.kvdiff:10.4f} {row.ratio:7.2f}x {spread:>13}  {row.goal}")
 
 
 if __name__ == "__main__":
