@@ -178,14 +178,17 @@ def _console(stderr: bool = False):
 
 @contextmanager
 def _progress():
-    """A transient spinner naming the current stage (on stderr; silent with -q)."""
-    if _state["quiet"]:
-        yield lambda what: None
+    """A transient spinner naming the current stage on a terminal's stderr; elsewhere (a pipe, a
+    CI log) and with -q the stages go to the log (shown with -v), so stderr holds no spinner's
+    leftovers."""
+    console = _console(stderr=True)
+    if _state["quiet"] or not console.is_terminal:
+        yield lambda what: log.info("%s", what)
         return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  console=_console(stderr=True), transient=True) as bar:
+                  console=console, transient=True) as bar:
         task = bar.add_task("starting", total=None)
         yield lambda what: bar.update(task, description=what)
 

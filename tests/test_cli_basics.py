@@ -39,3 +39,14 @@ def test_generate_with_missing_model_is_one_line_exit_2(tmp_path):
 def test_generate_on_tiny_model():
     result = runner.invoke(app, ["generate", "-p", "What is the capital of France?", "--model", "tiny-qwen2", "-n", "4"])
     assert result.exit_code == 0, result.stderr
+
+
+def test_a_piped_stderr_gets_no_spinner_only_the_error_line(tmp_path):
+    """Without -q, stderr that is not a terminal (a pipe, a CI log) holds nothing from the
+    progress spinner: a successful run leaves it empty, a failing one leaves the one error line."""
+    base = [sys.executable, "-m", "kvdiff", "compare", "--model", "tiny-llama", "-n", "2", "-p", "hi"]
+    ok = subprocess.run([*base, "--out", str(tmp_path / "run")], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stderr == "", ok.stderr
+    bad = subprocess.run([*base, "--strategy", "sideways"], capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("kvdiff: error: unknown strategy 'sideways'") and bad.stderr.count("\n") == 1, bad.stderr
