@@ -139,12 +139,11 @@ def bench_capture(setup: Setup) -> list[Row]:
             if os.path.exists(path):
                 os.remove(path)
 
-        row = paired(setup, f"full capture on vs off, {n_prompt} + {new} tokens, s",
-                     lambda: reference_generate(model, tok, req, new),
+        row = paired(setup, "", lambda: reference_generate(model, tok, req, new),
                      lambda: kvdiff.record(model, tok, req, path, max_new_tokens=new), "<= 1.5x", remove_trace)
         size = os.path.getsize(path)
         os.remove(path)
-        row.name = row.name.replace(" tokens,", f" tokens, HDF5 {size / 1e9:.2f} GB,")
+        row.name = f"full capture on vs off, {n_prompt} + {new} tokens, HDF5 {size / 1e9:.2f} GB, s"
         floor = row.baseline + disk_write_time(trace_dir, size)
         rows += [row, Row("  the same (medians) vs the plain run + writing the trace's bytes to that disk, s",
                           floor, row.kvdiff, row.kvdiff / floor, "context")]
@@ -205,6 +204,8 @@ def main() -> None:
                         help="run only these benchmarks")
     parser.add_argument("--pairs", type=int, default=PAIRS, help="alternated pairs per numerics and capture row")
     args = parser.parse_args()
+    if args.pairs < 1:
+        parser.error("--pairs must be at least 1")
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16")
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVDIFF_BENCH_DIR")) as trace_dir:
         for shape in args.shape:
