@@ -2,7 +2,8 @@
 
     python benchmarks/bench_gpu.py --tokenizer .gpu/tokenizer [--shape smollm2-135m llama-3.2-1b] [--only capture ...]
 
-Needs a CUDA GPU (run it through the device tool; docs/gpu.md says how). Prints one table per
+Needs a CUDA GPU (run it through the device tool; docs/gpu.md says how); without one it says so
+and exits with `kvdiff bench`'s status for a skipped benchmark. Prints one table per
 shape: exact vs fast numerics, full capture on vs off (HDF5 written to local disk; and, for
 context, against the plain run plus the time the disk takes for the trace's bytes alone), time to
 first token with an 8,000-token cached chunk vs no reuse, decode tokens/s vs transformers
@@ -30,6 +31,7 @@ import torch  # noqa: E402
 
 import kvdiff  # noqa: E402
 from bench_engine import conv, hf_generate  # noqa: E402
+from kvdiff.cli import BENCHMARK_SKIPPED  # noqa: E402
 from kvdiff.engine import Engine  # noqa: E402
 from kvdiff.engine.numerics import exact_numerics  # noqa: E402
 from kvdiff.engine.reference import reference_generate, render_prompt_ids  # noqa: E402
@@ -206,6 +208,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
+    if not torch.cuda.is_available():
+        print("bench_gpu: skipped, it needs a CUDA GPU (docs/gpu.md runs it through the device tool)", file=sys.stderr)
+        sys.exit(BENCHMARK_SKIPPED)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16")
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVDIFF_BENCH_DIR")) as trace_dir:
         for shape in args.shape:

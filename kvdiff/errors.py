@@ -33,7 +33,3 @@ class TraceWriteError(TraceError):
     """Writing a trace failed (disk full, file too large, an I/O error). Exit code 3."""
 
     exit_code = 3
-
-
-class NotYetAvailableError(InputError):
-    """A command whose capability is not built yet."""

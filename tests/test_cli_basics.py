@@ -2,6 +2,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import kvdiff
@@ -50,3 +51,17 @@ def test_a_piped_stderr_gets_no_spinner_only_the_error_line(tmp_path):
     bad = subprocess.run([*base, "--strategy", "sideways"], capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2
     assert bad.stderr.startswith("kvdiff: error: unknown strategy 'sideways'") and bad.stderr.count("\n") == 1, bad.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA this would run the whole GPU benchmark")
+def test_bench_skips_the_gpu_benchmark_without_cuda_and_says_why():
+    out = subprocess.run([sys.executable, "-m", "kvdiff", "bench", "gpu"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "needs a CUDA GPU" in out.stderr
+    assert "skipped benchmark(s) gpu" in out.stderr
+
+
+def test_bench_of_an_unknown_name_lists_the_benchmarks_and_exits_2():
+    result = runner.invoke(app, ["bench", "nosuch"])
+    assert result.exit_code == 2
+    assert "unknown benchmark(s) nosuch" in result.stderr and "gpu" in result.stderr
