@@ -121,7 +121,7 @@ def command(func):
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"kvdiff {kvdiff.__version__}")
+        _echo(f"kvdiff {kvdiff.__version__}")
         raise typer.Exit(0)
 
 
@@ -160,16 +160,39 @@ def generate(
     conversation = build_messages(prompt, system, messages)
     loaded_model, tokenizer = kvdiff.load_model(model, dtype=dtype, device=device, device_map=device_map)
     out = reference_generate(loaded_model, tokenizer, conversation, max_new_tokens)
-    typer.echo(out.text)
+    _echo(out.text)
 
 
 _STRATEGY_HELP = "none, prefix, isolated-local, isolated-global, rerotate or blend."
 
 
+def _stdout_gone() -> None:
+    """The reader of stdout has gone (`kvdiff compare ... | head`): what is still to be printed
+    goes to /dev/null, so the command ends with its own exit code (not rich's 1, which would read
+    as "tokens differ", nor a traceback)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _echo(text: str) -> None:
+    """`typer.echo` to stdout, which keeps going when the reader has gone."""
+    try:
+        typer.echo(text)
+    except BrokenPipeError:
+        _stdout_gone()
+
+
 def _console(stderr: bool = False):
+    """A rich console on stdout (or stderr) that keeps going when the reader has gone."""
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            _stdout_gone()
+
+    return _Console(stderr=stderr, highlight=False)
 
 
 @contextmanager
@@ -249,7 +272,7 @@ def compare(
     _show_report(result.report, point)
     log.info("artefacts in %s", result.out_dir)
     if not _state["quiet"]:
-        typer.echo(f"report: {result.report_html}")
+        _echo(f"report: {result.report_html}")
     raise typer.Exit(result.exit_code)
 
 
@@ -286,7 +309,7 @@ def diff(
         write_html(report, html)
     _show_report(report, point)
     if report.get("attribution") is not None and not _state["quiet"]:
-        typer.echo(f"attribution: {report['attribution']['source']}: {report['attribution']['evidence']}")
+        _echo(f"attribution: {report['attribution']['source']}: {report['attribution']['evidence']}")
     raise typer.Exit(0 if div.tokens_identical else 1)
 
 
@@ -328,13 +351,11 @@ def inspect(
 
     Example: kvdiff inspect run/reference.h5
     """
-    from rich.console import Console
-
     from kvdiff.probes.inspect import describe_trace
     from kvdiff.probes.trace import open_trace
 
     with open_trace(trace) as tr:
-        Console().print(describe_trace(tr))
+        _console().print(describe_trace(tr))
 
 
 @app.command()

@@ -53,6 +53,23 @@ def test_a_piped_stderr_gets_no_spinner_only_the_error_line(tmp_path):
     assert bad.stderr.startswith("kvdiff: error: unknown strategy 'sideways'") and bad.stderr.count("\n") == 1, bad.stderr
 
 
+
+@pytest.mark.parametrize("command", [["compare", "--out", "{tmp}/run"], ["generate"]])
+def test_a_reader_that_stops_reading_leaves_the_exit_code_alone(tmp_path, command):
+    """`kvdiff compare ... | head`: stdout's reader is gone before the report is printed. The
+    run still ends with its own exit code (0: tokens identical), not 1 ("tokens differ"), and
+    stderr holds no traceback."""
+    args = [a.replace("{tmp}", str(tmp_path)) for a in command]
+    proc = subprocess.Popen([sys.executable, "-m", "kvdiff", *args, "--model", "tiny-llama", "-n", "2", "-p", "hi"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait() == 0, stderr
+    assert stderr == ""
+    if command[0] == "compare":
+        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+            "candidate.h5", "reference.h5", "report.html", "report.json"]
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA this would run the whole GPU benchmark")
 def test_bench_skips_the_gpu_benchmark_without_cuda_and_says_why():
     out = subprocess.run([sys.executable, "-m", "kvdiff", "bench", "gpu"], capture_output=True, text=True)
