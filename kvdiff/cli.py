@@ -18,6 +18,7 @@ from typer.core import TyperGroup
 
 import kvdiff
 from kvdiff.errors import InputError, KvdiffError
+from kvdiff.files import is_stdout, stdout_gone
 
 try:  # recent typer vendors click; older releases use click itself
     from typer._click.exceptions import ClickException
@@ -166,21 +167,12 @@ def generate(
 _STRATEGY_HELP = "none, prefix, isolated-local, isolated-global, rerotate or blend."
 
 
-def _stdout_gone() -> None:
-    """The reader of stdout has gone (`kvdiff compare ... | head`): what is still to be printed
-    goes to /dev/null, so the command ends with its own exit code (not rich's 1, which would read
-    as "tokens differ", nor a traceback)."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-
-
 def _echo(text: str) -> None:
     """`typer.echo` to stdout, which keeps going when the reader has gone."""
     try:
         typer.echo(text)
     except BrokenPipeError:
-        _stdout_gone()
+        stdout_gone()
 
 
 def _console(stderr: bool = False):
@@ -190,7 +182,7 @@ def _console(stderr: bool = False):
     class _Console(Console):
         def on_broken_pipe(self) -> None:
             self.quiet = True
-            _stdout_gone()
+            stdout_gone()
 
     return _Console(stderr=stderr, highlight=False)
 
@@ -220,12 +212,17 @@ def _check_point(point: Optional[str]) -> None:
         raise InputError(f"--point {point!r} is not a layer probe point: use one of {', '.join(LAYER_POINTS)}")
 
 
+def _for_humans(*outputs: Optional[Path]) -> bool:
+    """Whether the terminal report goes to stdout: not with -q, nor when one of `outputs` (report
+    files) is written there (`-`, `/dev/stdout`)."""
+    return not _state["quiet"] and not any(is_stdout(path) for path in outputs if path is not None)
+
+
 def _show_report(report: dict, point: Optional[str]) -> None:
     from kvdiff.reports.terminal import render_terminal
 
-    if not _state["quiet"]:
-        kwargs = {"point": point} if point else {}
-        render_terminal(report, _console(), **kwargs)
+    kwargs = {"point": point} if point else {}
+    render_terminal(report, _console(), **kwargs)
 
 
 @app.command()
@@ -269,9 +266,9 @@ def compare(
             capture=capture,
             layers=layers, out=out, html=html, json_path=json_out, progress=progress,
         )
-    _show_report(result.report, point)
     log.info("artefacts in %s", result.out_dir)
-    if not _state["quiet"]:
+    if _for_humans(html, json_out):
+        _show_report(result.report, point)
         _echo(f"report: {result.report_html}")
     raise typer.Exit(result.exit_code)
 
@@ -307,9 +304,10 @@ def diff(
         write_json_atomically(report, json_out)
     if html is not None:
         write_html(report, html)
-    _show_report(report, point)
-    if report.get("attribution") is not None and not _state["quiet"]:
-        _echo(f"attribution: {report['attribution']['source']}: {report['attribution']['evidence']}")
+    if _for_humans(html, json_out):
+        _show_report(report, point)
+        if report.get("attribution") is not None:
+            _echo(f"attribution: {report['attribution']['source']}: {report['attribution']['evidence']}")
     raise typer.Exit(0 if div.tokens_identical else 1)
 
 
@@ -337,7 +335,8 @@ def report(
         raise InputError(f"{path} is not a kvdiff report ({exc})") from None
     if not isinstance(data, dict):
         raise InputError(f"{path} is not a kvdiff report")
-    _show_report(data, point)
+    if _for_humans():
+        _show_report(data, point)
     write_html(data, run_dir / "report.html")
     raise typer.Exit(0 if data.get("tokens_identical") else 1)
 
@@ -393,7 +392,7 @@ def gate(
     for o in outcomes:
         detail = o.message + (f" (report: {o.report_dir})" if o.report_dir else "")
         table.add_row(escape(o.name), f"[{colours[o.status]}]{o.status}[/]", f"{o.seconds:.1f}", escape(detail))
-    if not _state["quiet"]:
+    if _for_humans(junit):
         _console().print(table)
     raise typer.Exit(0 if all(o.status == "passed" for o in outcomes) else 1)
 

@@ -3,18 +3,66 @@
 from __future__ import annotations
 
 import os
+import stat
+import sys
 import tempfile
 from pathlib import Path
 
 from kvdiff.errors import InputError, KvdiffError
 
 
+def stdout_gone() -> None:
+    """The reader of stdout has gone (`kvdiff compare ... | head`): what is still to be printed
+    goes to /dev/null, so the command ends with its own exit code rather than an error."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def is_stdout(path: str | os.PathLike[str]) -> bool:
+    """Whether writing `path` writes stdout: `-`, or a name of the file stdout is (`/dev/stdout`)."""
+    if str(path) == "-":
+        return True
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError):
+        return False
+
+
+def _in_place(path: Path) -> bool:
+    """Whether `path` is written where it is rather than through a temporary file and a rename:
+    an existing file, or link to one, that is not a regular file (a terminal, a pipe,
+    `/dev/stdout`), which a rename would replace with a regular file."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+
+
+def _landing(path: str | os.PathLike[str]) -> Path:
+    """Where writing `path` lands: a symbolic link is followed, so the rename replaces the file
+    it points to and the link stays."""
+    target = Path(path)
+    return Path(os.path.realpath(target)) if target.is_symlink() else target
+
+
 def check_folder_of(path: str | os.PathLike[str], what: str) -> None:
-    """InputError unless the folder `path` would be written into exists and is writable.
+    """InputError unless `path` can be written: stdout (`-`), a writable terminal or pipe, or a
+    file in a folder that exists and is writable (the temporary file goes there).
 
     For outputs written at the end of a long run: a typo in the path fails before the run.
     """
-    folder = Path(path).parent
+    if is_stdout(path):
+        return
+    if _in_place(Path(path)):
+        if not os.access(path, os.W_OK):
+            raise InputError(f"cannot write {what} to {path}: it is not writable")
+        return
+    target = _landing(path)
+    if target.is_dir():
+        raise InputError(f"cannot write {what} to {path}: it is a folder; give a file name")
+    folder = target.parent
     if not folder.is_dir():
         raise InputError(f"cannot write {what} to {path}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
@@ -24,10 +72,28 @@ def check_folder_of(path: str | os.PathLike[str], what: str) -> None:
 def write_text_atomically(path: str | os.PathLike[str], text: str, what: str) -> Path:
     """Write `text` to `path` through a unique temporary file in the same folder, then rename.
 
-    `what` names the file in errors ("the HTML report"). A missing or unwritable folder is an
-    InputError; a failure while writing (disk full) is a KvdiffError; no temporary file is left.
+    `-` and `/dev/stdout` are stdout, other terminals and pipes are written in place; a symbolic
+    link's file is replaced, not the link. `what` names the file in errors ("the HTML report").
+    A missing or unwritable folder is an InputError; a failure while writing (disk full) is a
+    KvdiffError; no temporary file is left.
     """
-    target = Path(path)
+    if is_stdout(path):
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            stdout_gone()
+        return Path(path)
+    if _in_place(Path(path)):
+        try:
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(text)
+        except OSError as exc:
+            raise KvdiffError(f"cannot write {what} to {path}: {exc.strerror}") from exc
+        return Path(path)
+    target = _landing(path)
+    if target.is_dir():
+        raise InputError(f"cannot write {what} to {path}: it is a folder; give a file name")
     try:
         fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as exc:

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import resource
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from kvdiff.compare import ARTEFACTS, CLAIM
+from kvdiff.errors import InputError
+from kvdiff.files import write_text_atomically
 from robustness import REPO, assert_error, assert_no_finished_run, cli, compare_args, run_kvdiff
 
 
@@ -120,3 +125,42 @@ def test_output_folder_on_a_read_only_filesystem(tmp_path):
         result = subprocess.CompletedProcess([], int((logs / f"{name}.rc").read_text()), "",
                                              (logs / name).read_text())
         assert_error(result, 2, message)
+
+
+def test_report_json_to_stdout_is_all_that_stdout_holds(tmp_path):
+    """`--json -` writes report.json to stdout and keeps the terminal report off it, so the output
+    pipes into a JSON reader; the run folder still gets its own report.json, and no file named
+    `-` is made."""
+    result = run_kvdiff("compare", "--model", "tiny-llama", "-n", "2", "-p", "hi", "--out", tmp_path / "run",
+                        "--json", "-")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["tokens_identical"] is True
+    assert report == json.loads((tmp_path / "run" / "report.json").read_text())
+    assert not (REPO / "-").exists()
+
+
+def test_a_report_through_a_link_or_into_a_pipe_leaves_the_link_and_the_pipe(tmp_path):
+    """The rename that makes a report appear whole replaces a link's file, not the link, and a
+    pipe (or terminal, or /dev/stdout) is written in place: before, as root, `--json /dev/stdout`
+    replaced the /dev/stdout link with a regular file."""
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(kept)
+    write_text_atomically(link, "new", "report.json")
+    assert link.is_symlink() and kept.read_text() == "new"
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    write_text_atomically(fifo, "through the pipe", "report.json")
+    reader.join(10)
+    assert got == ["through the pipe"]
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "kept.json", "link.json"]
+
+    with pytest.raises(InputError, match="it is a folder"):
+        write_text_atomically(tmp_path, "x", "report.json")
