@@ -29,7 +29,7 @@ def is_stdout(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def _in_place(path: Path) -> bool:
+def in_place(path: Path) -> bool:
     """Whether `path` is written where it is rather than through a temporary file and a rename:
     an existing file, or link to one, that is not a regular file (a terminal, a pipe,
     `/dev/stdout`), which a rename would replace with a regular file."""
@@ -40,7 +40,7 @@ def _in_place(path: Path) -> bool:
     return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
 
 
-def _landing(path: str | os.PathLike[str]) -> Path:
+def landing(path: str | os.PathLike[str]) -> Path:
     """Where writing `path` lands: a symbolic link is followed, so the rename replaces the file
     it points to and the link stays."""
     target = Path(path)
@@ -55,11 +55,11 @@ def check_folder_of(path: str | os.PathLike[str], what: str) -> None:
     """
     if is_stdout(path):
         return
-    if _in_place(Path(path)):
+    if in_place(Path(path)):
         if not os.access(path, os.W_OK):
             raise InputError(f"cannot write {what} to {path}: it is not writable")
         return
-    target = _landing(path)
+    target = landing(path)
     if target.is_dir():
         raise InputError(f"cannot write {what} to {path}: it is a folder; give a file name")
     folder = target.parent
@@ -84,14 +84,14 @@ def write_text_atomically(path: str | os.PathLike[str], text: str, what: str) ->
         except BrokenPipeError:
             stdout_gone()
         return Path(path)
-    if _in_place(Path(path)):
+    if in_place(Path(path)):
         try:
             with open(path, "w", encoding="utf-8") as handle:
                 handle.write(text)
         except OSError as exc:
             raise KvdiffError(f"cannot write {what} to {path}: {exc.strerror}") from exc
         return Path(path)
-    target = _landing(path)
+    target = landing(path)
     if target.is_dir():
         raise InputError(f"cannot write {what} to {path}: it is a folder; give a file name")
     try:

@@ -478,6 +478,21 @@ def test_a_folder_removed_before_close_is_a_trace_write_error(tmp_path):
     assert "\n" not in str(info.value) and not folder.exists()
 
 
+def test_a_trace_path_that_is_a_folder_is_refused_at_once_and_a_link_is_followed(tmp_path):
+    with pytest.raises(TraceError, match="it is a folder or not a regular file"):
+        TraceWriter(tmp_path, make_meta())
+    assert list(tmp_path.iterdir()) == []
+    kept, link = tmp_path / "kept.h5", tmp_path / "link.h5"
+    kept.write_bytes(b"an older trace")
+    link.symlink_to(kept)
+    rows = torch.randn(6, 32)
+    with TraceWriter(link, replace(make_meta(), layers=(0,), points=("resid_pre",))) as w:
+        w.write_rows("layers/0", "resid_pre", range(6), rows)
+    assert link.is_symlink() and link.resolve() == kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.h5", "link.h5"]
+    with open_trace(link) as tr:
+        assert np.array_equal(tr.layer(0)["resid_pre"], rows.numpy())
+
 def _resid_pre_writer(path):
     return TraceWriter(path, replace(make_meta(), layers=(0,), points=("resid_pre",)))
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from kvdiff.errors import KvdiffError, TraceError, TraceWriteError
+from kvdiff.files import in_place, landing
 from kvdiff.probes.background import SerialWorker
 from kvdiff.probes.device_rows import Bounce, DeviceRows
 from kvdiff.probes.norm_stats import norm_statistics
@@ -85,7 +86,9 @@ class TraceWriter:
         if max_queued_bytes <= 0 or (max_device_bytes is not None and max_device_bytes < 0):
             raise TraceError(f"max_queued_bytes must be positive and max_device_bytes None or not negative, "
                              f"got {max_queued_bytes} and {max_device_bytes}")
-        self.path = Path(path)
+        self.path = landing(path)
+        if self.path.is_dir() or in_place(self.path):
+            raise TraceError(f"cannot write trace {path}: it is a folder or not a regular file; give a file name")
         if not self.path.parent.is_dir():
             raise TraceError(f"cannot write trace {self.path}: folder {self.path.parent} does not exist")
         self.meta = meta
