@@ -184,6 +184,28 @@ def test_tokenization_mismatch_names_the_position_and_stops_comparison_there(tra
     assert div.comparable_until == 5 and div.first_divergence is None
 
 
+def test_a_report_of_traces_of_different_prompts_says_so_first(traces, tmp_path, model):
+    """Not "bitwise identical through every probe" and "tokens differ": the verdict names the
+    first differing input, and traces without chunks name none (no "chunk None")."""
+    import io
+
+    from rich.console import Console
+
+    from kvdiff.reports import render_terminal
+
+    cand = write_trace(model, tmp_path / "tok.h5", PROMPT[:5] + [60] + PROMPT[6:], STEPS)
+    report = kvdiff.diff(traces["reference"], cand).to_json()
+    assert report["first_input_difference"] == 5
+    console = Console(width=100, record=True, file=io.StringIO())
+    render_terminal(report, console)
+    text = console.export_text()
+    assert "DIVERGENT — inputs differ from position 5" in text
+    assert "the traces are of different prompts: positions from 5 on are not compared" in text
+    assert "bitwise identical through every probe before position 5" in text
+    assert "tokenization_mismatch" in text and "None" not in text
+    assert kvdiff.diff(traces["reference"], traces["reference"]).to_json()["first_input_difference"] is None
+
+
 def test_traces_of_different_lengths_align_on_shared_positions(traces, tmp_path, model):
     short = write_trace(model, tmp_path / "short.h5", PROMPT, 2)
     div = kvdiff.diff(traces["reference"], short)

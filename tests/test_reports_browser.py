@@ -63,3 +63,11 @@ def test_report_of_a_real_compare_run_draws_without_errors(tmp_path):
     assert loaded.body_attrs["data-ready"] == "1"
     heat = result.report["heatmaps"][loaded.body_attrs["data-point"]]
     assert int(loaded.body_attrs["data-cells-drawn"]) == (len(heat["layers"]) + 2) * len(heat["positions"])
+
+
+def test_a_report_of_different_prompts_says_so_in_its_verdict(tmp_path):
+    report = dict(seeds_report(), first_input_difference=16)
+    loaded = load(write_html(report, tmp_path / "prompts.html"))
+    assert "data-errors" not in loaded.html_attrs and loaded.console_errors == []
+    assert "DIVERGENT — inputs differ from position 16" in loaded.dom
+    assert "the traces are of different prompts: positions from 16 on are not compared" in loaded.dom

@@ -132,6 +132,7 @@ class Divergence:
             "diagnoses": [_strict(d.to_json()) for d in self.diagnoses],     # details may hold NaN (NaN traces)
             "chunks": [c.to_json() for c in self.chunks],
             "comparable_until": al.comparable_until,
+            "first_input_difference": al.first_input_difference,
             "alignment": {"positions_compared": int(al.positions.size), "only_reference": al.only_reference.tolist(),
                           "only_candidate": al.only_candidate.tolist(), "prompt_length": al.prompt_length},
             "tolerances": {"default": vars(cmp.tolerances.default),

@@ -48,15 +48,22 @@
   function verdict() {
     const head = document.getElementById("verdict");
     head.className = R.tokens_identical ? "identical" : "divergent";
+    const inputs = Number.isInteger(R.first_input_difference) ? R.first_input_difference : null;
     head.append(el("h1", "", String(R.verdict).toUpperCase() + (R.tokens_identical
-      ? " — tokens identical" : flip ? " — tokens differ from step " + flip.step : " — tokens differ")));
+      ? " — tokens identical" : inputs !== null ? " — inputs differ from position " + inputs
+      : flip ? " — tokens differ from step " + flip.step : " — tokens differ")));
     const cand = R.candidate || {};
     const meta = (R.metadata && R.metadata.reference) || {};
     head.append(el("p", "", "candidate strategy " + fmt(cand.strategy) + ", numerics " +
       fmt(cand.numerics) + (meta.model_name ? " · model " + meta.model_name : "")));
+    if (inputs !== null) {
+      head.append(el("p", "", "the traces are of different prompts: positions from " + inputs +
+        " on are not compared"));
+    }
     const bit = R.first_bit_difference;
     head.append(el("p", "", bit ? "first bit difference: " + bit.tensor + " at layer " + bit.layer +
-      ", position " + bit.position : "bitwise identical through every probe"));
+      ", position " + bit.position : "bitwise identical through every probe" +
+      (inputs !== null ? " before position " + inputs : "")));
   }
 
   function pointSelector() {

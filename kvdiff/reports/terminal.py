@@ -20,6 +20,12 @@ from kvdiff.reports.heatmap_text import heatmap_text
 from kvdiff.reports.view import ReportView, load_view, printable
 
 
+def _chunk_label(item: dict) -> str | None:
+    """"chunk NAME" for an event or diagnosis that names its chunk; None for traces without chunks."""
+    chunk = item.get("chunk")
+    return None if chunk is None else f"chunk {printable(str(chunk))}"
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3g}"
@@ -51,8 +57,10 @@ class _Report:
         candidate = view.section("candidate")
         flip = view.first("first_token_divergence")
         ok = view.tokens_identical
+        inputs = view.first_input_difference
         head = Text(view.verdict.upper(), style=self.attr("bold") + (" green" if ok else " red"))
         head.append(" — tokens identical" if ok else
+                    f" — inputs differ from position {inputs}" if inputs is not None else
                     f" — tokens differ from step {flip['step']}" if flip else " — tokens differ")
         body = Text(f"candidate: strategy {candidate.get('strategy', '?')}, "
                     f"numerics {candidate.get('numerics', '?')}")
@@ -60,7 +68,10 @@ class _Report:
         if model:
             body.append(f"   model: {printable(str(model))}")
         bit = view.first("first_bit_difference")
-        body.append("\nbitwise identical through every probe" if bit is None else
+        if inputs is not None:
+            body.append(f"\nthe traces are of different prompts: positions from {inputs} on are not compared")
+        body.append(f"\nbitwise identical through every probe{'' if inputs is None else f' before position {inputs}'}"
+                    if bit is None else
                     f"\nfirst bit difference: layer {bit.get('layer')}, position {bit.get('position')}")
         return Panel(Group(head, body), title="kvdiff", title_align="left",
                      border_style="green" if ok else "red")
@@ -106,7 +117,7 @@ class _Report:
             tier = f"{event['tier']}, " if "tier" in event else ""
             table.add_row(label, Text(
                 f"{event.get('tensor')} at layer {event.get('layer')}, position "
-                f"{self.where(event.get('position'))}, chunk {printable(str(event.get('chunk')))}\n"
+                f"{', '.join(filter(None, [self.where(event.get('position')), _chunk_label(event)]))}\n"
                 f"{tier}max_abs {_fmt(event.get('max_abs'))}, rel {_fmt(event.get('rel'))}"))
         flip = self.view.first("first_token_divergence")
         if flip is None:
@@ -130,8 +141,8 @@ class _Report:
             if extras:
                 evidence += "\n" + ", ".join(f"{k}={_fmt(v)}" for k, v in extras.items())
             kind = Text(printable(str(diagnosis.get("kind"))), style=self.attr("bold") + " yellow")
-            kind.append(f"\nchunk {printable(str(diagnosis.get('chunk', '?')))}, "
-                        f"positions {_fmt(diagnosis.get('positions', '?'))}")
+            kind.append("\n" + ", ".join(filter(None, [_chunk_label(diagnosis),
+                                                      f"positions {_fmt(diagnosis.get('positions', '?'))}"])))
             table.add_row(kind, Text(evidence))
         return table
 

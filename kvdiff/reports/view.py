@@ -55,6 +55,12 @@ class ReportView:
         value = self.raw.get(key)
         return value if isinstance(value, dict) else None
 
+    @property
+    def first_input_difference(self) -> int | None:
+        """The first position whose input ids differ (the traces are of different prompts), or None."""
+        value = self.raw.get("first_input_difference")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
     def chunk_at(self, position: int) -> str:
         """Name of the chunk holding `position` ("generated" past the prompt)."""
         for chunk in self.chunks:
