@@ -206,6 +206,14 @@ def test_a_report_of_traces_of_different_prompts_says_so_first(traces, tmp_path,
     assert kvdiff.diff(traces["reference"], traces["reference"]).to_json()["first_input_difference"] is None
 
 
+def test_a_divergence_prints_as_one_short_line(traces, tmp_path, model):
+    cand = write_trace(model, tmp_path / "tok.h5", PROMPT[:5] + [60] + PROMPT[6:], STEPS)
+    text = repr(kvdiff.diff(traces["reference"], cand))
+    assert text.startswith("<Divergence divergent: ") and "\n" not in text and len(text) < 400
+    assert "diagnoses tokenization_mismatch>" in text
+    assert repr(kvdiff.diff(traces["reference"], traces["reference"])).startswith("<Divergence identical: ")
+
+
 def test_traces_of_different_lengths_align_on_shared_positions(traces, tmp_path, model):
     short = write_trace(model, tmp_path / "short.h5", PROMPT, 2)
     div = kvdiff.diff(traces["reference"], short)

@@ -77,6 +77,20 @@ class Divergence:
     def comparable_until(self) -> int | None:
         return self.comparison.alignment.comparable_until
 
+    def __repr__(self) -> str:
+        """One line for a notebook or a log (the dataclass's own repr printed every array)."""
+        def where(loc: Location | None) -> str:
+            return "none" if loc is None else f"{loc.tensor} at layer {loc.layer}, position {loc.position}"
+
+        flip = self.first_token_divergence
+        return (f"<Divergence {'identical' if self.tokens_identical else 'divergent'}: "
+                f"candidate {self.candidate.strategy}/{self.candidate.numerics} against "
+                f"{self.reference.strategy}/{self.reference.numerics}; "
+                f"first bit difference {where(self.first_bit_difference)}; "
+                f"first divergence {where(self.first_divergence)}; "
+                f"first token flip {'none' if flip is None else f'at step {flip.step}'}; "
+                f"diagnoses {', '.join(d.kind for d in self.diagnoses) or 'none'}>")
+
     def to_pandas(self):
         """Long form: one row per (point, layer, position) with tier, max_abs, rel, cosine, chunk."""
         import pandas as pd
