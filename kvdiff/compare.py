@@ -8,7 +8,7 @@ import logging
 import os
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -31,7 +31,7 @@ class CompareResult:
     """What a compare run produced: the divergence and where its artefacts are."""
 
     divergence: object  # kvdiff.analysis.Divergence
-    report: dict
+    report: dict = field(repr=False)    # report.json, megabytes for a real model: not in the repr
     out_dir: Path
     reference_trace: Path
     candidate_trace: Path

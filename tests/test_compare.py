@@ -27,6 +27,7 @@ def test_prefix_exact_is_identical_with_no_bit_difference(tmp_path):
     assert report["first_bit_difference"] is None and report["first_divergence"] is None
     assert report["candidate"]["strategy"] == "prefix" and report["candidate"]["numerics"] == "exact"
     assert [c["name"] for c in report["chunks"]] == ["system", "user", "generation"]
+    assert "report=" not in repr(result) and "<Divergence identical: " in repr(result)   # no megabytes in a repr
 
 
 
