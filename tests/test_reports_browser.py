@@ -71,3 +71,6 @@ def test_a_report_of_different_prompts_says_so_in_its_verdict(tmp_path):
     assert "data-errors" not in loaded.html_attrs and loaded.console_errors == []
     assert "DIVERGENT — inputs differ from position 16" in loaded.dom
     assert "the traces are of different prompts: positions from 16 on are not compared" in loaded.dom
+    without_chunks = dict(report, diagnoses=[dict(report["diagnoses"][0], chunk=None)])
+    loaded = load(write_html(without_chunks, tmp_path / "no-chunks.html"))
+    assert '<p class="meta">positions 16–27</p>' in loaded.dom and "chunk – · " not in loaded.dom

@@ -118,7 +118,7 @@
     for (const d of list) {
       const card = el("div", "diag");
       card.append(el("h3", "", d.kind));
-      card.append(el("p", "meta", "chunk " + fmt(d.chunk) + " · positions " + span(d.positions)));
+      card.append(el("p", "meta", (d.chunk == null ? "" : "chunk " + fmt(d.chunk) + " · ") + "positions " + span(d.positions)));
       card.append(el("p", "", d.evidence));
       const extra = Object.keys(d).filter((k) => !["kind", "chunk", "positions", "evidence"].includes(k));
       if (extra.length) card.append(el("p", "meta", extra.map((k) => k + " = " + span(d[k])).join(" · ")));
