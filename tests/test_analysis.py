@@ -203,6 +203,8 @@ def test_a_report_of_traces_of_different_prompts_says_so_first(traces, tmp_path,
     assert "the traces are of different prompts: positions from 5 on are not compared" in text
     assert "bitwise identical through every probe before position 5" in text
     assert "tokenization_mismatch" in text and "None" not in text
+    heatmap_head = text.split("heatmap: ")[1].splitlines()[1]
+    assert heatmap_head.split()[0] == "prompt"          # traces without chunks: the prompt, not "?"
     assert kvdiff.diff(traces["reference"], traces["reference"]).to_json()["first_input_difference"] is None
 
 

@@ -38,7 +38,7 @@
   }
   function chunkAt(pos) {
     const i = chunkIndexAt(pos);
-    return i >= 0 ? String(chunks[i].name) : (pos >= prompt.length ? "generated" : "?");
+    return i >= 0 ? String(chunks[i].name) : pos >= prompt.length ? "generated" : chunks.length ? "?" : "prompt";
   }
   function tokenAt(pos) {
     if (pos < prompt.length) return prompt[pos];

@@ -62,11 +62,12 @@ class ReportView:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def chunk_at(self, position: int) -> str:
-        """Name of the chunk holding `position` ("generated" past the prompt)."""
+        """Name of the chunk holding `position` ("generated" past the prompt; "prompt" in a
+        report of traces without chunks, "?" in a prompt position no chunk holds)."""
         for chunk in self.chunks:
             if chunk.first <= position <= chunk.last:
                 return chunk.name
-        return GENERATED if position >= len(self.prompt_tokens) else "?"
+        return GENERATED if position >= len(self.prompt_tokens) else "?" if self.chunks else "prompt"
 
     def token_at(self, position: int) -> str:
         """Text of the reference sequence's token at `position` ("" when unknown)."""
