@@ -39,8 +39,40 @@ def _error_line(message: str) -> None:
     typer.echo("kvdiff: error: " + printable(" ".join(message.split()), keep=""), err=True)
 
 
+def _is_logging_flag(token: str) -> bool:
+    """-q, --quiet, --verbose, -v, -vv, ...: the group's options, which need no value."""
+    return token in ("-q", "--quiet", "--verbose") or (len(token) > 1 and token[0] == "-" and set(token[1:]) == {"v"})
+
+
 class _Commands(TyperGroup):
-    """kvdiff's command group: a usage error is one line on stderr (exit 2), like every other error."""
+    """kvdiff's command group: a usage error is one line on stderr (exit 2), like every other error,
+    and -q / -v work after the command name too."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, self._logging_flags_first(ctx, args))
+
+    def _logging_flags_first(self, ctx: Any, args: list[str]) -> list[str]:
+        """`kvdiff compare ... -q` read as `kvdiff -q compare ...`: click takes a group's options
+        only before the command name. A token that is the value of the command's option
+        (`--prompt -q`) stays where it is, and so does everything after `--`."""
+        at = next((i for i, token in enumerate(args) if not token.startswith("-")), None)
+        command = self.get_command(ctx, args[at]) if at is not None else None
+        if command is None:
+            return args
+        takes_value = {opt for p in command.params if getattr(p, "param_type_name", "") == "option"
+                       and not getattr(p, "is_flag", False) and not getattr(p, "count", False) for opt in p.opts}
+        hoisted, rest, tokens = [], [], iter(args[at + 1:])
+        for token in tokens:
+            if token == "--":
+                rest += [token, *tokens]
+            elif _is_logging_flag(token):
+                hoisted.append(token)
+            else:
+                rest.append(token)
+                value = next(tokens, None) if token in takes_value else None
+                if value is not None:
+                    rest.append(value)
+        return [*args[:at], *hoisted, args[at], *rest]
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -82,3 +83,18 @@ def test_bench_of_an_unknown_name_lists_the_benchmarks_and_exits_2():
     result = runner.invoke(app, ["bench", "nosuch"])
     assert result.exit_code == 2
     assert "unknown benchmark(s) nosuch" in result.stderr and "gpu" in result.stderr
+
+
+def test_quiet_and_verbose_work_after_the_command_name_and_a_value_stays_a_value(tmp_path):
+    base = ["compare", "--model", "tiny-llama", "-n", "1"]
+    quiet = runner.invoke(app, [*base, "-p", "hi", "-o", str(tmp_path / "a"), "-q"])
+    assert quiet.exit_code == 0 and quiet.stdout == "", quiet.output
+    verbose = subprocess.run([sys.executable, "-m", "kvdiff", *base, "-p", "hi", "-o", str(tmp_path / "b"), "-v"],
+                             capture_output=True, text=True)     # a child: logging is configured once a process
+    assert verbose.returncode == 0 and "INFO kvdiff" in verbose.stderr and "IDENTICAL" in verbose.stdout
+    as_prompt = runner.invoke(app, [*base, "-p", "-q", "-o", str(tmp_path / "c")])     # the prompt is "-q"
+    assert as_prompt.exit_code == 0 and "IDENTICAL" in as_prompt.stdout
+    report = json.loads((tmp_path / "c" / "report.json").read_text())
+    assert "-q" in "".join(report["prompt"]["tokens"])
+    after_dashes = runner.invoke(app, [*base, "-p", "hi", "--", "-q"])
+    assert after_dashes.exit_code == 2 and "unexpected extra argument" in after_dashes.stderr
