@@ -108,4 +108,4 @@ def write_junit(outcomes: list[CaseOutcome], path: Path, suite: str = "kvdiff-ga
     path.parent.mkdir(parents=True, exist_ok=True)
     xml = ET.tostring(root, encoding="unicode", xml_declaration=True)
     xml = _NOT_XML.sub(lambda m: repr(m.group())[1:-1], xml)      # a case name may hold \x00: written as an escape
-    write_text_atomically(path, xml, "the JUnit report")
+    write_text_atomically(path, xml + "\n", "the JUnit report")
