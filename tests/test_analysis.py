@@ -195,7 +195,7 @@ def test_a_report_of_traces_of_different_prompts_says_so_first(traces, tmp_path,
 
     cand = write_trace(model, tmp_path / "tok.h5", PROMPT[:5] + [60] + PROMPT[6:], STEPS)
     report = kvdiff.diff(traces["reference"], cand).to_json()
-    assert report["first_input_difference"] == 5
+    assert report["first_input_difference"] == 5 and report["recorded_with_different"] == []
     console = Console(width=100, record=True, file=io.StringIO())
     render_terminal(report, console)
     text = console.export_text()

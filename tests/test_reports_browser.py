@@ -65,12 +65,13 @@ def test_report_of_a_real_compare_run_draws_without_errors(tmp_path):
     assert int(loaded.body_attrs["data-cells-drawn"]) == (len(heat["layers"]) + 2) * len(heat["positions"])
 
 
-def test_a_report_of_different_prompts_says_so_in_its_verdict(tmp_path):
-    report = dict(seeds_report(), first_input_difference=16)
+def test_a_report_of_different_prompts_or_tokenizers_says_so_in_its_verdict(tmp_path):
+    report = dict(seeds_report(), first_input_difference=16, recorded_with_different=["tokenizers"])
     loaded = load(write_html(report, tmp_path / "prompts.html"))
     assert "data-errors" not in loaded.html_attrs and loaded.console_errors == []
     assert "DIVERGENT — inputs differ from position 16" in loaded.dom
     assert "the traces are of different prompts: positions from 16 on are not compared" in loaded.dom
+    assert "recorded with different tokenizers: differences may come from them" in loaded.dom
     without_chunks = dict(report, diagnoses=[dict(report["diagnoses"][0], chunk=None)])
     loaded = load(write_html(without_chunks, tmp_path / "no-chunks.html"))
     assert '<p class="meta">positions 16–27</p>' in loaded.dom and "chunk – · " not in loaded.dom

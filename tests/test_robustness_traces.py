@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import json
 import logging
 import shutil
@@ -13,11 +14,13 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
 
 import kvdiff
 from kvdiff.analysis.synthetic import SyntheticModel, write_trace
 from kvdiff.probes.points import ALL_POINTS
 from kvdiff.probes.trace_format import DTYPE_ATTR, to_storage
+from kvdiff.reports import render_terminal
 from robustness import assert_error, cli
 
 PROMPT = list(range(3, 23))
@@ -148,6 +151,26 @@ def test_traces_of_other_weights_or_tokenizers_are_diffed_with_a_warning(traces,
     assert div.tokens_identical
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and f"different {what} ({attribute} other vs" in warned[0]
+    report = div.to_json()
+    assert report["recorded_with_different"] == [what]
+    console = Console(width=100, record=True, file=io.StringIO())
+    render_terminal(report, console)
+    assert f"recorded with different {what}: differences may come from them" in console.export_text()
+
+
+def test_weights_differ_only_where_the_fingerprints_can_tell():
+    from dataclasses import replace
+
+    from kvdiff.analysis.divergence import recorded_with_different
+    from test_trace import make_meta
+
+    ref = replace(make_meta(), model_fingerprint="cfg:a/w:1")
+    assert recorded_with_different(ref, ref) == []
+    assert recorded_with_different(ref, replace(ref, model_fingerprint="cfg:a/w:2")) == ["weights"]
+    assert recorded_with_different(ref, replace(ref, model_fingerprint="cfg:a/wg:2")) == []       # host vs GPU hash
+    assert recorded_with_different(ref, replace(ref, model_fingerprint="cfg:b/wg:2")) == ["weights"]  # other config
+    assert recorded_with_different(ref, replace(ref, model_fingerprint="cfg:a/w:2", dtype="bfloat16")) == []
+    assert recorded_with_different(ref, replace(ref, tokenizer_fingerprint="t2")) == ["tokenizers"]
 
 
 def _recast(dtype: str) -> Callable[[h5py.File], None]:

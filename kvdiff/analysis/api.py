@@ -19,7 +19,7 @@ from kvdiff.analysis.diagnose_norms import diagnose_norms
 from kvdiff.analysis.diagnose_position import diagnose_position_mismatch
 from kvdiff.analysis.diagnose_tokens import diagnose_noise, diagnose_non_finite, diagnose_tokenization
 from kvdiff.analysis.diagnosis import DiagnosisInputs
-from kvdiff.analysis.divergence import Divergence
+from kvdiff.analysis.divergence import Divergence, recorded_with_different
 from kvdiff.analysis.search import first_bit_difference, first_non_finite, first_tolerance_breach, location
 from kvdiff.analysis.tolerance import Tolerance, Tolerances
 from kvdiff.errors import InputError
@@ -37,19 +37,17 @@ def _token_text(tokenizer) -> Callable[[int], str]:
 
 
 def _check_same_model(ref: TraceReader, cand: TraceReader) -> None:
-    """Refuse traces of differently shaped models; warn when the weights (in one dtype) or the
-    tokenizers differ, since every difference may then come from them."""
+    """Refuse traces of differently shaped models; warn when the weights or the tokenizers differ
+    (`recorded_with_different`), since every difference may then come from them."""
     for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
         a, b = getattr(ref.meta, name), getattr(cand.meta, name)
         if a != b:
             raise InputError(f"{cand.path} and {ref.path} come from different models ({name} {b} vs {a}): "
                              f"diff traces of the same model")
-    same_dtype = ref.meta.dtype == cand.meta.dtype
-    for name, what in (("model_fingerprint", "weights"), ("tokenizer_fingerprint", "tokenizers")):
-        a, b = getattr(ref.meta, name), getattr(cand.meta, name)
-        if a != b and (same_dtype or what == "tokenizers"):
-            log.warning("%s and %s were recorded with different %s (%s %s vs %s): differences may come from them",
-                        cand.path, ref.path, what, name, b, a)
+    for what in recorded_with_different(ref.meta, cand.meta):
+        name = "model_fingerprint" if what == "weights" else "tokenizer_fingerprint"
+        log.warning("%s and %s were recorded with different %s (%s %s vs %s): differences may come from them",
+                    cand.path, ref.path, what, name, getattr(cand.meta, name), getattr(ref.meta, name))
 
 
 def _compare(ref: TraceReader, cand: TraceReader, tolerances: Mapping[str, Tolerance] | None,

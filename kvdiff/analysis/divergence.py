@@ -21,6 +21,24 @@ _META_FIELDS = ("model_name", "model_fingerprint", "tokenizer_fingerprint", "dty
                 "num_kv_heads", "head_dim")
 
 
+def _weight_scheme(fingerprint: str) -> str:
+    """The weight hash's scheme in a model fingerprint: 'w' (bytes on the host) or 'wg' (on a GPU)."""
+    return fingerprint.rpartition("/")[2].partition(":")[0]
+
+
+def recorded_with_different(ref: TraceMeta, cand: TraceMeta) -> list[str]:
+    """What the two runs had different that no probe shows: "weights" (weights or config; only
+    in one dtype, since a cast changes the bytes, and by the config alone across the host and GPU
+    hash schemes) and "tokenizers". Every difference found may come from these."""
+    differs = []
+    a, b = ref.model_fingerprint, cand.model_fingerprint
+    if ref.dtype == cand.dtype and a != b and (_weight_scheme(a) == _weight_scheme(b) or a.split("/")[0] != b.split("/")[0]):
+        differs.append("weights")
+    if ref.tokenizer_fingerprint != cand.tokenizer_fingerprint:
+        differs.append("tokenizers")
+    return differs
+
+
 def _clean(values: np.ndarray) -> list:
     """Floats as a (nested) list with NaN/Inf as None, for strict JSON."""
     return [_clean(v) for v in values] if values.ndim > 1 else \
@@ -147,6 +165,7 @@ class Divergence:
             "chunks": [c.to_json() for c in self.chunks],
             "comparable_until": al.comparable_until,
             "first_input_difference": al.first_input_difference,
+            "recorded_with_different": recorded_with_different(self.reference, self.candidate),
             "alignment": {"positions_compared": int(al.positions.size), "only_reference": al.only_reference.tolist(),
                           "only_candidate": al.only_candidate.tolist(), "prompt_length": al.prompt_length},
             "tolerances": {"default": vars(cmp.tolerances.default),

@@ -60,6 +60,10 @@
       head.append(el("p", "", "the traces are of different prompts: positions from " + inputs +
         " on are not compared"));
     }
+    const differs = Array.isArray(R.recorded_with_different) ? R.recorded_with_different.map(String) : [];
+    if (differs.length) {
+      head.append(el("p", "", "recorded with different " + differs.join(" and ") + ": differences may come from them"));
+    }
     const bit = R.first_bit_difference;
     head.append(el("p", "", bit ? "first bit difference: " + bit.tensor + " at layer " + bit.layer +
       ", position " + bit.position : "bitwise identical through every probe" +

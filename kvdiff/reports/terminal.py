@@ -70,6 +70,9 @@ class _Report:
         bit = view.first("first_bit_difference")
         if inputs is not None:
             body.append(f"\nthe traces are of different prompts: positions from {inputs} on are not compared")
+        if view.recorded_with_different:
+            body.append(f"\nrecorded with different {' and '.join(map(printable, view.recorded_with_different))}: "
+                        "differences may come from them")
         body.append(f"\nbitwise identical through every probe{'' if inputs is None else f' before position {inputs}'}"
                     if bit is None else
                     f"\nfirst bit difference: layer {bit.get('layer')}, position {bit.get('position')}")

@@ -61,6 +61,12 @@ class ReportView:
         value = self.raw.get("first_input_difference")
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
+    @property
+    def recorded_with_different(self) -> list[str]:
+        """What the two runs had different that no probe shows ("weights", "tokenizers")."""
+        value = self.raw.get("recorded_with_different")
+        return [str(v) for v in value] if isinstance(value, list) else []
+
     def chunk_at(self, position: int) -> str:
         """Name of the chunk holding `position` ("generated" past the prompt; "prompt" in a
         report of traces without chunks, "?" in a prompt position no chunk holds)."""
