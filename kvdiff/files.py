@@ -91,9 +91,8 @@ def write_text_atomically(path: str | os.PathLike[str], text: str, what: str) ->
         except OSError as exc:
             raise KvdiffError(f"cannot write {what} to {path}: {exc.strerror}") from exc
         return Path(path)
+    check_folder_of(path, what)
     target = landing(path)
-    if target.is_dir():
-        raise InputError(f"cannot write {what} to {path}: it is a folder; give a file name")
     try:
         fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as exc:

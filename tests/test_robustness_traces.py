@@ -171,6 +171,9 @@ def test_weights_differ_only_where_the_fingerprints_can_tell():
     assert recorded_with_different(ref, replace(ref, model_fingerprint="cfg:b/wg:2")) == ["weights"]  # other config
     assert recorded_with_different(ref, replace(ref, model_fingerprint="cfg:a/w:2", dtype="bfloat16")) == []
     assert recorded_with_different(ref, replace(ref, tokenizer_fingerprint="t2")) == ["tokenizers"]
+    foreign = replace(ref, model_fingerprint="engine-x:1")       # another writer's: compared whole
+    assert recorded_with_different(foreign, replace(ref, model_fingerprint="engine-x:2")) == ["weights"]
+    assert recorded_with_different(foreign, ref) == ["weights"]
 
 
 def _recast(dtype: str) -> Callable[[h5py.File], None]:

@@ -21,9 +21,12 @@ _META_FIELDS = ("model_name", "model_fingerprint", "tokenizer_fingerprint", "dty
                 "num_kv_heads", "head_dim")
 
 
-def _weight_scheme(fingerprint: str) -> str:
-    """The weight hash's scheme in a model fingerprint: 'w' (bytes on the host) or 'wg' (on a GPU)."""
-    return fingerprint.rpartition("/")[2].partition(":")[0]
+def _fingerprint_parts(fingerprint: str) -> tuple[str, str]:
+    """A kvdiff model fingerprint's config hash and its weight hash's scheme ('w' on the host,
+    'wg' on a GPU); another writer's fingerprint is all config, with no scheme."""
+    config, _, weights = fingerprint.rpartition("/")
+    scheme = weights.partition(":")[0]
+    return (config, scheme) if config and scheme in ("w", "wg") else (fingerprint, "")
 
 
 def recorded_with_different(ref: TraceMeta, cand: TraceMeta) -> list[str]:
@@ -32,7 +35,9 @@ def recorded_with_different(ref: TraceMeta, cand: TraceMeta) -> list[str]:
     hash schemes) and "tokenizers". Every difference found may come from these."""
     differs = []
     a, b = ref.model_fingerprint, cand.model_fingerprint
-    if ref.dtype == cand.dtype and a != b and (_weight_scheme(a) == _weight_scheme(b) or a.split("/")[0] != b.split("/")[0]):
+    (config_a, scheme_a), (config_b, scheme_b) = _fingerprint_parts(a), _fingerprint_parts(b)
+    weights_differ = a != b if scheme_a == scheme_b else config_a != config_b     # across schemes, the config tells
+    if ref.dtype == cand.dtype and weights_differ:
         differs.append("weights")
     if ref.tokenizer_fingerprint != cand.tokenizer_fingerprint:
         differs.append("tokenizers")
