@@ -1,4 +1,5 @@
-"""Writing report files so that a reader never sees a half-written one."""
+"""Writing report files so that a reader never sees a half-written one (a temporary file, then a
+rename), and to stdout, pipes and terminals as they are."""
 
 from __future__ import annotations
 
