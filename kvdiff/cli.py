@@ -18,7 +18,7 @@ from typer.core import TyperGroup
 
 import kvdiff
 from kvdiff.errors import InputError, KvdiffError
-from kvdiff.files import is_stdout, stdout_gone
+from kvdiff.files import check_outputs, is_stdout, stdout_gone
 
 try:  # recent typer vendors click; older releases use click itself
     from typer._click.exceptions import ClickException
@@ -328,6 +328,8 @@ def diff(
     from kvdiff.reports.html import write_html
 
     _check_point(point)
+    check_outputs({"report.json": json_out, "the HTML report": html},
+                  [trace for trace in (reference, candidate, baseline) if trace is not None])
     tolerances = dict(parse_tolerance(spec) for spec in tolerance)
     tokenizer = kvdiff.load_model(model)[1] if model else None
     div = run_diff(reference, candidate, baseline=baseline, tolerances=tolerances, tokenizer=tokenizer)
@@ -409,6 +411,7 @@ def gate(
     from kvdiff.gate.cases import load_cases
     from kvdiff.gate.runner import run_cases, write_junit
 
+    check_outputs({"the JUnit XML": junit}, [cases_file], made_later=junit.parent if junit is not None else None)
     cases = load_cases(cases_file)
     with claimed_out_dir(out, "gate") as out_dir, _progress() as progress:
         def announce(outcome):

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 from kvdiff.engine.conversation import Messages, validate_messages
 from kvdiff.errors import InputError
-from kvdiff.files import check_folder_of, write_text_atomically
+from kvdiff.files import check_outputs, same_file, write_text_atomically
 from kvdiff.probes.selection import check_ranges, parse_points
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,19 @@ def _discarded_on_failure(out_dir: Path) -> Iterator[None]:
         raise
 
 
+def check_report_copies(json_path: Path | str | None, html: Path | str | None, out: Path | str | None) -> None:
+    """InputError for an extra copy of a report that cannot be written or would replace another
+    file of the run (`check_outputs`); a copy onto the run's own report is that report. Checked
+    before the run, and again once the run's folder is made."""
+    copies = {"report.json": json_path, "the HTML report": html}
+    if out is None:
+        check_outputs(copies)
+        return
+    own = {"report.json": "report.json", "the HTML report": "report.html"}
+    copies = {what: path for what, path in copies.items() if path is None or not same_file(path, Path(out) / own[what])}
+    check_outputs(copies, [Path(out) / name for name in ARTEFACTS], made_later=out)
+
+
 def write_json_atomically(data: dict, path: Path) -> None:
     """Write strict JSON (no NaN) under a temporary name, then rename."""
     text = json.dumps(data, indent=2, allow_nan=False, ensure_ascii=False) + "\n"
@@ -205,11 +218,9 @@ def compare(
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
     check_options(strategy, numerics, max_new_tokens, recompute_ratio, chunk_size, capture, layers)
-    if json_path is not None:
-        check_folder_of(json_path, "report.json")
-    if html is not None:
-        check_folder_of(html, "the HTML report")
+    check_report_copies(json_path, html, out)
     with claimed_out_dir(out, strategy) as out_dir, _discarded_on_failure(out_dir):
+        check_report_copies(json_path, html, out_dir)
         step("loading model")
         key = (model, dtype, device, device_map)
         if model_cache is not None and key in model_cache:

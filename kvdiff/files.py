@@ -8,6 +8,7 @@ import stat
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterable
 
 from kvdiff.errors import InputError, KvdiffError
 
@@ -68,6 +69,33 @@ def check_folder_of(path: str | os.PathLike[str], what: str) -> None:
         raise InputError(f"cannot write {what} to {path}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
         raise InputError(f"cannot write {what} to {path}: folder {folder} is not writable")
+
+
+def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether writing `a` would write `b` (links followed; either may not exist yet)."""
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_outputs(outputs: dict[str, str | os.PathLike[str] | None], keep: Iterable[str | os.PathLike[str]] = (),
+                  *, made_later: str | os.PathLike[str] | None = None) -> None:
+    """InputError, before the work, for an output file (`{what: path}`; None: not asked for) that
+    cannot be written (`check_folder_of`) or would replace another output or a file in `keep`
+    (what the command reads, the run's own files).
+
+    A file in `made_later`, the folder the run makes, is not checked for its folder while that
+    folder does not exist: check again once it does.
+    """
+    given = {what: path for what, path in outputs.items() if path is not None and not is_stdout(path)}
+    pending = made_later is not None and not os.path.isdir(made_later)
+    for what, path in given.items():
+        if not in_place(Path(path)):
+            for other in [*keep, *(other for name, other in given.items() if name != what)]:
+                if same_file(path, other):
+                    alias = "" if os.fspath(other) == os.fspath(path) else f" (that is {other})"
+                    raise InputError(f"cannot write {what} to {path}{alias}: this command also reads or writes "
+                                     "that file; give another name")
+        if not (pending and same_file(landing(path).parent, made_later)):
+            check_folder_of(path, what)
 
 
 def write_text_atomically(path: str | os.PathLike[str], text: str, what: str) -> Path:

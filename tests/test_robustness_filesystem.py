@@ -18,7 +18,7 @@ import pytest
 from kvdiff.compare import ARTEFACTS, CLAIM
 from kvdiff.errors import InputError
 from kvdiff.files import write_text_atomically
-from robustness import REPO, assert_error, assert_no_finished_run, cli, compare_args, run_kvdiff
+from robustness import REPO, assert_error, assert_no_finished_run, cli, compare_args, run_kvdiff, trace_content
 
 
 def test_output_path_that_is_a_file(tmp_path):
@@ -164,3 +164,47 @@ def test_a_report_through_a_link_or_into_a_pipe_leaves_the_link_and_the_pipe(tmp
 
     with pytest.raises(InputError, match="it is a folder"):
         write_text_atomically(tmp_path, "x", "report.json")
+
+
+def test_a_report_copy_into_the_run_folder_the_run_makes(tmp_path):
+    """`-o new --json new/x.json`: the folder does not exist before the run, which makes it."""
+    run = tmp_path / "run"
+    result = cli(*compare_args(run, "--json", run / "copy.json", "--html", run / "report.html"))
+    assert result.exit_code == 0, result.stderr
+    assert (run / "copy.json").read_text() == (run / "report.json").read_text()
+    assert sorted(p.name for p in run.iterdir()) == sorted([*ARTEFACTS, "copy.json"])
+
+
+@pytest.mark.parametrize("option, name", [("--json", "reference.h5"), ("--html", "candidate.h5"),
+                                          ("--html", "report.json"), ("--json", "report.html")])
+def test_a_report_copy_onto_another_file_of_the_run_is_refused_before_the_run(tmp_path, option, name):
+    run = tmp_path / "run"
+    assert_error(cli(*compare_args(run, option, run / name)), 2,
+                 f"to {run / name}: this command also reads or writes that file; give another name")
+    assert not run.exists()
+
+
+def test_two_report_copies_onto_one_file_are_refused(tmp_path):
+    result = cli(*compare_args(tmp_path / "run", "--json", tmp_path / "r", "--html", tmp_path / "r"))
+    assert_error(result, 2, f"cannot write report.json to {tmp_path / 'r'}: this command also reads or writes")
+    assert not (tmp_path / "run").exists()
+
+
+def test_diff_and_gate_never_write_over_what_they_read(tmp_path):
+    """Before, `kvdiff diff a.h5 b.h5 --json b.h5` replaced the candidate trace with the report,
+    and `kvdiff gate cases.toml --junit cases.toml` the cases with the XML."""
+    run = tmp_path / "run"
+    assert cli(*compare_args(run)).exit_code == 0
+    traces = [run / "reference.h5", run / "candidate.h5"]
+    before = {trace: trace_content(trace) for trace in traces}
+    link = tmp_path / "link.h5"
+    link.symlink_to(traces[1])
+    for option, path in (("--json", traces[0]), ("--html", link)):
+        assert_error(cli("diff", *traces, option, path), 2, "this command also reads or writes that file")
+    assert {trace: trace_content(trace) for trace in traces} == before
+    assert "(that is " in cli("diff", *traces, "--html", link).stderr
+
+    cases = tmp_path / "cases.toml"
+    cases.write_text('[[case]]\nname = "a"\nprompt = "Hi"\nmodel = "tiny-llama"\nmax_new_tokens = 1\n')
+    assert_error(cli("gate", cases, "--junit", cases), 2, "cannot write the JUnit XML to")
+    assert cases.read_text().startswith("[[case]]")
