@@ -394,7 +394,7 @@ def inspect(
 @app.command()
 @command
 def gate(
-    cases_file: Path = typer.Argument(..., help="A TOML file of [[case]] tables."),
+    cases_file: Path = typer.Argument(..., help=r"A TOML file of \[\[case]] tables."),   # \[: rich markup
     junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML here."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for the failing cases' reports."),
 ) -> None:

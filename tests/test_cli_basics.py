@@ -19,6 +19,18 @@ def test_help_lists_every_command():
         assert name in result.output
 
 
+def test_every_option_help_shows_as_written():
+    """Help is rich markup: `[[case]]` showed as `[]` until its brackets were escaped."""
+    import typer.main
+
+    group = typer.main.get_group(app)
+    for name, command in group.commands.items():
+        shown = " ".join(runner.invoke(app, [name, "--help"], env={"COLUMNS": "2000"}).output.split())
+        for param in command.params:
+            if param.help:
+                assert param.help.replace("\\[", "[") in shown, (name, param.help)
+
+
 def test_version():
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0
