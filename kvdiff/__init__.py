@@ -11,12 +11,15 @@ __version__ = "0.1.0"
 
 from kvdiff.engine.loading import load_model  # noqa: E402
 from kvdiff.errors import InputError, KvdiffError  # noqa: E402
+# Not lazy: importing the submodule kvdiff.compare (for CompareResult, say) would otherwise make
+# `kvdiff.compare` the module instead of the function.
+from kvdiff.compare import compare  # noqa: E402
 
 __all__ = ["__version__", "load_model", "record", "diff", "compare", "KvdiffError", "InputError"]
 
 
 def __getattr__(name: str):
-    """Lazy exports: the probes, analyzer and compare stages import only when first used."""
+    """Lazy exports: the probes and analyzer stages import only when first used."""
     if name == "record":
         from kvdiff.probes.record import record
 
@@ -25,8 +28,4 @@ def __getattr__(name: str):
         from kvdiff.analysis import diff
 
         return diff
-    if name == "compare":
-        from kvdiff.compare import compare
-
-        return compare
     raise AttributeError(f"module 'kvdiff' has no attribute {name!r}")

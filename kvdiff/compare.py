@@ -247,7 +247,7 @@ def compare(
         step(f"running the engine ({strategy}, {numerics})")
         recorder = TraceRecorder.for_model(loaded, tokenizer, chunked.messages, candidate_path, strategy=strategy,
                                            numerics=numerics, capture=capture, layers=layers,
-                                           fingerprint=engine.fingerprint)
+                                           fingerprint=engine.fingerprint, max_new_tokens=max_new_tokens)
         try:
             (output,) = engine.generate([chunked.messages], max_new_tokens=max_new_tokens, sinks={0: recorder})
         except BaseException:

@@ -30,7 +30,8 @@ def record(model, tokenizer, messages: list[dict], path: str | os.PathLike, max_
     messages = validate_messages(messages)
     recorder = TraceRecorder.for_model(model, tokenizer, messages, path, strategy=strategy, numerics=numerics,
                                        capture=capture, layers=layers, positions=positions, spec=spec,
-                                       compression=compression, fingerprint=fingerprint)
+                                       compression=compression, fingerprint=fingerprint,
+                                       max_new_tokens=max_new_tokens)
     try:
         with attach_probes(model, recorder, spec) as probes:
             out = reference_generate(model, tokenizer, messages, max_new_tokens, sink=probes)

@@ -77,11 +77,12 @@ class TraceRecorder:
                   capture: str | Iterable[str] | None = None, layers: str | Iterable[int] | None = None,
                   positions: str | Iterable[int] | None = None, spec: ProbeSpec | None = None,
                   compression: str | None = None, top_k: int = 5,
-                  fingerprint: str | None = None) -> "TraceRecorder":
+                  fingerprint: str | None = None, max_new_tokens: int | None = None) -> "TraceRecorder":
         """A recorder writing a trace of `model` (any path: reference, engine) to `path`.
 
         `input_ids` default to the conversation rendered with the chat template. Norm weights and
         epsilons are found with `spec` (default: the architecture's built-in spec).
+        `max_new_tokens`, if known, sizes a short trace's file to its rows (`TraceWriter`).
         """
         from kvdiff.engine.reference import render_prompt_ids
 
@@ -89,7 +90,8 @@ class TraceRecorder:
         selection = Selection.parse(dims.num_layers, capture, layers, positions)
         ids = list(input_ids) if input_ids is not None else render_prompt_ids(tokenizer, messages)
         meta = build_meta(model, tokenizer, messages, ids, selection, strategy, numerics, fingerprint)
-        writer = TraceWriter(path, meta, compression=compression)
+        writer = TraceWriter(path, meta, compression=compression,
+                             max_positions=None if max_new_tokens is None else len(ids) + max_new_tokens)
         for (layer, norm), module in norm_modules(model, spec or default_spec(model)).items():
             writer.write_norm_weight(layer, norm, module.weight, norm_eps(module))
         return cls(writer, dims, selection, top_k)

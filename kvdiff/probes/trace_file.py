@@ -35,9 +35,11 @@ Source = tuple[str, int, int, bool]                          # chunk, prefill id
 class TraceFile:
     """An open, incomplete trace at `tmp_path`: rows go in by global position; `finish` completes it."""
 
-    def __init__(self, tmp_path: Path, input_ids: np.ndarray, compression: str | None):
+    def __init__(self, tmp_path: Path, input_ids: np.ndarray, compression: str | None,
+                 max_positions: int | None = None):
         self.tmp_path = tmp_path
         self.compression = compression
+        self.max_positions = max_positions
         self._io = LatchingFile(tmp_path)
         try:
             self._file = h5py.File(self._io, "w", rdcc_nbytes=0)      # no chunk cache: see trace_column.py
@@ -71,7 +73,7 @@ class TraceFile:
             return col
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize)
         most_rows = max(128, _MIN_CHUNK_BYTES // row_bytes // 128 * 128)     # a multiple of 128, as the diff reads
-        chunk_rows = int(min(most_rows, max(1, _CHUNK_BYTES // row_bytes)))
+        chunk_rows = int(min(most_rows, max(1, _CHUNK_BYTES // row_bytes), self.max_positions or most_rows))
         first, consecutive = first_rows
         # rows from the first chunk on, with nothing between them: the chunks are allocated as the
         # column grows, and all of them will hold rows

@@ -77,15 +77,22 @@ class TraceWriter:
     """Writes one trace. Use as a context manager, or call `close()` / `abort()` yourself."""
 
     def __init__(self, path: str | os.PathLike, meta: TraceMeta, compression: str | None = None,
-                 max_queued_bytes: int = DEFAULT_QUEUED_BYTES, max_device_bytes: int | None = None):
+                 max_queued_bytes: int = DEFAULT_QUEUED_BYTES, max_device_bytes: int | None = None,
+                 max_positions: int | None = None):
         """`max_device_bytes`: GPU memory that copies of large captures may hold until written;
         None: a quarter of the free memory of the GPU of the first such capture, at most
-        DEFAULT_DEVICE_BYTES; 0: captures go to host memory at once."""
+        DEFAULT_DEVICE_BYTES; 0: captures go to host memory at once.
+
+        `max_positions`: the most positions the run can reach (prompt plus new tokens), if known.
+        A short trace's HDF5 chunks are then no longer than that, so its file holds no room for
+        rows that never come (a 44-token trace of the default model was 93 MB for 31 MB of rows)."""
         if compression not in _COMPRESSIONS:
             raise TraceError(f"unknown compression {compression!r}: use none, gzip or lzf")
         if max_queued_bytes <= 0 or (max_device_bytes is not None and max_device_bytes < 0):
             raise TraceError(f"max_queued_bytes must be positive and max_device_bytes None or not negative, "
                              f"got {max_queued_bytes} and {max_device_bytes}")
+        if max_positions is not None and max_positions <= 0:
+            raise TraceError(f"max_positions must be positive or None, got {max_positions}")
         self.path = landing(path)
         if self.path.is_dir() or in_place(self.path):
             raise TraceError(f"cannot write trace {path}: it is a folder or not a regular file; give a file name")
@@ -95,7 +102,7 @@ class TraceWriter:
         self.compression = compression
         self.tmp_path = self.path.parent / f".{self.path.name}.{os.getpid()}.partial"
         try:
-            self._file = TraceFile(self.tmp_path, meta.input_ids, compression)
+            self._file = TraceFile(self.tmp_path, meta.input_ids, compression, max_positions)
         except OSError as exc:
             raise TraceError(f"cannot write trace {self.path}: {_reason(exc)}") from exc
         self._provenance: dict[int, Source] = {}
