@@ -51,7 +51,7 @@ class CompareResult:
         parts = []
         flip = r.get("first_token_divergence")
         if flip:
-            parts.append(f"tokens differ at step {flip['step']} ({flip['reference_token']} vs {flip['candidate_token']})")
+            parts.append(f"tokens differ at step {flip['step']} ({flip['reference_token']!r} vs {flip['candidate_token']!r})")
         first = r.get("first_divergence")
         if first:
             parts.append(f"first divergence at layer {first['layer']} position {first['position']} {first['tensor']}")

@@ -137,5 +137,5 @@ def test_pytest_plugin_fixture_passes_and_fails_with_a_report(pytester, tmp_path
     reports = tmp_path / "reports"
     result = pytester.runpytest_subprocess("--kvdiff-report-dir", str(reports), "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*kvdiff: tokens differ at step*"])
+    result.stdout.fnmatch_lines(["*kvdiff: tokens differ at step 0 ('*' vs '*'); first divergence at layer 0*"])
     assert (reports / "test_isolated-1" / "report.json").is_file()
