@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import os
 import resource
@@ -60,7 +61,7 @@ def test_an_output_folder_another_run_is_writing_is_refused_for_compare_and_gate
 
 
 def test_a_run_claims_its_folder_until_it_ends_and_one_finished_meanwhile_is_not_mixed(tmp_path, monkeypatch):
-    from kvdiff import compare as compare_module
+    compare_module = importlib.import_module("kvdiff.compare")     # `kvdiff.compare` is the function
 
     seen = []
     result = cli(*compare_args(tmp_path / "run"))
