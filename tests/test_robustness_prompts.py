@@ -119,3 +119,30 @@ def test_messages_file_with_a_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "m.json"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(MESSAGES).encode("utf-8"))
     assert build_messages(None, None, path) == MESSAGES
+
+
+def test_a_model_without_a_chat_template_is_one_line_before_any_run(tmp_path):
+    """A base model's tokenizer has no chat template: before, `unexpected ValueError`, exit 3."""
+    model, tokenizer = kvdiff.load_model("tiny-llama")
+    tokenizer.chat_template = None
+    folder = tmp_path / "base-model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    for command in (["compare", "--out", tmp_path / "run"], ["generate"]):
+        result = cli(*command, "--model", folder, "-p", "hi", "-n", "2")
+        assert_error(result, 2, f"the tokenizer of {folder} has no chat template",
+                     "add a chat_template to its tokenizer_config.json")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_chat_template_refusing_the_conversation_is_an_input_error():
+    """Templates raise for roles they do not take (Gemma's and Mistral's refuse a system message)."""
+    from kvdiff.engine.chunks import split_conversation
+    from kvdiff.errors import InputError
+
+    _, tokenizer = kvdiff.load_model("tiny-llama")
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}{% endif %}"
+                               "{{ m['content'] }}{% endfor %}")
+    with pytest.raises(InputError, match="refused the conversation: System role not supported"):
+        split_conversation(tokenizer, MESSAGES)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from kvdiff.engine.conversation import Messages, validate_messages
+from kvdiff.engine.conversation import Messages, render_chat, validate_messages
 from kvdiff.engine.reference import render_prompt_ids
 from kvdiff.errors import InputError, TokenizationBoundaryError
 
@@ -66,7 +66,7 @@ class ChunkedPrompt:
 def _render(tokenizer, messages: Messages, generation: bool) -> str:
     if not messages:
         return ""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+    return render_chat(tokenizer, messages, generation)
 
 
 def _encode(tokenizer, text: str) -> list[int]:

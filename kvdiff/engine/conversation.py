@@ -37,6 +37,23 @@ def validate_messages(messages) -> Messages:
     return out
 
 
+def render_chat(tokenizer, messages: Messages, generation: bool, tokenize: bool = False):
+    """`messages` through the tokenizer's chat template (text, or token ids with `tokenize`),
+    with the assistant's generation prompt when `generation`. InputError when the tokenizer has
+    no chat template or its template refuses the conversation."""
+    from jinja2 import TemplateError
+
+    name = getattr(tokenizer, "name_or_path", "") or "this model"
+    if not getattr(tokenizer, "chat_template", None):
+        raise InputError(f"the tokenizer of {name} has no chat template, and kvdiff renders each conversation "
+                         "with it (a chunk a message): use an instruct model, or add a chat_template to its "
+                         "tokenizer_config.json")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=generation)
+    except TemplateError as exc:
+        raise InputError(f"the chat template of {name} refused the conversation: {exc}") from None
+
+
 def build_messages(prompt: str | None, system: str | None = None, messages_file: Path | None = None) -> Messages:
     """A conversation from `--prompt`/`--system`, or from a JSON `--messages` file."""
     if messages_file is not None:

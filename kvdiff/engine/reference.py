@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiff.engine.conversation import Messages, check_fits
+from kvdiff.engine.conversation import Messages, check_fits, render_chat
 from kvdiff.probes.sink import ProbeSink
 
 
@@ -21,7 +21,7 @@ class ReferenceOutput:
 
 def render_prompt_ids(tokenizer, messages: Messages) -> list[int]:
     """Token ids of the conversation rendered with the chat template, generation prompt added."""
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    encoded = render_chat(tokenizer, messages, generation=True, tokenize=True)
     ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
     return [int(i) for i in ids]
 
