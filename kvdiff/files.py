@@ -85,6 +85,9 @@ def check_outputs(outputs: dict[str, str | os.PathLike[str] | None], keep: Itera
     A file in `made_later`, the folder the run makes, is not checked for its folder while that
     folder does not exist: check again once it does.
     """
+    to_stdout = [what for what, path in outputs.items() if path is not None and is_stdout(path)]
+    if len(to_stdout) > 1:
+        raise InputError(f"{' and '.join(to_stdout)} cannot both go to stdout: give one of them a file name")
     given = {what: path for what, path in outputs.items() if path is not None and not is_stdout(path)}
     pending = made_later is not None and not os.path.isdir(made_later)
     for what, path in given.items():
