@@ -360,6 +360,9 @@ def report(
     from kvdiff.reports.html import write_html
 
     _check_point(point)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise InputError(f"{run_dir} is not a folder: give the run folder that holds report.json "
+                         f"(`kvdiff report {run_dir.parent}`)")
     path = run_dir / "report.json"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

@@ -264,3 +264,7 @@ def test_report_of_a_folder_without_a_finished_run(tmp_path):
     assert_error(cli("report", tmp_path), 2, "holds no report.json: give a folder written by `kvdiff compare`")
     (tmp_path / "report.json").write_text("{\"verdict\": ")
     assert_error(cli("report", tmp_path), 2, "is not a kvdiff report")
+    # the report file itself rather than its folder: before, `unexpected NotADirectoryError`, exit 3
+    assert_error(cli("report", tmp_path / "report.json"), 2,
+                 f"{tmp_path / 'report.json'} is not a folder: give the run folder that holds report.json "
+                 f"(`kvdiff report {tmp_path}`)")
