@@ -38,6 +38,8 @@ def traces(tmp_path_factory, model):
         "norm": ("prefix", Faults(norm_eps={1: 10.0})),
         "noise": ("prefix", Faults(jitter=1e-7)),
         "nan": ("prefix", Faults(norm_eps={1: -1e9})),
+        "none": ("none", Faults()),                       # baselines: the engine with reuse off
+        "none_norm": ("none", Faults(norm_eps={1: 10.0})),
     }
     out = {}
     for name, (strategy, faults) in runs.items():
@@ -227,10 +229,19 @@ def test_traces_of_different_lengths_align_on_shared_positions(traces, tmp_path,
 
 
 def test_attribution_to_the_strategy_and_to_the_engine(traces):
-    div = kvdiff.diff(traces["reference"], traces["global"], baseline=traces["same"])
+    div = kvdiff.diff(traces["reference"], traces["global"], baseline=traces["none"])
     assert div.attribution.source == "strategy"
-    div = kvdiff.diff(traces["reference"], traces["global"], baseline=traces["norm"])
+    div = kvdiff.diff(traces["reference"], traces["global"], baseline=traces["none_norm"])
     assert div.attribution.source == "engine" and "layer 1" in div.attribution.evidence
+
+
+@pytest.mark.parametrize("baseline", ["reference", "global", "same"])
+def test_a_baseline_that_is_not_the_engine_without_reuse_is_refused(traces, baseline):
+    """Before, any trace was taken, and the evidence said "the baseline (same engine, strategy
+    none)" of the reference itself or of the candidate."""
+    with pytest.raises(InputError, match=f"baseline .*{baseline}.h5 was recorded with strategy .*; attribution needs "
+                                         "the candidate's engine with strategy none"):
+        kvdiff.diff(traces["reference"], traces["global"], baseline=traces[baseline])
 
 
 def test_report_json_is_strict_and_has_the_contract_keys(traces):

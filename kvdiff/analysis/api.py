@@ -50,6 +50,15 @@ def _check_same_model(ref: TraceReader, cand: TraceReader) -> None:
                     cand.path, ref.path, what, name, getattr(cand.meta, name), getattr(ref.meta, name))
 
 
+def _check_baseline(baseline: TraceReader, cand: TraceReader) -> None:
+    """Attribution reads the baseline as the candidate's engine with reuse off: refuse another run."""
+    if baseline.meta.strategy != "none" or baseline.meta.numerics != cand.meta.numerics:
+        raise InputError(f"baseline {baseline.path} was recorded with strategy {baseline.meta.strategy}, numerics "
+                         f"{baseline.meta.numerics}; attribution needs the candidate's engine with strategy none, "
+                         f"numerics {cand.meta.numerics} (`kvdiff compare --strategy none --numerics "
+                         f"{cand.meta.numerics}` writes one as candidate.h5)")
+
+
 def _compare(ref: TraceReader, cand: TraceReader, tolerances: Mapping[str, Tolerance] | None,
              text: Callable[[int], str]) -> Comparison:
     _check_same_model(ref, cand)
@@ -60,6 +69,8 @@ def _compare(ref: TraceReader, cand: TraceReader, tolerances: Mapping[str, Toler
 
 def _diff_open(ref: TraceReader, cand: TraceReader, baseline: TraceReader | None,
                tolerances: Mapping[str, Tolerance] | None, tokenizer) -> Divergence:
+    if baseline is not None:
+        _check_baseline(baseline, cand)
     text = _token_text(tokenizer)
     cmp = _compare(ref, cand, tolerances, text)
     chunks = ChunkLookup.of(cand)
