@@ -324,7 +324,7 @@ def diff(
     Example: kvdiff diff run/reference.h5 run/candidate.h5 --json report.json --tolerance logits=1e-4,1e-3
     """
     from kvdiff.analysis import diff as run_diff, parse_tolerance
-    from kvdiff.compare import write_json_atomically
+    from kvdiff.reports.json_report import write_json_atomically
     from kvdiff.reports.html import write_html
 
     _check_point(point)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import time
@@ -14,7 +13,7 @@ from typing import Callable, Iterator
 
 from kvdiff.engine.conversation import Messages, validate_messages
 from kvdiff.errors import InputError
-from kvdiff.files import check_outputs, same_file, write_text_atomically
+from kvdiff.files import check_outputs, same_file
 from kvdiff.probes.selection import check_ranges, parse_points
 
 log = logging.getLogger(__name__)
@@ -176,12 +175,6 @@ def check_report_copies(json_path: Path | str | None, html: Path | str | None, o
     check_outputs(copies, [Path(out) / name for name in ARTEFACTS], made_later=out)
 
 
-def write_json_atomically(data: dict, path: Path) -> None:
-    """Write strict JSON (no NaN) under a temporary name, then rename."""
-    text = json.dumps(data, indent=2, allow_nan=False, ensure_ascii=False) + "\n"
-    write_text_atomically(path, text, "report.json")
-
-
 def compare(
     messages: Messages,
     *,
@@ -214,6 +207,7 @@ def compare(
     from kvdiff.engine.numerics import exact_numerics
     from kvdiff.probes.recorder import TraceRecorder
     from kvdiff.reports.html import write_html
+    from kvdiff.reports.json_report import write_json_atomically
 
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)

@@ -30,6 +30,20 @@ def test_prefix_exact_is_identical_with_no_bit_difference(tmp_path):
     assert "report=" not in repr(result) and "<Divergence identical: " in repr(result)   # no megabytes in a repr
 
 
+def test_report_json_puts_each_heatmap_row_and_token_list_on_one_line(tmp_path):
+    result = compare(MESSAGES, model="tiny-llama", strategy="isolated-local", numerics="exact",
+                     max_new_tokens=6, out=tmp_path / "run")
+    text = result.report_json.read_text()
+    assert json.loads(text) == result.report
+    lines = {line.strip().rstrip(",") for line in text.splitlines()}
+    heatmap = result.report["heatmaps"]["k"]
+    for row in heatmap["rel"] + heatmap["max_abs"] + heatmap["tiers"]:
+        assert json.dumps(row) in lines
+    assert f'"token_ids": {json.dumps(result.report["prompt"]["token_ids"])}' in lines
+    assert not lines & {"0.0", "0", '"bitwise"'}     # no number or tier on a line of its own
+    assert len(text) < 0.6 * len(json.dumps(result.report, indent=2))
+
+
 
 def test_a_compare_hashes_the_weights_once_for_the_engine_and_both_traces(tmp_path, monkeypatch):
     import kvdiff
