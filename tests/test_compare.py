@@ -153,3 +153,57 @@ def test_pytest_plugin_fixture_passes_and_fails_with_a_report(pytester, tmp_path
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*kvdiff: tokens differ at step 0 ('*' vs '*'); first divergence at layer 0*"])
     assert (reports / "test_isolated-1" / "report.json").is_file()
+
+
+def _tokens_match_setup(tmp_path):
+    import torch
+
+    from kvdiff import load_model
+    from kvdiff.engine.reference import render_prompt_ids
+    from kvdiff.gate.pytest_plugin import KvdiffChecker
+
+    model, tokenizer = load_model("tiny-llama")
+    prompt = torch.tensor([render_prompt_ids(tokenizer, MESSAGES)])
+    output = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)          # a user's engine: transformers' generate
+    return KvdiffChecker(tmp_path / "reports", "t"), model, tokenizer, output, prompt.shape[1]
+
+
+def test_assert_tokens_match_takes_an_engines_ids_as_list_or_tensor_and_fails_on_a_flip(tmp_path):
+    checker, model, tokenizer, output, n = _tokens_match_setup(tmp_path)
+    generated = output[0, n:]
+    checker.assert_tokens_match(MESSAGES, generated.tolist(), model=model, tokenizer=tokenizer)
+    checker.assert_tokens_match(MESSAGES, generated, model=model, tokenizer=tokenizer)
+    checker.assert_tokens_match(MESSAGES, output[:, n:], model=model, tokenizer=tokenizer)     # one row of a batch
+    assert not (tmp_path / "reports").exists()
+
+    flipped = generated.tolist()
+    flipped[2] = (flipped[2] + 1) % tokenizer.vocab_size
+    with pytest.raises(pytest.fail.Exception) as failure:
+        checker.assert_tokens_match(MESSAGES, flipped, model=model, tokenizer=tokenizer)
+    message = str(failure.value)
+    assert f"tokens differ at step 2: reference {generated[2].item()} " in message
+    assert f" vs engine {flipped[2]} " in message
+    assert (tmp_path / "reports" / "t-1" / "reference.h5").is_file()
+
+
+@pytest.mark.parametrize("ids, words", [
+    (None, "got NoneType"),
+    ("hello", "got str"),
+    ([1, 2.5], "must hold ints, got 2.5"),
+    ([[1, 2], [3, 4]], "holds 2 rows"),
+])
+def test_assert_tokens_match_refuses_what_is_not_one_conversations_ids(tmp_path, ids, words):
+    from kvdiff.errors import InputError
+
+    checker, model, tokenizer, _, _ = _tokens_match_setup(tmp_path)
+    with pytest.raises(InputError, match=words):
+        checker.assert_tokens_match(MESSAGES, ids, model=model, tokenizer=tokenizer)
+
+
+def test_assert_tokens_match_names_the_prompt_when_given_generates_whole_output(tmp_path):
+    from kvdiff.errors import InputError
+
+    checker, model, tokenizer, output, n = _tokens_match_setup(tmp_path)
+    with pytest.raises(InputError, match=rf"begins with the prompt's {n} tokens: .* output\[0, {n}:\]"):
+        checker.assert_tokens_match(MESSAGES, output[0], model=model, tokenizer=tokenizer)

@@ -6,18 +6,48 @@ checks are written under `--kvdiff-report-dir` (default: pytest's tmp path of th
 
 from __future__ import annotations
 
+import operator
 import re
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
 from kvdiff.engine.conversation import Messages
+from kvdiff.errors import InputError
 
 
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("kvdiff")
     group.addoption("--kvdiff-report-dir", default=None,
                     help="folder for kvdiff divergence reports of failing checks")
+
+
+def generated_ids(token_ids: object, prompt_ids: Sequence[int]) -> list[int]:
+    """An engine's generated ids as ints, from a list, a tuple, or an array or tensor of one row.
+
+    InputError for anything else, and for ids that begin with the whole prompt (the full output
+    of transformers' `generate`): those could never match the generated tokens.
+    """
+    if hasattr(token_ids, "tolist"):             # numpy array or torch tensor
+        token_ids = token_ids.tolist()
+    if isinstance(token_ids, list) and token_ids and isinstance(token_ids[0], list):
+        if len(token_ids) != 1:
+            raise InputError(f"token_ids holds {len(token_ids)} rows: pass the generated ids of this one conversation")
+        token_ids = token_ids[0]
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, (list, tuple)):
+        raise InputError(f"token_ids must be the generated token ids (a list of ints, or an array or tensor "
+                         f"of one row), got {type(token_ids).__name__}")
+    try:
+        ids = [operator.index(i) for i in token_ids]
+    except TypeError:
+        bad = next(i for i in token_ids if not hasattr(i, "__index__"))
+        raise InputError(f"token_ids must hold ints, got {bad!r}") from None
+    prompt = list(prompt_ids)
+    if len(ids) > len(prompt) and ids[:len(prompt)] == prompt:
+        raise InputError(f"token_ids begins with the prompt's {len(prompt)} tokens: pass only the generated "
+                         f"ones (of transformers' generate, output[0, {len(prompt)}:])")
+    return ids
 
 
 class KvdiffChecker:
@@ -45,20 +75,24 @@ class KvdiffChecker:
             pytest.fail(f"kvdiff: {result.summary}\nreport: {result.out_dir}", pytrace=False)
         return result
 
-    def assert_tokens_match(self, messages: Messages, token_ids: list[int], *, model, tokenizer,
+    def assert_tokens_match(self, messages: Messages, token_ids: Sequence[int], *, model, tokenizer,
                             max_new_tokens: int | None = None) -> None:
-        """Assert a user's engine produced `token_ids` for `messages`, as the reference does.
+        """Assert a user's engine generated `token_ids` for `messages`, as the reference does.
 
-        The reference is kvdiff's continuous greedy path on the same model; on a mismatch the
+        `token_ids`: the generated ids only (a list, or an array or tensor of one row). The
+        reference is kvdiff's continuous greedy path on the same model; on a mismatch the
         failure names the first differing step and both tokens, and the reference trace is
         written into the report folder for `kvdiff diff` against the engine's own trace.
         """
         import kvdiff
-        from kvdiff.engine.reference import reference_generate
+        from kvdiff.engine.conversation import validate_messages
+        from kvdiff.engine.reference import reference_generate, render_prompt_ids
 
+        messages = validate_messages(messages)
+        token_ids = generated_ids(token_ids, render_prompt_ids(tokenizer, messages))
         steps = max_new_tokens or max(1, len(token_ids))
         reference = reference_generate(model, tokenizer, messages, max_new_tokens=steps)
-        if list(reference.token_ids) == list(token_ids):
+        if list(reference.token_ids) == token_ids:
             return
         step = next((i for i, (a, b) in enumerate(zip(reference.token_ids, token_ids)) if a != b),
                     min(len(reference.token_ids), len(token_ids)))
@@ -67,7 +101,7 @@ class KvdiffChecker:
         trace = kvdiff.record(model, tokenizer, messages, folder / "reference.h5", max_new_tokens=steps)
 
         def show(ids, i):
-            return repr(tokenizer.decode([ids[i]])) if i < len(ids) else "<end>"
+            return f"{ids[i]} {tokenizer.decode([ids[i]])!r}" if i < len(ids) else "<end>"
 
         pytest.fail(
             f"kvdiff: tokens differ at step {step}: reference {show(reference.token_ids, step)} vs "
