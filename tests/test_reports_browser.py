@@ -75,3 +75,20 @@ def test_a_report_of_different_prompts_or_tokenizers_says_so_in_its_verdict(tmp_
     without_chunks = dict(report, diagnoses=[dict(report["diagnoses"][0], chunk=None)])
     loaded = load(write_html(without_chunks, tmp_path / "no-chunks.html"))
     assert '<p class="meta">positions 16–27</p>' in loaded.dom and "chunk – · " not in loaded.dom
+
+
+def test_chunk_names_of_narrow_chunks_take_a_second_lane_or_are_left_out_never_overlap(tmp_path):
+    import json
+
+    report = seeds_report("prefix")
+    chunk = report["chunks"][0]
+    report["chunks"] = [dict(chunk, name=f"chunk{i}", positions=[i, i], encoded_positions=[i, i]) for i in range(6)]
+    report["chunks"].append(dict(chunk, name="rest", positions=[6, 31], encoded_positions=[6, 31]))
+    loaded = load(write_html(report, tmp_path / "narrow.html"))
+    assert "data-errors" not in loaded.html_attrs and loaded.console_errors == []
+    labels = json.loads(loaded.body_attrs["data-chunk-labels"])
+    assert [label["text"] for label in labels][:7] == [f"chunk{i} @{i}" for i in range(6)] + ["rest @6"]
+    assert {label["lane"] for label in labels} == {-1, 0, 1}        # both lanes used, some names left out
+    for lane in (0, 1):
+        drawn = [label for label in labels if label["lane"] == lane]
+        assert all(b["x0"] >= a["x1"] + 5 for a, b in zip(drawn, drawn[1:])), drawn

@@ -69,9 +69,11 @@ function kvdiffHeatmap(page) {
         }
       });
     });
-    // chunk boundaries and names
+    // chunk boundaries and names; a name goes in the first of two lanes where it overlaps none,
+    // else it is left out (hovering a cell names its chunk)
     ctx.textAlign = "left";
     let prev = null;
+    const laneEnds = [-Infinity, -Infinity], labels = [];
     positions.forEach((p, c) => {
       const name = chunkAt(p);
       if (name === prev) return;
@@ -79,8 +81,14 @@ function kvdiffHeatmap(page) {
       const x = labelW + c * cellW - 0.5;
       ctx.strokeStyle = "#1d1f23"; ctx.lineWidth = 1.5; ctx.beginPath();
       ctx.moveTo(x, 4); ctx.lineTo(x, height); ctx.stroke(); ctx.lineWidth = 1;
-      ctx.fillStyle = "#1d1f23"; ctx.fillText(name + " @" + p, x + 3, 12);
+      const text = name + " @" + p, x0 = x + 3, x1 = x0 + ctx.measureText(text).width;
+      const lane = laneEnds.findIndex((end) => x0 >= end + 6);
+      labels.push({ text, lane, x0: Math.round(x0), x1: Math.round(x1) });
+      if (lane < 0) return;
+      laneEnds[lane] = x1;
+      ctx.fillStyle = "#1d1f23"; ctx.fillText(text, x0, 10 + lane * 13);
     });
+    document.body.setAttribute("data-chunk-labels", JSON.stringify(labels));
     for (const [key, dash] of [["first_divergence", []], ["first_bit_difference", [3, 2]]]) {
       const ev = R[key];
       if (!ev || ev.tensor !== point) continue;
