@@ -119,3 +119,19 @@ def test_prints_only_through_console(capsys):
     render_terminal(seeds_report(), Console(file=io.StringIO(), width=80))
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == ""
+
+
+def test_a_chunk_start_too_wide_for_its_columns_is_cut_with_an_ellipsis():
+    report = seeds_report("prefix")
+    heat = report["heatmaps"]["k"]
+    heat["positions"] = [p + 1500 for p in heat["positions"]]     # starts of four digits
+    for chunk in report["chunks"]:
+        chunk["positions"] = [p + 1500 for p in chunk["positions"]]
+    text = _text(report, width=40)
+    names, starts = next(lines for lines in zip(text.splitlines(), text.splitlines()[1:])
+                         if lines[1].split("│")[0].strip() == "1500")
+    cells = [cell.strip() for cell in starts.split("│")]
+    assert cells[0] == "1500" and all(cell in ("1516", "1528", "1532") or cell.endswith("…") for cell in cells[1:])
+    assert any(cell.endswith("…") for cell in cells[1:])                   # one cut, marked as cut
+    assert all("generation".startswith(name.strip()) or "generated".startswith(name.strip())
+               for name in names.split("│")[2:])                          # names are cut, no ellipsis

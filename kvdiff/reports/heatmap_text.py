@@ -103,12 +103,19 @@ def _rows(view: ReportView, point: str) -> list[tuple[str, list[Any], list[Any]]
     return rows
 
 
+def _fit_number(number: int, count: int) -> str:
+    """`number` in `count` columns: whole, or cut with "…" so that a cut start position (1523 as
+    "15") is never read as another number. Names are only cut: "us" is still a prefix of user#2."""
+    text = str(number)
+    return text.ljust(count) if len(text) <= count else text[:count - 1] + "…"
+
+
 def _header(segs: list[Segment], counts: list[int], positions: Sequence[int], pad: int) -> Text:
     names, starts = Text(" " * pad), Text(" " * pad)
     for k, (seg, count) in enumerate(zip(segs, counts)):
         sep = "│" if k else ""
         names.append(sep + printable(seg.name)[:count].ljust(count), style="cyan")
-        starts.append(sep + str(positions[seg.columns[0]])[:count].ljust(count), style="grey50")
+        starts.append(sep + _fit_number(positions[seg.columns[0]], count), style="grey50")
     return Text("\n").join([names, starts])
 
 
