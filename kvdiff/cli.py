@@ -275,6 +275,8 @@ def compare(
                                              "(auto, balanced, sequential); replaces --device."),
     capture: Optional[str] = typer.Option(None, "--capture", help="Probe points to record, comma-separated (default all)."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Layers to record, e.g. 0-3,29 (default all)."),
+    warm: bool = typer.Option(False, "--warm", help="Run the conversation through the engine once first, so the "
+                              "compared run reads its chunks from the cache."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (new or empty); default ./kvdiff-runs/<time>-<strategy>."),
     html: Optional[Path] = typer.Option(None, "--html", help="Also write the HTML report here."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write report.json here."),
@@ -295,8 +297,7 @@ def compare(
         result = run_compare(
             conversation, model=model, strategy=strategy, numerics=numerics, recompute_ratio=recompute_ratio,
             chunk_size=chunk_size, max_new_tokens=max_new_tokens, dtype=dtype, device=device, device_map=device_map,
-            capture=capture,
-            layers=layers, out=out, html=html, json_path=json_out, progress=progress,
+            capture=capture, layers=layers, warm=warm, out=out, html=html, json_path=json_out, progress=progress,
         )
     log.info("artefacts in %s", result.out_dir)
     if _for_humans(html, json_out):

@@ -189,6 +189,7 @@ def compare(
     device_map: str | None = None,
     capture: str | None = None,
     layers: str | None = None,
+    warm: bool = False,
     out: Path | str | None = None,
     html: Path | str | None = None,
     json_path: Path | str | None = None,
@@ -198,7 +199,9 @@ def compare(
     """Run the reference and the chunked engine on `messages`, probe both, diff, and report.
 
     Writes reference.h5, candidate.h5, report.json and report.html into `out` (default: a new
-    folder under ./kvdiff-runs/). `html`/`json_path` write extra copies of the reports.
+    folder under ./kvdiff-runs/). `html`/`json_path` write extra copies of the reports. `warm`:
+    the engine runs the conversation once, unrecorded, before the recorded run, which then reads
+    its chunks from the cache (hits; their positions hold K/V only in the candidate trace).
     """
     import kvdiff
     from kvdiff.analysis import diff
@@ -238,6 +241,9 @@ def compare(
                           capture=capture, layers=layers, strategy="reference", numerics=numerics,
                           fingerprint=engine.fingerprint)     # the weights' hash, once per compare
 
+        if warm:
+            step("filling the engine's cache (--warm)")
+            engine.generate([chunked.messages], max_new_tokens=1)
         step(f"running the engine ({strategy}, {numerics})")
         recorder = TraceRecorder.for_model(loaded, tokenizer, chunked.messages, candidate_path, strategy=strategy,
                                            numerics=numerics, capture=capture, layers=layers,

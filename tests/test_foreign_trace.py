@@ -21,6 +21,12 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 STEPS = 6
 
 
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A model of this module's own: transformers' `output_hidden_states` leaves hooks on it."""
+    return kvdiff.load_model("tiny-llama")
+
+
 def write_foreign_trace(path, model, tokenizer, *, points=("resid_pre", "k", "v", "logits"), kv_layout="phd"):
     """The required attributes and datasets only; K/V rows as (positions, kv heads, head_dim)."""
     prompt = render_prompt_ids(tokenizer, MESSAGES)

@@ -149,6 +149,15 @@ def test_prefix_exact_is_bitwise_identical_in_bf16(bf16_folder, tmp_path, index)
     assert result.report["first_bit_difference"] is None, json.dumps(result.report["first_bit_difference"])
 
 
+@pytest.mark.parametrize("index", range(len(SUITE)))
+def test_prefix_exact_reading_every_chunk_from_the_cache_is_bitwise_identical_in_bf16(bf16_folder, tmp_path, index):
+    result = compare(SUITE[index], model=str(bf16_folder), strategy="prefix", numerics="exact", warm=True,
+                     max_new_tokens=NEW, dtype="bfloat16", device="cuda", out=tmp_path / "run")
+    assert {c["cache"] for c in result.report["chunks"]} == {"hit"}
+    assert result.report["tokens_identical"]
+    assert result.report["first_bit_difference"] is None, json.dumps(result.report["first_bit_difference"])
+
+
 def test_isolated_local_is_diagnosed_on_the_gpu(bf16_folder, tmp_path):
     result = compare(SUITE[0], model=str(bf16_folder), strategy="isolated-local", numerics="exact",
                      max_new_tokens=NEW, dtype="bfloat16", device="cuda", out=tmp_path / "run")

@@ -41,6 +41,13 @@ class Alignment:
     first_token_divergence: TokenDivergence | None
     tokens_identical: bool
     text_identical: bool
+    kv_only: np.ndarray                # bool per aligned position: a trace read its K/V from a cache and
+                                       # recorded only k and v there; its other points are not compared
+
+    @property
+    def computed(self) -> np.ndarray:
+        """Bool per aligned position: both traces computed it, so every point can be compared."""
+        return ~self.kv_only
 
     @property
     def comparable(self) -> np.ndarray:
@@ -82,6 +89,7 @@ def align(ref: TraceMeta, cand: TraceMeta, ref_positions: np.ndarray, cand_posit
           ref_steps: StepRecords, cand_steps: StepRecords, text: TokenText) -> Alignment:
     """Align by position; positions at or after the first differing input token are incomparable."""
     common, ri, ci = np.intersect1d(ref_positions, cand_positions, assume_unique=True, return_indices=True)
+    kv_only = np.isin(common, ref.kv_only_positions) | np.isin(common, cand.kv_only_positions)
     first_input = first_difference(ref.input_ids, cand.input_ids)
     token_div = None if first_input is not None else _token_divergence(ref, cand, ref_steps, cand_steps, text)
     if first_input is not None:
@@ -94,4 +102,5 @@ def align(ref: TraceMeta, cand: TraceMeta, ref_positions: np.ndarray, cand_posit
         positions=common.astype(np.int64), ref_index=ri, cand_index=ci, comparable_until=until,
         only_reference=np.setdiff1d(ref_positions, cand_positions), only_candidate=np.setdiff1d(cand_positions, ref_positions),
         prompt_length=int(ref.input_ids.size), first_input_difference=first_input, first_token_divergence=token_div,
-        tokens_identical=first_input is None and token_div is None, text_identical=ref.text == cand.text)
+        tokens_identical=first_input is None and token_div is None, text_identical=ref.text == cand.text,
+        kv_only=kv_only)

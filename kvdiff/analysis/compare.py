@@ -18,7 +18,7 @@ from kvdiff.analysis.align import Alignment
 from kvdiff.analysis.metrics import RowMetrics, row_metrics
 from kvdiff.analysis.norms import NormCheck, NormChecker
 from kvdiff.analysis.tolerance import NOT_COMPARED, Tier, Tolerances
-from kvdiff.probes.points import FINAL_POINTS, LAYER_POINTS
+from kvdiff.probes.points import FINAL_POINTS, LAYER_POINTS, READ_POINTS
 from kvdiff.probes.trace import TraceReader
 
 log = logging.getLogger(__name__)
@@ -50,11 +50,15 @@ class PointMap:
         return cls(point, layers, positions, np.full(shape, NOT_COMPARED, dtype=np.int8), nan, nan.copy(),
                    nan.copy(), np.ones(shape, bool), np.ones(shape, bool))
 
-    def fill(self, row: int, cols: slice, metrics: RowMetrics, tiers: np.ndarray, comparable: np.ndarray) -> None:
-        """Layer row `row`, aligned positions `cols`; `comparable` is the mask of those positions."""
-        self.tier[row, cols] = np.where(comparable, tiers, Tier.INCOMPARABLE)
-        self.max_abs[row, cols], self.rel[row, cols], self.cosine[row, cols] = metrics.max_abs, metrics.rel, metrics.cosine
-        self.ref_finite[row, cols], self.cand_finite[row, cols] = metrics.ref_finite, metrics.cand_finite
+    def fill(self, row: int, cols: slice, metrics: RowMetrics, tiers: np.ndarray, comparable: np.ndarray,
+             recorded: np.ndarray) -> None:
+        """Layer row `row`, aligned positions `cols`; `comparable` and `recorded` (both traces hold
+        a row of this point there) are masks of those positions."""
+        self.tier[row, cols] = np.where(recorded, np.where(comparable, tiers, Tier.INCOMPARABLE), NOT_COMPARED)
+        for out, values in ((self.max_abs, metrics.max_abs), (self.rel, metrics.rel), (self.cosine, metrics.cosine)):
+            out[row, cols] = np.where(recorded, values, np.nan)
+        self.ref_finite[row, cols] = metrics.ref_finite | ~recorded
+        self.cand_finite[row, cols] = metrics.cand_finite | ~recorded
 
     def row_of(self, layer: int | None) -> int:
         return self.layers.index(layer)
@@ -99,7 +103,9 @@ def _fill(out: Comparison, pmap: PointMap, row: int, cols: slice, x: np.ndarray,
     """Compare a block of aligned rows into `pmap` and count the bytes compared."""
     out.bytes_compared += x.nbytes + y.nbytes
     metrics = row_metrics(x, y)
-    pmap.fill(row, cols, metrics, metrics.tiers(out.tolerances.for_point(pmap.point)), out.alignment.comparable[cols])
+    al = out.alignment
+    recorded = np.ones(x.shape[0], dtype=bool) if pmap.point in READ_POINTS else al.computed[cols]
+    pmap.fill(row, cols, metrics, metrics.tiers(out.tolerances.for_point(pmap.point)), al.comparable[cols], recorded)
 
 
 def _compare_layer(ref: TraceReader, cand: TraceReader, out: Comparison, row: int, layer: int,

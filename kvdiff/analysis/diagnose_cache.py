@@ -30,13 +30,16 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
     if kp_bad is None and v_bad is None:
         return []
     bad = (kp_bad if kp_bad is not None else False) | (v_bad if v_bad is not None else False)
+    al = inputs.comparison.alignment
     same_input = inputs.ok("attn_norm", 0)
     same_input = inputs.ok("resid_pre", 0) if same_input is None else same_input
     if same_input is not None:
-        bad = bad & same_input
-    positions = inputs.comparison.alignment.positions
+        # Where the K/V were read from a cache no input was recorded; the tokens are the same at
+        # every comparable position, and the first layer's input is the token's embedding.
+        bad = bad & (same_input | al.kv_only)
+    positions = al.positions
     cached = np.array([inputs.chunks.cached(int(p)) is not False for p in positions], dtype=bool)
-    cols = np.flatnonzero(bad & cached & inputs.comparison.alignment.comparable)
+    cols = np.flatnonzero(bad & cached & al.comparable)
     if not cols.size:
         return []
     layer = inputs.first_layer
@@ -55,8 +58,9 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
                 parts.append(f"{name} differs (max_abs {fmt(max_abs)}, rel {fmt(rel)})")
         where = "whose K/V came from the cache" if any(inputs.chunks.cached(int(p)) for p in group) else \
             "(the trace does not say which positions were cached)"
-        evidence = (f"layer {layer}, positions {span_text(lo, hi)} {where}: {' and '.join(parts)} although the "
-                    f"layer input matches, and before RoPE these depend on the token alone")
+        same = "the tokens are the same" if al.kv_only[gcols].all() else "the layer input matches"
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)} {where}: {' and '.join(parts)} although "
+                    f"{same}, and before RoPE these depend on the token alone")
         exact = dist[sel] <= 1e-6
         moved = src[sel] != group
         if (exact & moved).any():

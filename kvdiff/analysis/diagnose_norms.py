@@ -32,7 +32,8 @@ def _rounded_inputs(check: NormCheck, differ: np.ndarray) -> np.ndarray:
 
 def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
     cmp = inputs.comparison
-    checks, comparable, positions = cmp.norms, cmp.alignment.comparable, cmp.alignment.positions
+    checks, positions = cmp.norms, cmp.alignment.positions
+    comparable = cmp.alignment.comparable & cmp.alignment.computed      # norms run only where K/V were computed
     if not checks:
         return []
     differ = [(c, (c.stats_differ if c.stats_differ is not None else c.output_tier == Tier.DIVERGENT) & comparable)

@@ -13,23 +13,30 @@ log = logging.getLogger(__name__)
 
 
 def _encoded(inputs: DiagnosisInputs, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Encoded position and fit quality of the candidate's first-layer keys at columns `cols`."""
+    """Encoded position and fit quality of the candidate's first-layer keys at columns `cols`
+    (where the candidate read its K/V from a cache, the reference's k_pre_rope stands in)."""
     if inputs.thetas is None:
         return None
-    k_pre, k = inputs.rows(inputs.first_layer, "k_pre_rope")[1], inputs.rows(inputs.first_layer, "k")[1]
+    ref_pre, cand_pre = inputs.rows(inputs.first_layer, "k_pre_rope")
+    k = inputs.rows(inputs.first_layer, "k")[1]
+    k_pre = np.where(inputs.comparison.alignment.kv_only[cols, None, None], ref_pre[cols], cand_pre[cols])
     horizon = 2 * int(inputs.comparison.alignment.positions.max()) + 64
-    return estimate_positions(k_pre[cols], k[cols], inputs.thetas, horizon)
+    return estimate_positions(k_pre, k[cols], inputs.thetas, horizon)
 
 
 def diagnose_position_mismatch(inputs: DiagnosisInputs) -> list[Diagnosis]:
     """One diagnosis per candidate chunk whose first-layer k_pre_rope matches but k does not, unless
     the keys' rotation angles fit the expected positions exactly (then RoPE's arithmetic differs,
     e.g. its precision, not the positions it used)."""
-    kp_ok, k_bad = inputs.ok("k_pre_rope", 0), inputs.divergent("k", 0)
+    kp_ok, k_bad, v_ok = inputs.ok("k_pre_rope", 0), inputs.divergent("k", 0), inputs.ok("v", 0)
     if kp_ok is None or k_bad is None:
         return []
-    positions = inputs.comparison.alignment.positions
-    cols = np.flatnonzero(kp_ok & k_bad)
+    al = inputs.comparison.alignment
+    positions = al.positions
+    # Read from a cache, K/V have no k_pre_rope row; a matching first-layer v (a function of the
+    # token alone) shows the cache holds these tokens' keys, whose content k_pre_rope would show.
+    cached_content = al.kv_only & (v_ok if v_ok is not None else False)
+    cols = np.flatnonzero((kp_ok | cached_content) & k_bad)
     if not cols.size:
         return []
     fit = _encoded(inputs, cols)
@@ -37,12 +44,17 @@ def diagnose_position_mismatch(inputs: DiagnosisInputs) -> list[Diagnosis]:
     out = []
     for chunk, group in group_by_chunk(inputs, positions[cols]):
         gcols = cols[np.isin(positions[cols], group)]
-        kp_abs, _ = inputs.worst("k_pre_rope", 0, gcols)
         _, k_rel = inputs.worst("k", 0, gcols)
         lo, hi = int(group[0]), int(group[-1])
-        evidence = (f"layer {layer}, positions {span_text(lo, hi)}: k_pre_rope matches the reference "
-                    f"(max_abs {fmt(kp_abs)}) while k after RoPE differs (rel {fmt(k_rel)}), so the keys hold "
-                    f"the same content rotated to other positions")
+        if al.kv_only[gcols].all():
+            v_abs, _ = inputs.worst("v", 0, gcols)
+            same = (f"read from the cache, v matches the reference (max_abs {fmt(v_abs)}), so the cache holds "
+                    f"these tokens' keys,")
+        else:
+            kp_abs, _ = inputs.worst("k_pre_rope", 0, gcols)
+            same = f"k_pre_rope matches the reference (max_abs {fmt(kp_abs)})"
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)}: {same} while k after RoPE differs "
+                    f"(rel {fmt(k_rel)}), so the keys hold the same content rotated to other positions")
         details: dict = {"expected_positions": [lo, hi], "layer": layer}
         if fit is not None:
             enc, quality = fit[0][np.isin(positions[cols], group)], fit[1][np.isin(positions[cols], group)]

@@ -25,6 +25,7 @@ _OPTION_TYPES: dict[str, type | tuple[type, ...]] = {
     "device": str,
     "capture": str,
     "layers": str,
+    "warm": bool,
 }
 _CONVERSATION_KEYS = {"name", "system", "prompt", "messages"}
 
@@ -51,7 +52,7 @@ def _case_from_table(index: int, table: dict) -> GateCase:
         raise InputError(f"{where} needs a non-empty string `name`")
     where = f"case {name!r}"
     for key, kind in _OPTION_TYPES.items():
-        if key in table and (not isinstance(table[key], kind) or isinstance(table[key], bool)):
+        if key in table and (not isinstance(table[key], kind) or (isinstance(table[key], bool) and kind is not bool)):
             raise InputError(f"{where}: `{key}` has the wrong type ({type(table[key]).__name__})")
     try:
         if "messages" in table:

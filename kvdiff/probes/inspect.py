@@ -33,6 +33,8 @@ def describe_trace(tr: TraceReader) -> Group:
                 f"torch {m.torch_version}, transformers {m.transformers_version}"),
         ("tokens", f"{len(m.input_ids)} prompt + {len(m.generated_ids)} generated; "
                    f"positions {format_ranges(tr.positions)}"),
+        *([("kv only", f"positions {format_ranges(m.kv_only_positions)}: K/V read from the cache, "
+                       "only k and v recorded")] if m.kv_only_positions.size else []),
         ("text", repr(m.text)),
         ("points", ", ".join(m.points)),
         ("layers", format_ranges(m.layers)),

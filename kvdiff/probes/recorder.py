@@ -60,6 +60,8 @@ class TraceRecorder:
         self.top_k = top_k
         self._positions: list[int] | None = None
         self._reads_only = False
+        self._read_positions: set[int] = set()         # recorded in reads-only brackets (cache rows)
+        self._computed_positions: set[int] = set()     # recorded in forwards that computed them
         self._fired: list[tuple[str, int | None]] = []      # what fired in this forward, in order
         self._checked: tuple[bool, list] | None = None     # (reads only, fired) of the last forward found complete
         self._targets: dict[tuple[str, int | None], _Target | None] = {}
@@ -107,6 +109,8 @@ class TraceRecorder:
         self._positions = [int(p) for p in positions]
         self._reads_only = reads_only
         self._kept_for = None
+        kept, _ = self._kept(positions)
+        (self._read_positions if reads_only else self._computed_positions).update(kept.tolist())
         self._fired = []
         self._logging = positions if self._repeats(positions, reads_only) else None
 
@@ -290,7 +294,10 @@ class TraceRecorder:
         if self._positions is not None:
             self.writer.abort()
             raise ProbeIntegrityError("finish called inside a forward: call end_forward first")
-        return str(self.writer.close(generated_ids=list(generated_ids), text=text, chunks=list(chunks)))
+        records_kv = bool(self.selection.layers) and any(p in self.selection.points for p in READ_POINTS)
+        kv_only = sorted(self._read_positions - self._computed_positions) if records_kv else []
+        return str(self.writer.close(generated_ids=list(generated_ids), text=text, chunks=list(chunks),
+                                     kv_only_positions=kv_only))
 
     def abort(self) -> None:
         """Drop the trace (no file is left at its path)."""

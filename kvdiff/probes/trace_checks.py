@@ -20,7 +20,7 @@ import numpy as np
 from kvdiff.errors import TraceError
 from kvdiff.probes.model_meta import ModelDims
 from kvdiff.probes.points import ALL_POINTS, FINAL_NORMS, FINAL_POINTS, LAYER_NORMS, LAYER_POINTS, NORM_STATS
-from kvdiff.probes.trace_format import DTYPE_ATTR, FINAL_GROUP, ChunkRecord, TraceMeta
+from kvdiff.probes.trace_format import DTYPE_ATTR, FINAL_GROUP, KV_ONLY_SCHEMA_VERSION, ChunkRecord, TraceMeta
 
 _REQUIRED = object()
 _MAX_INT = 2 ** 62                     # ids, positions and sizes stay far from int64 overflow
@@ -259,6 +259,7 @@ def read_meta(path: Path, f: h5py.File) -> TraceMeta:
         raise malformed(path, f"head_dim {dims['head_dim']} is odd (RoPE rotates pairs of elements)")
     texts = {name: as_text(path, name, attr(name)) for name in TraceMeta.SCALARS
              if name not in dims and name != "attn_scale"}
+    schema = as_int(path, "schema_version", attr("schema_version"), low=1)
     return TraceMeta(
         **dims, **texts, attn_scale=as_float(path, "attn_scale", attr("attn_scale")),
         messages=parse_messages(path, attr("messages_json")),
@@ -267,13 +268,30 @@ def read_meta(path: Path, f: h5py.File) -> TraceMeta:
         generated_ids=read_ints(path, f, "generated_ids", dims["vocab_size"]),
         points=parse_points(path, attr("points")),
         layers=parse_layers(path, attr("layers"), dims["num_layers"]),
-        schema_version=as_int(path, "schema_version", attr("schema_version"), low=1))
+        schema_version=schema, kv_only_positions=_read_kv_only(path, f, schema))
+
+
+def _read_kv_only(path: Path, f: h5py.File, schema: int) -> np.ndarray:
+    """/kv_only_positions: present exactly in a trace of schema 2, strictly increasing."""
+    if "kv_only_positions" not in f:
+        if schema >= KV_ONLY_SCHEMA_VERSION:
+            raise malformed(path, f"a trace of schema {schema} must hold kv_only_positions")
+        return np.zeros(0, dtype=np.int64)
+    if schema < KV_ONLY_SCHEMA_VERSION:
+        raise malformed(path, f"kv_only_positions needs schema {KV_ONLY_SCHEMA_VERSION}, not {schema}: "
+                              "a reader of that schema would take its missing rows for data")
+    kv_only = read_ints(path, f, "kv_only_positions")
+    if kv_only.size > 1 and not bool(np.all(kv_only[1:] > kv_only[:-1])):
+        raise malformed(path, "kv_only_positions must be strictly increasing")
+    return kv_only
 
 
 def check_layout(path: Path, f: h5py.File, meta: TraceMeta, positions: np.ndarray) -> None:
     """Every probe, statistics, weight, step and provenance dataset has the place, dtype and shape
     the format gives it."""
     rows = int(positions[-1]) + 1 if positions.size else 0
+    if np.setdiff1d(meta.kv_only_positions, positions).size:
+        raise malformed(path, "kv_only_positions holds positions that /positions does not")
     layers = meta.layers
     dims = ModelDims(meta.num_layers, meta.num_heads, meta.num_kv_heads, meta.head_dim, meta.hidden_size,
                      meta.vocab_size, meta.attn_scale)

@@ -18,11 +18,12 @@ from typing import Mapping
 import h5py
 import numpy as np
 
+from kvdiff.probes.points import READ_POINTS
 from kvdiff.probes.selection import format_ranges
 from kvdiff.probes.sink import ProbeIntegrityError
 from kvdiff.probes.trace_column import LatchingFile, TraceColumn
 from kvdiff.probes.trace_format import (
-    DTYPE_ATTR, FORMAT_NAME, SCHEMA_VERSION, TraceMeta, norm_weight_path,
+    DTYPE_ATTR, FORMAT_NAME, KV_ONLY_SCHEMA_VERSION, SCHEMA_VERSION, TraceMeta, norm_weight_path,
 )
 
 _CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
@@ -162,13 +163,21 @@ class TraceFile:
             union[: col.filled.size] |= col.filled
         return np.flatnonzero(union).astype(np.int64)
 
-    def _check_complete(self, positions: np.ndarray) -> None:
+    def _check_complete(self, positions: np.ndarray, kv_only: np.ndarray) -> None:
+        """Every dataset holds every recorded position; but for k and v, none of `kv_only`."""
+        computed = np.setdiff1d(positions, kv_only)
         for name, col in self._columns.items():
+            group, _, point = name.rpartition("/")
+            wanted = positions if point in READ_POINTS and group.startswith("layers/") else computed
             held = np.flatnonzero(col.filled)
-            if held.size != positions.size:
-                missing = np.setdiff1d(positions, held)
-                raise ProbeIntegrityError(
-                    f"{name} holds no rows for positions {format_ranges(missing)}: the probe did not fire there")
+            if not np.array_equal(held, wanted):
+                missing = np.setdiff1d(wanted, held)
+                if missing.size:
+                    raise ProbeIntegrityError(
+                        f"{name} holds no rows for positions {format_ranges(missing)}: the probe did not fire there")
+                extra = np.setdiff1d(held, wanted)
+                raise ProbeIntegrityError(f"{name} holds rows for positions {format_ranges(extra)}, whose K/V "
+                                          "were read from the cache: only k and v are recorded there")
 
     def _write_tables(self, positions: np.ndarray, meta: TraceMeta, steps: list[Step],
                       provenance: Mapping[int, Source]) -> None:
@@ -209,8 +218,15 @@ class TraceFile:
         `complete` last and close the file. Returns the number of recorded positions."""
         self._write_all_held()
         positions = self._recorded_positions()
-        self._check_complete(positions)     # so every dataset's extent ends at the last position
+        kv_only = np.asarray(meta.kv_only_positions, dtype=np.int64)
+        if np.setdiff1d(kv_only, positions).size:
+            raise ProbeIntegrityError(f"K/V-only positions {format_ranges(np.setdiff1d(kv_only, positions))} "
+                                      "hold no k or v rows")
+        self._check_complete(positions, kv_only)     # so every dataset's extent ends at the last position
         self._write_tables(positions, meta, steps, provenance)
+        if kv_only.size:
+            self._file.create_dataset("kv_only_positions", data=kv_only)
+            self._file.attrs["schema_version"] = KV_ONLY_SCHEMA_VERSION
         self._write_meta(meta)
         self._file.attrs["complete"] = True
         self._file.close()

@@ -10,6 +10,7 @@ Layout (docs/trace-format.md is the full description):
     /norms/<i>/<norm>, /norms/final/<norm>   norm weights, attr eps
     /steps/<field>                           one row per generated step
     /provenance/<field>                      one row per position with known provenance
+    /kv_only_positions                       positions holding k and v rows only (schema 2)
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import numpy as np
 import torch
 
 FORMAT_NAME = "kvdiff-trace"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1            # every recorded position holds a row of every recorded point
+KV_ONLY_SCHEMA_VERSION = 2    # some positions hold k and v only (read from a cache): a reader of 1 would misread them
 DTYPE_ATTR = "kvdiff_dtype"          # the torch dtype a dataset's rows had when captured
 FINAL_GROUP = "final"
 
@@ -74,6 +76,9 @@ class TraceMeta:
     generated_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     text: str = ""
     schema_version: int = SCHEMA_VERSION
+    # Positions whose K/V the run read from its cache without computing them: only k and v have
+    # rows there (no other point, norm statistics or final point).
+    kv_only_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     # Scalar attributes stored one per HDF5 attribute, in this order.
     SCALARS = ("kvdiff_version", "model_name", "model_fingerprint", "tokenizer_fingerprint", "dtype",

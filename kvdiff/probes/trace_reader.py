@@ -17,7 +17,7 @@ import numpy as np
 from kvdiff.errors import TraceError
 from kvdiff.probes.trace_checks import as_int, check_layout, read_attr, read_meta, read_positions
 from kvdiff.probes.trace_format import (
-    DTYPE_ATTR, FORMAT_NAME, SCHEMA_VERSION, ProvenanceRecords, StepRecords, from_storage,
+    DTYPE_ATTR, FORMAT_NAME, KV_ONLY_SCHEMA_VERSION, ProvenanceRecords, StepRecords, from_storage,
     norm_weight_path, point_group,
 )
 
@@ -61,9 +61,9 @@ def _validate(path: Path, f: h5py.File) -> None:
     if not isinstance(name, str) or name != FORMAT_NAME:
         raise TraceError(f"{path} is an HDF5 file but not a kvdiff trace (no format={FORMAT_NAME!r})")
     version = as_int(path, "schema_version", read_attr(path, f, "schema_version"), low=1, high=2 ** 64)
-    if version > SCHEMA_VERSION:
+    if version > KV_ONLY_SCHEMA_VERSION:
         raise TraceError(f"trace {path} has schema {version}, newer than this kvdiff reads "
-                         f"({SCHEMA_VERSION}): upgrade kvdiff")
+                         f"(1 and {KV_ONLY_SCHEMA_VERSION}): upgrade kvdiff")
     complete = read_attr(path, f, "complete", False)
     if not (isinstance(complete, np.bool_) and complete):
         raise TraceError(f"trace {path} is incomplete: its writer did not finish (killed or failed); record it again")

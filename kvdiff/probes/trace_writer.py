@@ -308,14 +308,20 @@ class TraceWriter:
         self._raise_if_failed()
 
     def close(self, generated_ids: Sequence[int] | None = None, text: str | None = None,
-              chunks: Sequence[ChunkRecord] | None = None) -> Path:
-        """Finish the trace (optionally setting the generation's outcome) and rename it into place."""
+              chunks: Sequence[ChunkRecord] | None = None, kv_only_positions: Sequence[int] | None = None) -> Path:
+        """Finish the trace (optionally setting the generation's outcome) and rename it into place.
+
+        `kv_only_positions`: positions whose K/V the run read from its cache without computing
+        them; only the `k` and `v` datasets hold rows there (docs/trace-format.md).
+        """
         if generated_ids is not None:
             self.meta.generated_ids = np.asarray(generated_ids, dtype=np.int64)
         if text is not None:
             self.meta.text = text
         if chunks is not None:
             self.meta.chunks = list(chunks)
+        if kv_only_positions is not None:
+            self.meta.kv_only_positions = np.unique(np.asarray(kv_only_positions, dtype=np.int64))
         if not self._open:
             raise TraceError(f"trace {self.path} is already closed or aborted")
         try:

@@ -123,7 +123,7 @@ function kvdiffHeatmap(page) {
       (typeof row.layer === "number" ? "layer " + row.layer : row.layer) + " · position " + pos,
       "token  " + JSON.stringify(String(tokenAt(pos))),
       "chunk  " + chunkAt(pos),
-      "tier   " + (tier ? tier + " " + (TIER_GLYPH[tier] || "") : "not captured"),
+      "tier   " + (tier ? tier + " " + (TIER_GLYPH[tier] || "") : "not recorded (K/V read from the cache)"),
       "rel    " + fmt(row.rel[c]),
       "max_abs " + fmt(row.max_abs[c]),
     ].join("\n");
@@ -143,6 +143,8 @@ function kvdiffHeatmap(page) {
     item(BITWISE, "bitwise (rel 0)");
     for (let e = LOG_MIN; e <= LOG_MAX; e += 2) item(ramp(Math.pow(10, e)), "1e" + e);
     item(INCOMPARABLE, "incomparable");
+    const blank = Object.values(R.heatmaps || {}).some((g) => (g.tiers || []).some((row) => row.includes(null)));
+    if (blank) item("#ffffff", "not recorded (K/V read from the cache)");
   }
 
   canvas.addEventListener("mousemove", hover);

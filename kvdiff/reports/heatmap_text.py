@@ -139,15 +139,18 @@ def heatmap_text(view: ReportView, point: str, width: int) -> Text:
                 line.append_text(_cell(rel, tiers, bucket))
         lines.append(line)
     per_column = max(len(b) for seg_buckets in plan for b in seg_buckets)
-    lines.append(legend(per_column))
+    lines.append(legend(per_column, blank=any(t is None for _, _, tiers in rows for t in tiers)))
     return Text("\n").join(lines)
 
 
-def legend(per_column: int) -> Text:
-    """Glyph key, the colour ramp by decade, and how many positions one column holds."""
+def legend(per_column: int, blank: bool = False) -> Text:
+    """Glyph key, the colour ramp by decade, and how many positions one column holds; `blank`:
+    some cells are not recorded (the candidate read those positions' K/V from its cache)."""
     text = Text()
     for tier in TIERS:
         text.append(f"{GLYPHS[tier]} {tier}  ")
+    if blank:
+        text.append("blank: not recorded (K/V read from the cache)  ")
     text.append("rel ")
     for exponent in range(int(LOG_MIN), int(LOG_MAX) + 1, 2):
         text.append("█", style=ramp_colour(10.0 ** exponent))
