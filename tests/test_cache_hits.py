@@ -82,6 +82,20 @@ def test_a_repeated_message_is_read_from_the_cache_and_its_position_mismatch_fou
     assert "kv only" in CliRunner().invoke(app, ["inspect", str(tmp_path / "run" / "candidate.h5")]).output
 
 
+def test_a_cached_chunk_computed_without_its_context_is_a_missing_context(tmp_path):
+    result = compare(MESSAGES, model="tiny-llama", strategy="isolated-global", warm=True, max_new_tokens=3,
+                     out=tmp_path / "run")
+    user = _chunk(result.report, "user")
+    assert user["cache"] == "hit"
+    found = [d for d in result.report["diagnoses"] if d["kind"] == "missing_context" and d.get("cached")]
+    assert len(found) == 1 and found[0]["chunk"] == "user", result.report["diagnoses"]
+    assert found[0]["unattended"] == [0, user["positions"][0] - 1] and found[0]["layer"] == 1
+    assert found[0]["positions"][0] == user["positions"][0] and 0 < found[0]["reference_attention_mass"] <= 1
+    assert "read from the cache: their k and v match the reference at layer 0" in found[0]["evidence"]
+    assert not [d for d in result.report["diagnoses"] if d["kind"] in ("position_mismatch", "cache_content_mismatch")
+                and d["chunk"] == "user"]
+
+
 def _write(tmp_path, messages) -> str:
     path = tmp_path / "messages.json"
     path.write_text(json.dumps(messages))

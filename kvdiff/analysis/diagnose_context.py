@@ -113,3 +113,47 @@ def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
             "unattended": list(unattended), "layer": layer,
             "reference_attention_mass": float(mass.mean()), "reference_attention_mass_min": float(mass.min())}))
     return out
+
+
+def diagnose_missing_context_in_cache(inputs: DiagnosisInputs) -> list[Diagnosis]:
+    """missing_context of K/V the candidate read from its cache: they match the reference at one
+    recorded layer and differ at the next while every earlier position's K/V still match, so the
+    hidden states they were computed from (which attend to the context) differ. Their attn_out
+    was never recorded: the rule above cannot see them."""
+    cmp = inputs.comparison
+    al = cmp.alignment
+    cached = al.kv_only & al.comparable
+    if not cached.any() or len(cmp.layers) < 2 or not {"q", "k", "v"} <= set(cmp.points):
+        return []
+    for row in range(1, len(cmp.layers)):
+        before_ok = inputs.ok("k", row - 1) & inputs.ok("v", row - 1)
+        now_bad = inputs.divergent("k", row) | inputs.divergent("v", row)
+        context_ok = np.logical_and.accumulate(before_ok | ~al.comparable)
+        cols = np.flatnonzero(now_bad & before_ok & context_ok & cached)
+        if cols.size:
+            break
+    else:
+        return []
+    before, layer, positions = cmp.layers[row - 1], cmp.layers[row], al.positions
+    ref_q, ref_k, ref_v = (inputs.rows(before, point)[0] for point in ("q", "k", "v"))
+    out = []
+    for chunk, group in group_by_chunk(inputs, positions[cols]):
+        gcols = cols[np.isin(positions[cols], group)]
+        span = inputs.chunks.span(int(group[0]))
+        if span is None or span[0] <= int(positions[0]):
+            continue
+        unattended = (int(positions[0]), span[0] - 1)
+        mass, _ = span_attention(ref_q, ref_k, ref_v, positions, gcols, unattended, inputs.reference.meta.attn_scale)
+        _, k_rel = inputs.worst("k", row, gcols)
+        _, v_rel = inputs.worst("v", row, gcols)
+        lo, hi = int(group[0]), int(group[-1])
+        evidence = (f"positions {span_text(lo, hi)}, read from the cache: their k and v match the reference at layer "
+                    f"{before}, and so do K/V at every earlier position, but differ at layer {layer} (k rel "
+                    f"{fmt(k_rel)}, v rel {fmt(v_rel)}), so the cached chunk {chunk!r} was computed without the "
+                    f"reference's context at positions {span_text(*unattended)} (alone, or after other content); "
+                    f"at layer {before} the reference puts {fmt(100 * float(mass.mean()))}% of these positions' "
+                    f"attention mass there (mean over heads and positions; min {fmt(100 * float(mass.min()))}%)")
+        out.append(Diagnosis("missing_context", chunk, (lo, hi), evidence, {
+            "unattended": list(unattended), "layer": layer, "cached": True,
+            "reference_attention_mass": float(mass.mean()), "reference_attention_mass_min": float(mass.min())}))
+    return out
