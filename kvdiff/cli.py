@@ -277,6 +277,8 @@ def compare(
     layers: Optional[str] = typer.Option(None, "--layers", help="Layers to record, e.g. 0-3,29 (default all)."),
     warm: bool = typer.Option(False, "--warm", help="Run the conversation through the engine once first, so the "
                               "compared run reads its chunks from the cache."),
+    warm_with: Optional[Path] = typer.Option(None, "--warm-with", help="A JSON file of messages the engine runs "
+                                             "first instead (implies --warm): only the chunks they share are hits."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (new or empty); default ./kvdiff-runs/<time>-<strategy>."),
     html: Optional[Path] = typer.Option(None, "--html", help="Also write the HTML report here."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write report.json here."),
@@ -293,11 +295,12 @@ def compare(
 
     _check_point(point)
     conversation = build_messages(prompt, system, messages)
+    warm_up = build_messages(None, None, warm_with) if warm_with is not None else warm
     with _progress() as progress:
         result = run_compare(
             conversation, model=model, strategy=strategy, numerics=numerics, recompute_ratio=recompute_ratio,
             chunk_size=chunk_size, max_new_tokens=max_new_tokens, dtype=dtype, device=device, device_map=device_map,
-            capture=capture, layers=layers, warm=warm, out=out, html=html, json_path=json_out, progress=progress,
+            capture=capture, layers=layers, warm=warm_up, out=out, html=html, json_path=json_out, progress=progress,
         )
     log.info("artefacts in %s", result.out_dir)
     if _for_humans(html, json_out):

@@ -189,7 +189,7 @@ def compare(
     device_map: str | None = None,
     capture: str | None = None,
     layers: str | None = None,
-    warm: bool = False,
+    warm: bool | Messages = False,
     out: Path | str | None = None,
     html: Path | str | None = None,
     json_path: Path | str | None = None,
@@ -201,7 +201,8 @@ def compare(
     Writes reference.h5, candidate.h5, report.json and report.html into `out` (default: a new
     folder under ./kvdiff-runs/). `html`/`json_path` write extra copies of the reports. `warm`:
     the engine runs the conversation once, unrecorded, before the recorded run, which then reads
-    its chunks from the cache (hits; their positions hold K/V only in the candidate trace).
+    its chunks from the cache (hits; their positions hold K/V only in the candidate trace); a
+    conversation instead of True is run first instead, so only the chunks it shares are hits.
     """
     import kvdiff
     from kvdiff.analysis import diff
@@ -214,6 +215,7 @@ def compare(
 
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
+    warm_messages = None if isinstance(warm, bool) else validate_messages(warm)
     check_options(strategy, numerics, max_new_tokens, recompute_ratio, chunk_size, capture, layers)
     check_report_copies(json_path, html, out)
     with claimed_out_dir(out, strategy) as out_dir, _discarded_on_failure(out_dir):
@@ -232,6 +234,10 @@ def compare(
         engine = Engine(loaded, tokenizer, strategy=strategy, numerics=numerics,
                         chunk_size=chunk_size, recompute_ratio=recompute_ratio)
         engine.check_fits(chunked, max_new_tokens)
+        warm_chunked = chunked if warm_messages is None else split_conversation(tokenizer, warm_messages,
+                                                                                chunk_size=chunk_size)
+        if warm:
+            engine.check_fits(warm_chunked, 1, "warm-up ")
         reference_path = out_dir / "reference.h5"
         candidate_path = out_dir / "candidate.h5"
         numerics_ctx = exact_numerics(loaded) if numerics == "exact" else nullcontext()
@@ -243,7 +249,7 @@ def compare(
 
         if warm:
             step("filling the engine's cache (--warm)")
-            engine.generate([chunked.messages], max_new_tokens=1)
+            engine.generate([warm_chunked.messages], max_new_tokens=1)
         step(f"running the engine ({strategy}, {numerics})")
         recorder = TraceRecorder.for_model(loaded, tokenizer, chunked.messages, candidate_path, strategy=strategy,
                                            numerics=numerics, capture=capture, layers=layers,

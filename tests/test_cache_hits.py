@@ -57,6 +57,22 @@ def test_a_warm_prefix_run_reads_every_chunk_from_the_cache_and_stays_bitwise(tm
         assert cand.meta.schema_version == 1 and cand.meta.kv_only_positions.size == 0
 
 
+def test_warm_with_another_conversation_hits_only_the_chunks_they_share(tmp_path):
+    other = [MESSAGES[0], {"role": "user", "content": "What is the capital of Spain?"}]
+    result = compare(MESSAGES, model="tiny-llama", strategy="prefix", numerics="exact", warm=other,
+                     max_new_tokens=4, out=tmp_path / "run")
+    report = result.report
+    assert [c["cache"] for c in report["chunks"]] == ["hit", "miss", "miss"]
+    assert report["verdict"] == "identical" and report["first_bit_difference"] is None
+    first, last = _chunk(report, "system")["positions"]
+    with open_trace(result.candidate_trace) as cand:
+        assert cand.meta.kv_only_positions.tolist() == list(range(first, last + 1))
+
+    run = CliRunner().invoke(app, ["compare", "-m", "tiny-llama", "-p", "Hi", "--warm-with", str(tmp_path / "no.json"),
+                                   "-o", str(tmp_path / "cli")])
+    assert run.exit_code == 2 and "cannot read messages file" in run.output and not (tmp_path / "cli").exists()
+
+
 def test_a_warm_run_recording_neither_k_nor_v_leaves_the_cached_positions_out(tmp_path):
     result = compare(MESSAGES, model="tiny-llama", warm=True, capture="resid_pre,logits", max_new_tokens=3,
                      out=tmp_path / "run")
