@@ -219,9 +219,9 @@ class TraceFile:
         self._write_all_held()
         positions = self._recorded_positions()
         kv_only = np.asarray(meta.kv_only_positions, dtype=np.int64)
-        if np.setdiff1d(kv_only, positions).size:
-            raise ProbeIntegrityError(f"K/V-only positions {format_ranges(np.setdiff1d(kv_only, positions))} "
-                                      "hold no k or v rows")
+        unrecorded = np.setdiff1d(kv_only, positions)
+        if unrecorded.size:
+            raise ProbeIntegrityError(f"K/V-only positions {format_ranges(unrecorded)} hold no k or v rows")
         self._check_complete(positions, kv_only)     # so every dataset's extent ends at the last position
         self._write_tables(positions, meta, steps, provenance)
         if kv_only.size:
