@@ -103,7 +103,9 @@ _state = {"verbose": 0, "quiet": False}
 
 def _configure_logging(verbose: int, quiet: bool) -> None:
     level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # With -v each line starts with the seconds since start, so a log shows where a run's time goes.
+    timed = "%(relativeCreated)8.0fms " if level < logging.WARNING else ""
+    logging.basicConfig(level=level, format=timed + "%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("kvdiff").setLevel(level)
     from transformers.utils import logging as hf_logging
 

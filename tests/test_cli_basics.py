@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -112,6 +113,9 @@ def test_quiet_and_verbose_work_after_the_command_name_and_a_value_stays_a_value
     verbose = subprocess.run([sys.executable, "-m", "kvdiff", *base, "-p", "hi", "-o", str(tmp_path / "b"), "-v"],
                              capture_output=True, text=True)     # a child: logging is configured once a process
     assert verbose.returncode == 0 and "INFO kvdiff" in verbose.stderr and "IDENTICAL" in verbose.stdout
+    stages = [line for line in verbose.stderr.splitlines() if "INFO kvdiff: " in line]
+    times = [int(re.match(r"\s*(\d+)ms INFO ", line).group(1)) for line in stages]      # ms since start
+    assert len(times) >= 4 and times == sorted(times), verbose.stderr
     as_prompt = runner.invoke(app, [*base, "-p", "-q", "-o", str(tmp_path / "c")])     # the prompt is "-q"
     assert as_prompt.exit_code == 0 and "IDENTICAL" in as_prompt.stdout
     report = json.loads((tmp_path / "c" / "report.json").read_text())
