@@ -153,6 +153,7 @@ def test_pytest_plugin_fixture_passes_and_fails_with_a_report(pytester, tmp_path
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*kvdiff: tokens differ at step 0 ('*' vs '*'); first divergence at layer 0*"])
     assert (reports / "test_isolated-1" / "report.json").is_file()
+    assert sorted(p.name for p in reports.iterdir()) == ["test_isolated-1"]     # a passing check leaves nothing
 
 
 def _tokens_match_setup(tmp_path):

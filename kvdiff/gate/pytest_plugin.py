@@ -64,15 +64,18 @@ class KvdiffChecker:
         return self._root / f"{self._test}-{self._count}"
 
     def assert_identical(self, messages: Messages, **options):
-        """Run kvdiff's engine with `options` (strategy, numerics, model, ...) against the reference.
+        """Run kvdiff's engine with `options` (strategy, numerics, model, warm, ...) against the reference.
 
-        Fails with the divergence summary and the report folder when the tokens differ.
+        Fails with the divergence summary and the report folder when the tokens differ. A check
+        that passes leaves no folder (the result's report stays in memory).
         """
         from kvdiff.compare import compare
+        from kvdiff.gate.runner import remove_tree
 
         result = compare(messages, out=self._next_dir(), model_cache=self.models, **options)
         if not result.divergence.tokens_identical:
             pytest.fail(f"kvdiff: {result.summary}\nreport: {result.out_dir}", pytrace=False)
+        remove_tree(result.out_dir)
         return result
 
     def assert_tokens_match(self, messages: Messages, token_ids: Sequence[int], *, model, tokenizer,

@@ -69,7 +69,7 @@ def run_cases(cases: list[GateCase], out_dir: Path, compare_fn: Callable | None 
             elapsed = time.perf_counter() - start
             if result.divergence.tokens_identical:
                 outcome = CaseOutcome(case.name, "passed", elapsed, "tokens identical")
-                _remove_tree(case_dir)
+                remove_tree(case_dir)
             else:
                 outcome = CaseOutcome(case.name, "failed", elapsed, result.summary, case_dir)
         outcomes.append(outcome)
@@ -78,7 +78,8 @@ def run_cases(cases: list[GateCase], out_dir: Path, compare_fn: Callable | None 
     return outcomes
 
 
-def _remove_tree(path: Path) -> None:
+def remove_tree(path: Path) -> None:
+    """Delete the report folder of a check that passed (its traces are tens of megabytes)."""
     import shutil
 
     shutil.rmtree(path, ignore_errors=True)
