@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import kvdiff
-from kvdiff.engine.reference import render_prompt_ids
+from kvdiff.conversation import render_prompt_ids
 from kvdiff.probes.hooks import attach_probes
 from kvdiff.probes.recorder import TraceRecorder
 

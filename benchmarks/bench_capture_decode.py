@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 import kvdiff
 from kvdiff.engine.loading import converted_gguf_folder, default_gguf_path
 from kvdiff.engine.reference import reference_generate
-from kvdiff.engine.shapes import shape_config
+from shapes import shape_config
 
 log = logging.getLogger("bench_capture_decode")
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 import kvdiff
-from kvdiff.probes.points import LAYER_POINTS
-from kvdiff.probes.trace import TraceMeta, TraceWriter, open_trace
+from kvdiff.trace.points import LAYER_POINTS
+from kvdiff.trace import ModelDims, TraceMeta, TraceWriter, open_trace
 
 log = logging.getLogger("bench_diff")
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 30, 576, 9, 3, 64
@@ -34,9 +34,9 @@ def _meta(n_prompt: int, vocab: int, strategy: str) -> TraceMeta:
     return TraceMeta(
         kvdiff_version=kvdiff.__version__, model_name="bench", model_fingerprint="bench", tokenizer_fingerprint="bench",
         dtype="float32", device="cpu", torch_version=torch.__version__, transformers_version="none", strategy=strategy,
-        numerics="fast", messages=[], input_ids=np.arange(n_prompt, dtype=np.int64), num_layers=LAYERS,
-        num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, hidden_size=HIDDEN, vocab_size=vocab,
-        attn_scale=HEAD_DIM ** -0.5, points=LAYER_POINTS + ("final_norm", "logits"), layers=tuple(range(LAYERS)))
+        numerics="fast", messages=[], input_ids=np.arange(n_prompt, dtype=np.int64), dims=ModelDims(
+            num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, hidden_size=HIDDEN,
+            vocab_size=vocab, attn_scale=HEAD_DIM ** -0.5), points=LAYER_POINTS + ("final_norm", "logits"), layers=tuple(range(LAYERS)))
 
 
 def write_pair(folder: Path, positions: int, vocab: int) -> tuple[Path, Path]:

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 import kvdiff  # noqa: E402
 from kvdiff.engine import Engine  # noqa: E402
-from kvdiff.engine.reference import render_prompt_ids  # noqa: E402
+from kvdiff.conversation import render_prompt_ids  # noqa: E402
 
 SYSTEM_2K = " ".join(f"Rule {i}: answer briefly, politely and in plain words." for i in range(170))
 DECODE_TOKENS = 64

@@ -31,11 +31,12 @@ import torch  # noqa: E402
 
 import kvdiff  # noqa: E402
 from bench_engine import conv, hf_generate  # noqa: E402
-from kvdiff.cli import BENCHMARK_SKIPPED  # noqa: E402
+from kvdiff.cli.ci import BENCHMARK_SKIPPED  # noqa: E402
 from kvdiff.engine import Engine  # noqa: E402
 from kvdiff.engine.numerics import exact_numerics  # noqa: E402
-from kvdiff.engine.reference import reference_generate, render_prompt_ids  # noqa: E402
-from kvdiff.engine.shapes import REAL_SHAPES, random_model  # noqa: E402
+from kvdiff.conversation import render_prompt_ids  # noqa: E402
+from kvdiff.engine.reference import reference_generate  # noqa: E402
+from shapes import REAL_SHAPES, random_model  # noqa: E402
 
 SYSTEM_2K = " ".join(f"Rule {i}: answer briefly, politely and in plain words." for i in range(170))
 SYSTEM_8K = " ".join(f"Clause {i}: the assistant keeps every answer short, exact and kind." for i in range(470))

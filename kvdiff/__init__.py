@@ -7,25 +7,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-__version__ = "0.1.0"
-
-from kvdiff.engine.loading import load_model  # noqa: E402
 from kvdiff.errors import InputError, KvdiffError  # noqa: E402
-# Not lazy: importing the submodule kvdiff.compare (for CompareResult, say) would otherwise make
-# `kvdiff.compare` the module instead of the function.
-from kvdiff.compare import compare  # noqa: E402
+from kvdiff.version import __version__  # noqa: E402
 
 __all__ = ["__version__", "load_model", "record", "diff", "compare", "KvdiffError", "InputError"]
 
+# Lazy exports: torch, transformers and h5py load only when a stage is first used, so the CLI
+# starts fast. The pipeline lives in kvdiff.run.compare: `kvdiff.compare` stays the function.
+_EXPORTS = {"load_model": "kvdiff.engine.loading", "compare": "kvdiff.run.compare",
+            "record": "kvdiff.run.record", "diff": "kvdiff.analysis"}
+
 
 def __getattr__(name: str):
-    """Lazy exports: the probes and analyzer stages import only when first used."""
-    if name == "record":
-        from kvdiff.probes.record import record
+    """Import an exported function's stage on first use."""
+    if name in _EXPORTS:
+        import importlib
 
-        return record
-    if name == "diff":
-        from kvdiff.analysis import diff
-
-        return diff
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'kvdiff' has no attribute {name!r}")

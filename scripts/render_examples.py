@@ -22,13 +22,14 @@ from chromium import CHROMIUM, screenshot  # noqa: E402
 from report_samples import seeds_report  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+from kvdiff.analysis.report import Report  # noqa: E402
 from kvdiff.reports import render_terminal, write_html  # noqa: E402
 
 IMAGES = ROOT / "docs" / "images"
 
 
 def main(argv: list[str]) -> int:
-    report = json.loads(Path(argv[0]).read_text(encoding="utf-8")) if argv else seeds_report()
+    report = Report.from_json(json.loads(Path(argv[0]).read_text(encoding="utf-8")) if argv else seeds_report())
     IMAGES.mkdir(parents=True, exist_ok=True)
     console = Console(record=True, width=100, file=io.StringIO(), force_terminal=True,
                       color_system="truecolor")

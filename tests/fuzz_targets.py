@@ -36,11 +36,11 @@ from hypothesis import given, strategies as st
 from typer.testing import CliRunner
 
 import kvdiff
-from kvdiff.analysis.synthetic import Faults, SyntheticModel, write_trace
+from synthetic import Faults, SyntheticModel, write_trace
 from kvdiff.cli import app
 from kvdiff.errors import ModelLoadError
-from kvdiff.probes.points import ALL_POINTS, NORM_STATS
-from kvdiff.probes.trace import ChunkRecord, TraceMeta
+from kvdiff.trace.points import ALL_POINTS, NORM_STATS
+from kvdiff.trace import ChunkRecord, TraceMeta
 
 CATCH_ALL = "kvdiff: error: unexpected "
 PROMPT = list(range(3, 11))

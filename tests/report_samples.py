@@ -11,7 +11,7 @@ import copy
 import math
 from typing import Any
 
-from kvdiff.probes.points import FINAL_POINTS, LAYER_POINTS
+from kvdiff.trace.points import FINAL_POINTS, LAYER_POINTS
 
 SYSTEM = ["<|im_start|>", "system", "\n", "You", " are", " a", " helpful", " assistant", ".",
           " Always", " answer", " in", " French", ".", "<|im_end|>", "\n"]

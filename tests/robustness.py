@@ -15,9 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvdiff.cli import app
-from kvdiff.compare import ARTEFACTS
+from kvdiff.run.folder import ARTEFACTS
 from kvdiff.errors import TraceError
-from kvdiff.probes.trace import open_trace
+from kvdiff.trace import open_trace
 
 REPO = Path(__file__).resolve().parent.parent
 MESSAGES = [

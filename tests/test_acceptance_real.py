@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiff.compare import compare
+from kvdiff.run.compare import compare
 from kvdiff.gate.cases import load_cases
 from kvdiff.gate.runner import run_cases
 
@@ -22,7 +22,7 @@ def models():
 
 def run(tmp_path, models, strategy, numerics="exact", **options):
     return compare(SEEDS, strategy=strategy, numerics=numerics, max_new_tokens=8,
-                   out=tmp_path / f"{strategy}-{numerics}", model_cache=models, **options).report
+                   out=tmp_path / f"{strategy}-{numerics}", model_cache=models, **options).report.to_json()
 
 
 def kinds(report):
@@ -68,7 +68,7 @@ def test_rerotate_is_missing_context(tmp_path, models):
 def test_blend_divergence_shrinks_as_the_recompute_ratio_grows(tmp_path, models):
     def divergent_cells(ratio):
         report = compare(SEEDS, strategy="blend", numerics="exact", recompute_ratio=ratio, max_new_tokens=8,
-                         out=tmp_path / f"blend-{ratio}", model_cache=models).report
+                         out=tmp_path / f"blend-{ratio}", model_cache=models).report.to_json()
         comparable = report["comparable_until"]
         cells = 0
         for heat in report["heatmaps"].values():

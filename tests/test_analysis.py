@@ -10,9 +10,10 @@ import pytest
 
 import kvdiff
 from kvdiff.analysis import compare
-from kvdiff.analysis.synthetic import Faults, SyntheticModel, write_trace
+from synthetic import Faults, SyntheticModel, write_trace
 from kvdiff.errors import InputError, TraceError
-from kvdiff.probes.trace import ChunkRecord
+from kvdiff.trace import ChunkRecord
+from kvdiff.analysis.report import Report
 
 PROMPT = list(range(3, 31))        # system 0-15, user 16-27, as in the seeds
 STEPS = 5
@@ -199,7 +200,7 @@ def test_a_report_of_traces_of_different_prompts_says_so_first(traces, tmp_path,
     report = kvdiff.diff(traces["reference"], cand).to_json()
     assert report["first_input_difference"] == 5 and report["recorded_with_different"] == []
     console = Console(width=100, record=True, file=io.StringIO())
-    render_terminal(report, console)
+    render_terminal(Report.from_json(report), console)
     text = console.export_text()
     assert "DIVERGENT — inputs differ from position 5" in text
     assert "the traces are of different prompts: positions from 5 on are not compared" in text

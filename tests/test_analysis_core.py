@@ -13,7 +13,7 @@ from kvdiff.analysis.attention import span_attention
 from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.norms import same_norm
 from kvdiff.analysis.rope import estimate_positions, estimate_thetas, rotate
-from kvdiff.analysis.synthetic import Faults, SyntheticModel, rope, write_trace
+from synthetic import Faults, SyntheticModel, rope, write_trace
 from kvdiff.analysis.tolerance import DTYPE_DEFAULTS, Tier, Tolerance, Tolerances, parse_tolerance
 from kvdiff.cli import app
 from kvdiff.errors import InputError

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import kvdiff
-from kvdiff.probes.trace import open_trace
-from kvdiff.analysis.synthetic import Faults, SyntheticModel, write_trace
+from kvdiff.trace import open_trace
+from synthetic import Faults, SyntheticModel, write_trace
 
 POSITIONS, VOCAB = 1500, 8192
 

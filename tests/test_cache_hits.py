@@ -15,13 +15,13 @@ from typer.testing import CliRunner
 
 import kvdiff
 from kvdiff.cli import app
-from kvdiff.compare import compare
+from kvdiff.run.compare import compare
 from kvdiff.engine import Engine
 from kvdiff.engine.chunks import split_conversation
 from kvdiff.errors import TraceError
 from kvdiff.probes.recorder import TraceRecorder
-from kvdiff.probes.sink import ProbeIntegrityError
-from kvdiff.probes.trace import TraceWriter, open_trace
+from kvdiff.trace.sink import ProbeIntegrityError
+from kvdiff.trace import TraceWriter, open_trace
 
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is the capital of France?"}]
@@ -36,7 +36,7 @@ def _chunk(report: dict, name: str) -> dict:
 def test_a_warm_prefix_run_reads_every_chunk_from_the_cache_and_stays_bitwise(tmp_path):
     result = compare(MESSAGES, model="tiny-llama", strategy="prefix", numerics="exact", warm=True,
                      max_new_tokens=5, out=tmp_path / "run")
-    report = result.report
+    report = result.report.to_json()
     assert report["verdict"] == "identical" and report["first_bit_difference"] is None
     assert {c["cache"] for c in report["chunks"]} == {"hit"}
     prompt = len(report["prompt"]["token_ids"])
@@ -52,7 +52,7 @@ def test_a_warm_prefix_run_reads_every_chunk_from_the_cache_and_stays_bitwise(tm
 
     cold = compare(MESSAGES, model="tiny-llama", strategy="prefix", numerics="exact", max_new_tokens=5,
                    out=tmp_path / "cold")
-    assert {c["cache"] for c in cold.report["chunks"]} == {"miss"}
+    assert {c["cache"] for c in cold.report.to_json()["chunks"]} == {"miss"}
     with open_trace(cold.candidate_trace) as cand:
         assert cand.meta.schema_version == 1 and cand.meta.kv_only_positions.size == 0
 
@@ -61,7 +61,7 @@ def test_warm_with_another_conversation_hits_only_the_chunks_they_share(tmp_path
     other = [MESSAGES[0], {"role": "user", "content": "What is the capital of Spain?"}]
     result = compare(MESSAGES, model="tiny-llama", strategy="prefix", numerics="exact", warm=other,
                      max_new_tokens=4, out=tmp_path / "run")
-    report = result.report
+    report = result.report.to_json()
     assert [c["cache"] for c in report["chunks"]] == ["hit", "miss", "miss"]
     assert report["verdict"] == "identical" and report["first_bit_difference"] is None
     first, last = _chunk(report, "system")["positions"]
@@ -76,11 +76,11 @@ def test_warm_with_another_conversation_hits_only_the_chunks_they_share(tmp_path
 def test_a_warm_run_recording_neither_k_nor_v_leaves_the_cached_positions_out(tmp_path):
     result = compare(MESSAGES, model="tiny-llama", warm=True, capture="resid_pre,logits", max_new_tokens=3,
                      out=tmp_path / "run")
-    prompt = len(result.report["prompt"]["token_ids"])
+    prompt = len(result.report.to_json()["prompt"]["token_ids"])
     with open_trace(result.candidate_trace) as cand:
         assert cand.meta.schema_version == 1 and cand.positions[0] == prompt - 1    # only computed positions
-    assert result.report["verdict"] == "identical"
-    assert result.report["alignment"]["only_reference"] == list(range(prompt - 1))
+    assert result.report.to_json()["verdict"] == "identical"
+    assert result.report.to_json()["alignment"]["only_reference"] == list(range(prompt - 1))
 
 
 def test_a_repeated_message_is_read_from_the_cache_and_its_position_mismatch_found(tmp_path):
@@ -101,14 +101,14 @@ def test_a_repeated_message_is_read_from_the_cache_and_its_position_mismatch_fou
 def test_a_cached_chunk_computed_without_its_context_is_a_missing_context(tmp_path):
     result = compare(MESSAGES, model="tiny-llama", strategy="isolated-global", warm=True, max_new_tokens=3,
                      out=tmp_path / "run")
-    user = _chunk(result.report, "user")
+    user = _chunk(result.report.to_json(), "user")
     assert user["cache"] == "hit"
-    found = [d for d in result.report["diagnoses"] if d["kind"] == "missing_context" and d.get("cached")]
-    assert len(found) == 1 and found[0]["chunk"] == "user", result.report["diagnoses"]
+    found = [d for d in result.report.to_json()["diagnoses"] if d["kind"] == "missing_context" and d.get("cached")]
+    assert len(found) == 1 and found[0]["chunk"] == "user", result.report.to_json()["diagnoses"]
     assert found[0]["unattended"] == [0, user["positions"][0] - 1] and found[0]["layer"] == 1
     assert found[0]["positions"][0] == user["positions"][0] and 0 < found[0]["reference_attention_mass"] <= 1
     assert "read from the cache: their k and v match the reference at layer 0" in found[0]["evidence"]
-    assert not [d for d in result.report["diagnoses"] if d["kind"] in ("position_mismatch", "cache_content_mismatch")
+    assert not [d for d in result.report.to_json()["diagnoses"] if d["kind"] in ("position_mismatch", "cache_content_mismatch")
                 and d["chunk"] == "user"]
 
 

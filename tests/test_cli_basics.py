@@ -45,8 +45,8 @@ def test_console_script_runs(module):
 
 
 def test_the_api_functions_stay_functions_when_their_modules_are_imported():
-    """`from kvdiff.compare import CompareResult` used to turn `kvdiff.compare` into the module."""
-    code = ("import kvdiff\nfrom kvdiff.compare import CompareResult\nimport kvdiff.probes.record, kvdiff.analysis\n"
+    """`from kvdiff.run.compare import CompareResult` used to turn `kvdiff.compare` into the module."""
+    code = ("import kvdiff\nfrom kvdiff.run.compare import CompareResult\nimport kvdiff.run.record, kvdiff.analysis\n"
             "print(*(callable(getattr(kvdiff, name)) for name in ('compare', 'record', 'diff', 'load_model')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == ["True"] * 4, out.stderr

@@ -6,7 +6,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvdiff.cli import app
-from kvdiff.compare import ARTEFACTS, compare
+from kvdiff.run.compare import compare
+from kvdiff.run.folder import ARTEFACTS
 from kvdiff.gate.cases import GateCase
 from kvdiff.gate.runner import run_cases
 
@@ -34,14 +35,14 @@ def test_report_json_puts_each_heatmap_row_and_token_list_on_one_line(tmp_path):
     result = compare(MESSAGES, model="tiny-llama", strategy="isolated-local", numerics="exact",
                      max_new_tokens=6, out=tmp_path / "run")
     text = result.report_json.read_text()
-    assert json.loads(text) == result.report
+    assert json.loads(text) == result.report.to_json()
     lines = {line.strip().rstrip(",") for line in text.splitlines()}
-    heatmap = result.report["heatmaps"]["k"]
+    heatmap = result.report.to_json()["heatmaps"]["k"]
     for row in heatmap["rel"] + heatmap["max_abs"] + heatmap["tiers"]:
         assert json.dumps(row) in lines
-    assert f'"token_ids": {json.dumps(result.report["prompt"]["token_ids"])}' in lines
+    assert f'"token_ids": {json.dumps(result.report.to_json()["prompt"]["token_ids"])}' in lines
     assert not lines & {"0.0", "0", '"bitwise"'}     # no number or tier on a line of its own
-    assert len(text) < 0.6 * len(json.dumps(result.report, indent=2))
+    assert len(text) < 0.6 * len(json.dumps(result.report.to_json(), indent=2))
 
 
 
@@ -49,7 +50,7 @@ def test_a_compare_hashes_the_weights_once_for_the_engine_and_both_traces(tmp_pa
     import kvdiff
     from kvdiff.engine import engine as engine_module
     from kvdiff.probes import model_meta
-    from kvdiff.probes.trace import open_trace
+    from kvdiff.trace import open_trace
 
     hashed = []
     fingerprint = model_meta.model_fingerprint
@@ -70,7 +71,7 @@ def test_a_compare_hashes_the_weights_once_for_the_engine_and_both_traces(tmp_pa
 def test_isolated_local_is_divergent_and_diagnosed(tmp_path):
     result = compare(MESSAGES, model="tiny-qwen3", strategy="isolated-local", numerics="exact",
                      max_new_tokens=6, out=tmp_path / "run")
-    report = result.report
+    report = result.report.to_json()
     user = next(c for c in report["chunks"] if c["name"] == "user")
     assert report["first_bit_difference"]["layer"] == 0
     assert report["first_bit_difference"]["position"] == user["positions"][0]
@@ -83,7 +84,7 @@ def test_empty_message_is_skipped_on_both_paths_and_reported(tmp_path):
     result = compare(messages, model="tiny-llama", strategy="prefix", numerics="exact",
                      max_new_tokens=4, out=tmp_path / "run")
     assert result.exit_code == 0
-    assert result.report["skipped_messages"] == [{"index": 0, "role": "system", "reason": "empty message"}]
+    assert result.report.to_json()["skipped_messages"] == [{"index": 0, "role": "system", "reason": "empty message"}]
 
 
 def test_cli_compare_exit_codes_and_one_line_errors(tmp_path):
@@ -160,7 +161,7 @@ def _tokens_match_setup(tmp_path):
     import torch
 
     from kvdiff import load_model
-    from kvdiff.engine.reference import render_prompt_ids
+    from kvdiff.conversation import render_prompt_ids
     from kvdiff.gate.pytest_plugin import KvdiffChecker
 
     model, tokenizer = load_model("tiny-llama")

@@ -2,7 +2,8 @@ import os
 
 import pytest
 
-from kvdiff.compare import check_options, prepare_out_dir
+from kvdiff.run.folder import prepare_out_dir
+from kvdiff.run.options import RunOptions
 from kvdiff.errors import InputError
 
 
@@ -25,7 +26,7 @@ def test_bad_options_are_rejected_before_loading(kwargs, message):
     options = dict(strategy="prefix", numerics="exact", max_new_tokens=8, recompute_ratio=0.15, chunk_size=None)
     options.update(kwargs)
     with pytest.raises(InputError) as info:
-        check_options(**options)
+        RunOptions.of(**options)
     assert message in str(info.value)
 
 

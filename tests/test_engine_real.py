@@ -8,7 +8,8 @@ from transformers import DynamicCache
 
 from kvdiff.engine import Engine
 from kvdiff.engine.numerics import exact_numerics
-from kvdiff.engine.reference import reference_generate, render_prompt_ids
+from kvdiff.engine.reference import reference_generate
+from kvdiff.conversation import render_prompt_ids
 from test_engine_units import ListSink
 
 pytestmark = pytest.mark.real_model

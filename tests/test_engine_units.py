@@ -11,18 +11,20 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 import kvdiff
 from kvdiff.engine import Engine
-from kvdiff.engine.attention import merge_states, partial_attention
+from kvdiff.engine.cascade import merge_states, partial_attention
 from kvdiff.engine.chunks import split_conversation
 from kvdiff.engine.kv_cache import BlockPool, BlockTable, OutOfBlocks
 from kvdiff.engine.numerics import CPU_ROW_TILE, exact_attention, exact_numerics, invariant_linear
 from kvdiff.engine.paged_decode import PagedDecode
-from kvdiff.engine.reference import reference_generate, render_prompt_ids
+from kvdiff.engine.reference import reference_generate
+from kvdiff.conversation import render_prompt_ids
 from kvdiff.engine.registry import ChunkRegistry
-from kvdiff.probes.model_meta import model_fingerprint
-from kvdiff.engine.strategies import STRATEGIES, select_blend_tokens
+from kvdiff.trace.fingerprint import model_fingerprint
+from kvdiff.engine.strategies import select_blend_tokens
+from kvdiff.options import Strategy
 from kvdiff.engine.tiny import tiny_tokenizer
 from kvdiff.errors import InputError, TokenizationBoundaryError, UnsupportedModelError
-from kvdiff.probes.points import LAYER_POINTS
+from kvdiff.trace.points import LAYER_POINTS
 
 SYSTEM = "You are a helpful assistant. Always answer in French."
 PROMPT = "What is the capital of France?"
@@ -177,7 +179,7 @@ def test_fingerprint_is_stable_and_weight_sensitive():
 def test_device_weight_digests_match_their_definition_across_chunks(monkeypatch):
     """The on-device hash (run here on CPU tensors) against numpy: words mixed with their index
     and summed modulo 2**64, whatever the chunking and word size."""
-    from kvdiff.probes import model_meta
+    from kvdiff.trace import fingerprint as model_meta
 
     def by_definition(tensor: torch.Tensor) -> bytes:
         words = tensor.contiguous().view(-1).view({2: torch.int16, 4: torch.int32}[tensor.element_size()])
@@ -329,7 +331,7 @@ def test_exact_numerics_restores_the_model(tiny_llama):
 
 # --- strategies on every tiny family -------------------------------------------------------------
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [s.value for s in Strategy])
 def test_every_strategy_runs_on_every_family(tiny_model, strategy):
     model, tok = tiny_model
     eng = Engine(model, tok, strategy=strategy)

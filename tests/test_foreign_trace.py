@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import kvdiff
 from kvdiff.cli import app
-from kvdiff.engine.reference import render_prompt_ids
+from kvdiff.conversation import render_prompt_ids
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 STEPS = 6

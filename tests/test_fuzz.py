@@ -21,7 +21,7 @@ import fuzz_targets
 import kvdiff
 from kvdiff.cli import app
 from kvdiff.errors import TraceError
-from kvdiff.probes.trace import open_trace
+from kvdiff.trace import open_trace
 
 # The CI profile: deterministic (derandomized, no example database), no deadline on a busy machine.
 settings.register_profile("kvdiff-fuzz-ci", derandomize=True, database=None, deadline=None,
@@ -41,7 +41,7 @@ def test_the_property_flags_a_crash_into_the_catch_all(monkeypatch, tmp_path):
     def boom(*args, **kwargs):
         raise ZeroDivisionError("planted")
 
-    monkeypatch.setattr("kvdiff.probes.inspect.describe_trace", boom)
+    monkeypatch.setattr("kvdiff.reports.inspect.describe_trace", boom)
     with pytest.raises(fuzz_targets.FuzzFailure, match="catch-all"):
         fuzz_targets.run_inspect([], "candidate")
 
@@ -274,7 +274,7 @@ def test_inspect_shows_trace_text_literally(tmp_path):
 
 def test_an_output_folder_name_too_long_is_an_input_error(tmp_path):
     """ENAMETOOLONG came from Path.exists() outside the handler (compare.py prepare_out_dir)."""
-    from kvdiff.compare import prepare_out_dir
+    from kvdiff.run.folder import prepare_out_dir
 
     with pytest.raises(kvdiff.InputError, match="cannot create output folder .*File name too long"):
         prepare_out_dir(tmp_path / ("a" * 300), "prefix")

@@ -9,18 +9,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import kvdiff
-from kvdiff.compare import compare
+from kvdiff.run.compare import compare
 from kvdiff.engine import Engine
 from kvdiff.engine.numerics import exact_attention, exact_numerics, invariant_linear
 from kvdiff.engine.reference import reference_generate
-from kvdiff.engine.shapes import random_model
 from test_engine_real import SUITE
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from shapes import random_model  # noqa: E402  (the benchmarks' models of real shapes)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (see docs/gpu.md)")
 
@@ -101,7 +104,7 @@ def test_paged_decode_kernel_matches_gathered_attention(dtype):
 
 
 def test_gpu_fingerprint_is_stable_and_sees_a_one_ulp_change():
-    from kvdiff.probes.model_meta import model_fingerprint
+    from kvdiff.trace.fingerprint import model_fingerprint
 
     model, _ = random_model(SHAPE, TOKENIZER, dtype="bfloat16", device="cuda")
     twin, _ = random_model(SHAPE, TOKENIZER, dtype="bfloat16", device="cuda")
@@ -115,7 +118,7 @@ def test_gpu_fingerprint_is_stable_and_sees_a_one_ulp_change():
 def test_gpu_weight_hash_kernel_matches_the_torch_form(monkeypatch):
     """The Triton hash against the torch form, for every word size, sizes that do not fill the
     last block, an empty tensor and more than 2**31 words (64-bit indices)."""
-    from kvdiff.probes import hash_kernel, model_meta
+    from kvdiff.trace import hash_kernel, model_meta
 
     assert hash_kernel.available
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -145,25 +148,25 @@ def test_prefix_exact_tokens_match_reference_on_the_suite(gpu_model):
 def test_prefix_exact_is_bitwise_identical_in_bf16(bf16_folder, tmp_path, index):
     result = compare(SUITE[index], model=str(bf16_folder), strategy="prefix", numerics="exact",
                      max_new_tokens=NEW, dtype="bfloat16", device="cuda", out=tmp_path / "run")
-    assert result.report["tokens_identical"]
-    assert result.report["first_bit_difference"] is None, json.dumps(result.report["first_bit_difference"])
+    assert result.report.to_json()["tokens_identical"]
+    assert result.report.to_json()["first_bit_difference"] is None, json.dumps(result.report.to_json()["first_bit_difference"])
 
 
 @pytest.mark.parametrize("index", range(len(SUITE)))
 def test_prefix_exact_reading_every_chunk_from_the_cache_is_bitwise_identical_in_bf16(bf16_folder, tmp_path, index):
     result = compare(SUITE[index], model=str(bf16_folder), strategy="prefix", numerics="exact", warm=True,
                      max_new_tokens=NEW, dtype="bfloat16", device="cuda", out=tmp_path / "run")
-    assert {c["cache"] for c in result.report["chunks"]} == {"hit"}
-    assert result.report["tokens_identical"]
-    assert result.report["first_bit_difference"] is None, json.dumps(result.report["first_bit_difference"])
+    assert {c["cache"] for c in result.report.to_json()["chunks"]} == {"hit"}
+    assert result.report.to_json()["tokens_identical"]
+    assert result.report.to_json()["first_bit_difference"] is None, json.dumps(result.report.to_json()["first_bit_difference"])
 
 
 def test_isolated_local_is_diagnosed_on_the_gpu(bf16_folder, tmp_path):
     result = compare(SUITE[0], model=str(bf16_folder), strategy="isolated-local", numerics="exact",
                      max_new_tokens=NEW, dtype="bfloat16", device="cuda", out=tmp_path / "run")
-    first = result.report["first_divergence"]
+    first = result.report.to_json()["first_divergence"]
     assert (first["layer"], first["position"]) == (0, 16)
-    user = [d for d in result.report["diagnoses"] if d["kind"] == "position_mismatch" and d["chunk"] == "user"]
+    user = [d for d in result.report.to_json()["diagnoses"] if d["kind"] == "position_mismatch" and d["chunk"] == "user"]
     assert user and user[0]["offset"] == -16
 
 
@@ -187,7 +190,7 @@ def test_a_model_split_across_two_gpus_gives_the_tokens_of_one_gpu(bf16_folder, 
 
 @two_gpus
 def test_probes_and_diff_work_on_a_split_model(bf16_folder, tmp_path):
-    from kvdiff.probes.model_meta import model_fingerprint
+    from kvdiff.trace.fingerprint import model_fingerprint
 
     split, tok = kvdiff.load_model(str(bf16_folder), dtype="bfloat16", device_map="balanced")
     single, _ = kvdiff.load_model(str(bf16_folder), dtype="bfloat16", device="cuda:0")
@@ -199,8 +202,8 @@ def test_probes_and_diff_work_on_a_split_model(bf16_folder, tmp_path):
     assert across.tokens_identical and across.first_bit_difference is None
     same = compare(SUITE[0], model=str(bf16_folder), strategy="prefix", numerics="exact", max_new_tokens=NEW,
                    dtype="bfloat16", device_map="balanced", out=tmp_path / "prefix")
-    assert same.report["first_bit_difference"] is None
+    assert same.report.to_json()["first_bit_difference"] is None
     local = compare(SUITE[0], model=str(bf16_folder), strategy="isolated-local", numerics="exact",
                     max_new_tokens=NEW, dtype="bfloat16", device_map="balanced", out=tmp_path / "local")
-    user = [d for d in local.report["diagnoses"] if d["kind"] == "position_mismatch" and d["chunk"] == "user"]
+    user = [d for d in local.report.to_json()["diagnoses"] if d["kind"] == "position_mismatch" and d["chunk"] == "user"]
     assert user and user[0]["offset"] == -16

@@ -7,14 +7,14 @@ import torch
 import kvdiff
 from kvdiff.engine.reference import reference_generate
 from kvdiff.probes.hooks import attach_probes
-from kvdiff.probes.model_meta import ModelDims
-from kvdiff.probes.points import ALL_POINTS, LAYER_POINTS
-from kvdiff.probes.record import record
+from kvdiff.probes.model_meta import model_dims
+from kvdiff.trace.points import ALL_POINTS, LAYER_POINTS
+from kvdiff.run.record import record
 from kvdiff.probes.recorder import TraceRecorder
 from kvdiff.probes.selection import Selection
-from kvdiff.probes.sink import ProbeIntegrityError
+from kvdiff.trace.sink import ProbeIntegrityError
 from kvdiff.probes.spec import LLAMA_SPEC, ProbeRule, ProbeSpec
-from kvdiff.probes.trace import TraceWriter, open_trace
+from kvdiff.trace import TraceWriter, open_trace
 
 from conftest import SEED_PROMPT, SEED_SYSTEM
 
@@ -178,7 +178,7 @@ def test_a_probe_firing_twice_or_matching_nothing_is_an_error(tiny_llama, tmp_pa
 
 def test_a_buffer_overwritten_after_capture_does_not_change_the_trace(tiny_llama, tmp_path):
     model, tokenizer = tiny_llama
-    dims = ModelDims.of(model)
+    dims = model_dims(model)
     writer = TraceWriter(tmp_path / "t.h5", TraceRecorder.for_model(
         model, tokenizer, MESSAGES, tmp_path / "meta.h5", capture="resid_pre", layers="0").writer.meta)
     recorder = TraceRecorder(writer, dims, Selection.parse(dims.num_layers, "resid_pre", "0"))
@@ -197,7 +197,7 @@ def test_a_buffer_overwritten_after_capture_does_not_change_the_trace(tiny_llama
 def _resid_recorder(tiny_llama, path, capture="resid_pre,resid_post"):
     """A recorder of `capture` at layer 0 of tiny-llama (all positions), driven by hand."""
     model, tokenizer = tiny_llama
-    dims = ModelDims.of(model)
+    dims = model_dims(model)
     meta = TraceRecorder.for_model(model, tokenizer, MESSAGES, path.with_name("meta.h5"), capture=capture,
                                    layers="0").writer.meta
     return TraceRecorder(TraceWriter(path, meta), dims, Selection.parse(dims.num_layers, capture, "0"))
@@ -324,8 +324,8 @@ def test_default_model_trace_holds_every_point_for_all_30_layers_and_positions(d
     model, tokenizer = default_model
     path = record(model, tokenizer, MESSAGES, tmp_path / "ref.h5", max_new_tokens=4)
     with open_trace(path) as tr:
-        assert tr.meta.num_layers == 30 and tr.meta.layers == tuple(range(30))
-        assert (tr.meta.num_heads, tr.meta.num_kv_heads, tr.meta.head_dim) == (9, 3, 64)
+        assert tr.meta.dims.num_layers == 30 and tr.meta.layers == tuple(range(30))
+        assert (tr.meta.dims.num_heads, tr.meta.dims.num_kv_heads, tr.meta.dims.head_dim) == (9, 3, 64)
         assert tr.positions.tolist() == list(range(len(tr.meta.input_ids) + len(tr.meta.generated_ids) - 1))
         assert len(tr.meta.input_ids) == 32
         for layer in range(30):

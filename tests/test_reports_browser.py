@@ -7,6 +7,7 @@ from chromium import CHROMIUM, load, screenshot
 from report_samples import LAYERS, POSITIONS, hostile_report, seeds_report
 
 from kvdiff.reports.html import render_html, write_html
+from kvdiff.analysis.report import Report
 
 pytestmark = pytest.mark.skipif(
     not CHROMIUM.exists(),
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_report_draws_without_errors(tmp_path):
-    page = write_html(seeds_report(), tmp_path / "report.html")
+    page = write_html(Report.from_json(seeds_report()), tmp_path / "report.html")
     loaded = load(page)
     assert "data-errors" not in loaded.html_attrs and loaded.console_errors == []
     assert loaded.body_attrs["data-ready"] == "1" and loaded.body_attrs["data-point"] == "k"
@@ -26,7 +27,7 @@ def test_report_draws_without_errors(tmp_path):
 
 
 def test_hostile_text_stays_text_in_the_browser(tmp_path):
-    page = write_html(hostile_report("</script><img src=x onerror=alert(1)>"), tmp_path / "h.html")
+    page = write_html(Report.from_json(hostile_report("</script><img src=x onerror=alert(1)>")), tmp_path / "h.html")
     loaded = load(page)
     assert "data-errors" not in loaded.html_attrs and loaded.console_errors == []
     assert "<img" not in loaded.dom and "&lt;img src=x onerror=alert(1)&gt;" in loaded.dom
@@ -34,7 +35,7 @@ def test_hostile_text_stays_text_in_the_browser(tmp_path):
 
 def test_harness_sees_script_errors_and_csp_refusals(tmp_path):
     """Negative control: a broken data block and an injected inline script are both reported."""
-    page = render_html(seeds_report())
+    page = render_html(Report.from_json(seeds_report()))
     broken = tmp_path / "broken.html"
     broken.write_text(page.replace('{"report"', '{"report""', 1), encoding="utf-8")
     loaded = load(broken)
@@ -47,13 +48,13 @@ def test_harness_sees_script_errors_and_csp_refusals(tmp_path):
 
 def test_report_without_heatmaps_loads(tmp_path):
     minimal = {"schema_version": 1, "verdict": "identical", "tokens_identical": True}
-    loaded = load(write_html(minimal, tmp_path / "minimal.html"))
+    loaded = load(write_html(Report.from_json(minimal), tmp_path / "minimal.html"))
     assert "data-errors" not in loaded.html_attrs and loaded.console_errors == []
     assert loaded.body_attrs["data-ready"] == "1" and "no heatmap in this report" in loaded.dom
 
 
 def test_report_of_a_real_compare_run_draws_without_errors(tmp_path):
-    from kvdiff.compare import compare
+    from kvdiff.run.compare import compare
 
     messages = [{"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": "What is the capital of France?"}]
@@ -61,19 +62,19 @@ def test_report_of_a_real_compare_run_draws_without_errors(tmp_path):
     loaded = load(result.report_html)
     assert "data-errors" not in loaded.html_attrs and loaded.console_errors == []
     assert loaded.body_attrs["data-ready"] == "1"
-    heat = result.report["heatmaps"][loaded.body_attrs["data-point"]]
+    heat = result.report.to_json()["heatmaps"][loaded.body_attrs["data-point"]]
     assert int(loaded.body_attrs["data-cells-drawn"]) == (len(heat["layers"]) + 2) * len(heat["positions"])
 
 
 def test_a_report_of_different_prompts_or_tokenizers_says_so_in_its_verdict(tmp_path):
     report = dict(seeds_report(), first_input_difference=16, recorded_with_different=["tokenizers"])
-    loaded = load(write_html(report, tmp_path / "prompts.html"))
+    loaded = load(write_html(Report.from_json(report), tmp_path / "prompts.html"))
     assert "data-errors" not in loaded.html_attrs and loaded.console_errors == []
     assert "DIVERGENT — inputs differ from position 16" in loaded.dom
     assert "the traces are of different prompts: positions from 16 on are not compared" in loaded.dom
     assert "recorded with different tokenizers: differences may come from them" in loaded.dom
     without_chunks = dict(report, diagnoses=[dict(report["diagnoses"][0], chunk=None)])
-    loaded = load(write_html(without_chunks, tmp_path / "no-chunks.html"))
+    loaded = load(write_html(Report.from_json(without_chunks), tmp_path / "no-chunks.html"))
     assert '<p class="meta">positions 16–27</p>' in loaded.dom and "chunk – · " not in loaded.dom
 
 
@@ -84,7 +85,7 @@ def test_chunk_names_of_narrow_chunks_take_a_second_lane_or_are_left_out_never_o
     chunk = report["chunks"][0]
     report["chunks"] = [dict(chunk, name=f"chunk{i}", positions=[i, i], encoded_positions=[i, i]) for i in range(6)]
     report["chunks"].append(dict(chunk, name="rest", positions=[6, 31], encoded_positions=[6, 31]))
-    loaded = load(write_html(report, tmp_path / "narrow.html"))
+    loaded = load(write_html(Report.from_json(report), tmp_path / "narrow.html"))
     assert "data-errors" not in loaded.html_attrs and loaded.console_errors == []
     labels = json.loads(loaded.body_attrs["data-chunk-labels"])
     assert [label["text"] for label in labels][:7] == [f"chunk{i} @{i}" for i in range(6)] + ["rest @6"]

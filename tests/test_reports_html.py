@@ -13,6 +13,7 @@ from report_samples import hostile_report, seeds_report
 
 from kvdiff.errors import InputError
 from kvdiff.reports.html import render_html, write_html
+from kvdiff.analysis.report import Report
 
 HOSTILE = "</script><img src=x onerror=alert(1)>&amp;\u2028\u2029<!--"
 
@@ -27,7 +28,7 @@ def _data(page: str) -> dict:
 
 
 def test_hostile_text_is_escaped_and_survives():
-    page = render_html(hostile_report(HOSTILE))
+    page = render_html(Report.from_json(hostile_report(HOSTILE)))
     assert "<img" not in page and "<!--" not in page
     assert page.count("</script>") == 2  # the data block's and the page script's own
     assert "\u2028" not in page and "\u2029" not in page
@@ -40,13 +41,13 @@ def test_hostile_text_is_escaped_and_survives():
 def test_title_is_escaped():
     report = seeds_report()
     report["candidate"]["strategy"] = HOSTILE
-    page = render_html(report)
+    page = render_html(Report.from_json(report))
     title = page[page.index("<title>"): page.index("</title>")]
     assert "<img" not in title and "&lt;/script&gt;" in title
 
 
 def test_csp_forbids_everything_external_and_hashes_match():
-    page = render_html(seeds_report())
+    page = render_html(Report.from_json(seeds_report()))
     csp = re.search(r'<meta http-equiv="Content-Security-Policy" content="([^"]+)">', page).group(1)
     csp = csp.replace("&#x27;", "'")
     assert csp.startswith("default-src 'none';") and "unsafe-inline" not in csp
@@ -59,7 +60,7 @@ def test_csp_forbids_everything_external_and_hashes_match():
 
 
 def test_no_network_resource_references():
-    page = render_html(seeds_report())
+    page = render_html(Report.from_json(seeds_report()))
     assert "http:" not in page and "https:" not in page
     assert not re.search(r"\s(src|href|action|srcset|poster)\s*=", page, re.IGNORECASE)
     for needle in ("url(", "@import", "fetch(", "XMLHttpRequest", "import(", "Worker(",
@@ -72,7 +73,7 @@ def test_non_finite_numbers_stay_valid_json():
     report["heatmaps"]["k"]["rel"][0][16] = math.inf
     report["heatmaps"]["k"]["max_abs"][0][16] = math.nan
     report["heatmaps"]["k"]["rel"][0][17] = 0.0012345678
-    raw = _block(render_html(report), '<script type="application/json" id="kvdiff-data">')
+    raw = _block(render_html(Report.from_json(report)), '<script type="application/json" id="kvdiff-data">')
     data = json.loads(raw, parse_constant=lambda name: pytest.fail(f"bare {name} in JSON"))
     row = data["report"]["heatmaps"]["k"]
     assert row["rel"][0][16] == "Infinity" and row["max_abs"][0][16] == "NaN"
@@ -80,24 +81,24 @@ def test_non_finite_numbers_stay_valid_json():
 
 
 def test_payload_points_and_default():
-    data = _data(render_html(seeds_report()))
+    data = _data(render_html(Report.from_json(seeds_report())))
     assert data["points"][:5] == ["resid_pre", "attn_norm", "q", "k_pre_rope", "k"]
     assert data["default_point"] == "k"
 
 
 def test_minimal_report_renders():
-    data = _data(render_html({"schema_version": 1, "verdict": "identical", "tokens_identical": True}))
+    data = _data(render_html(Report.from_json({"schema_version": 1, "verdict": "identical", "tokens_identical": True})))
     assert data["points"] == [] and data["default_point"] is None
 
 
 def test_write_html_atomic(tmp_path):
-    target = write_html(seeds_report(), tmp_path / "report.html")
+    target = write_html(Report.from_json(seeds_report()), tmp_path / "report.html")
     assert target.read_text(encoding="utf-8").startswith("<!doctype html>")
     assert [p.name for p in tmp_path.iterdir()] == ["report.html"]
     before = target.read_text(encoding="utf-8")
     with pytest.raises(InputError, match="schema_version 0 is not supported"):
-        write_html({**seeds_report(), "schema_version": 0}, target)
+        write_html(Report.from_json({**seeds_report(), "schema_version": 0}), target)
     assert target.read_text(encoding="utf-8") == before
     assert [p.name for p in tmp_path.iterdir()] == ["report.html"]
     with pytest.raises(InputError, match="cannot write the HTML report"):
-        write_html(seeds_report(), tmp_path / "missing" / "report.html")
+        write_html(Report.from_json(seeds_report()), tmp_path / "missing" / "report.html")

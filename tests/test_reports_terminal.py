@@ -9,6 +9,7 @@ from report_samples import hostile_report, seeds_report
 from rich.cells import cell_len
 from rich.console import Console
 
+from kvdiff.analysis.report import Report
 from kvdiff.errors import InputError
 from kvdiff.reports import render_terminal
 from kvdiff.reports.heatmap_text import allocate, buckets
@@ -16,7 +17,7 @@ from kvdiff.reports.heatmap_text import allocate, buckets
 
 def _text(report: dict, width: int = 100, **kwargs) -> str:
     console = Console(width=width, record=True, file=io.StringIO())
-    render_terminal(report, console, **kwargs)
+    render_terminal(Report.from_json(report), console, **kwargs)
     return console.export_text()
 
 
@@ -55,7 +56,7 @@ def test_heatmap_rows_and_chunk_boundaries():
 def test_no_color_emits_no_ansi(monkeypatch):
     def render() -> str:
         out = io.StringIO()
-        render_terminal(seeds_report(), Console(file=out, force_terminal=True, width=100))
+        render_terminal(Report.from_json(seeds_report()), Console(file=out, force_terminal=True, width=100))
         return out.getvalue()
 
     monkeypatch.delenv("NO_COLOR", raising=False)
@@ -109,14 +110,14 @@ def test_minimal_report_renders():
 def test_hostile_text_is_inert(monkeypatch):
     monkeypatch.setenv("NO_COLOR", "1")
     out = io.StringIO()
-    render_terminal(hostile_report("\x1b[2J[bold]x[/bold]"), Console(file=out, force_terminal=True))
+    render_terminal(Report.from_json(hostile_report("\x1b[2J[bold]x[/bold]")), Console(file=out, force_terminal=True))
     text = out.getvalue()
     assert "\x1b" not in text
     assert "\\x1b[2J[bold]x[/bold]" in text
 
 
 def test_prints_only_through_console(capsys):
-    render_terminal(seeds_report(), Console(file=io.StringIO(), width=80))
+    render_terminal(Report.from_json(seeds_report()), Console(file=io.StringIO(), width=80))
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == ""
 

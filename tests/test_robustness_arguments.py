@@ -10,7 +10,7 @@ from robustness import assert_error, assert_no_finished_run, cli, compare_args
 # (id, extra compare arguments, what the error line says)
 BAD_OPTIONS = [
     ("unknown-strategy", ["--strategy", "chunky"], "unknown strategy 'chunky': use one of none, prefix"),
-    ("unknown-numerics", ["--numerics", "approx"], "unknown numerics 'approx': use exact or fast"),
+    ("unknown-numerics", ["--numerics", "approx"], "unknown numerics 'approx': use one of exact, fast"),
     ("negative-tokens", ["-n", "-3"], "max_new_tokens must be between 1 and 100000, got -3"),
     ("zero-tokens", ["-n", "0"], "max_new_tokens must be between 1 and 100000, got 0"),
     ("huge-tokens", ["-n", str(10 ** 20)], "max_new_tokens must be between 1 and 100000"),

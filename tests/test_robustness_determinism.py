@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvdiff.compare import compare
+from kvdiff.run.compare import compare
 from robustness import MESSAGES, trace_content
 
 

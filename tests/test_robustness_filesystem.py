@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from kvdiff.compare import ARTEFACTS, CLAIM
+from kvdiff.run.folder import ARTEFACTS, CLAIM
 from kvdiff.errors import InputError
 from kvdiff.files import write_text_atomically
 from robustness import REPO, assert_error, assert_no_finished_run, cli, compare_args, run_kvdiff, trace_content
@@ -61,7 +61,7 @@ def test_an_output_folder_another_run_is_writing_is_refused_for_compare_and_gate
 
 
 def test_a_run_claims_its_folder_until_it_ends_and_one_finished_meanwhile_is_not_mixed(tmp_path, monkeypatch):
-    compare_module = importlib.import_module("kvdiff.compare")     # `kvdiff.compare` is the function
+    compare_module = importlib.import_module("kvdiff.run.folder")
 
     seen = []
     result = cli(*compare_args(tmp_path / "run"))

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from kvdiff.analysis.synthetic import SyntheticModel, write_trace
-from kvdiff.compare import CLAIM
+from synthetic import SyntheticModel, write_trace
+from kvdiff.run.folder import CLAIM
 from kvdiff.errors import TraceError
-from kvdiff.probes.trace import open_trace
+from kvdiff.trace import open_trace
 from robustness import REPO, assert_error, assert_no_finished_run, cli, compare_args
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import kvdiff
-from kvdiff.compare import compare
-from kvdiff.engine.conversation import build_messages
-from kvdiff.probes.trace import TraceWriter, open_trace
+from kvdiff.run.compare import compare
+from kvdiff.conversation import build_messages
+from kvdiff.trace import TraceWriter, open_trace
 from robustness import MESSAGES, assert_error, assert_no_finished_run, cli, compare_args
 
 # (id, file bytes, what the error line says)
@@ -65,8 +65,8 @@ def test_prompt_of_only_special_tokens_runs_like_any_other(tmp_path):
     """Special-token text is tokenized as the chat template does (as those tokens) on both paths."""
     messages = [{"role": "user", "content": "<|im_start|><|im_end|><|endoftext|>"}]
     result = compare(messages, model="tiny-llama", max_new_tokens=2, out=tmp_path / "run")
-    assert result.exit_code == 0 and result.report["tokens_identical"]
-    assert result.report["prompt"]["tokens"].count("<|im_end|>") == 2   # the content's and the template's
+    assert result.exit_code == 0 and result.report.to_json()["tokens_identical"]
+    assert result.report.to_json()["prompt"]["tokens"].count("<|im_end|>") == 2   # the content's and the template's
 
 
 def test_nul_characters_in_the_prompt_and_the_generated_text(tmp_path):
@@ -76,7 +76,7 @@ def test_nul_characters_in_the_prompt_and_the_generated_text(tmp_path):
     with open_trace(result.reference_trace) as trace:
         meta = replace(trace.meta, text="a\x00b", points=("logits",), layers=())
     with TraceWriter(tmp_path / "nul.h5", meta) as writer:   # a model may generate NUL: stored as U+2400
-        writer.write_rows("final", "logits", [0], torch.zeros(1, meta.vocab_size))
+        writer.write_rows("final", "logits", [0], torch.zeros(1, meta.dims.vocab_size))
     with open_trace(tmp_path / "nul.h5") as trace:
         assert trace.meta.text == "a\u2400b"
 

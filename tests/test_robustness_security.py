@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import kvdiff
-from kvdiff.analysis.synthetic import SyntheticModel, write_trace
-from kvdiff.compare import compare
+from synthetic import SyntheticModel, write_trace
+from kvdiff.run.compare import compare
 from robustness import assert_error, cli
 
 PACKAGE = Path(kvdiff.__file__).parent

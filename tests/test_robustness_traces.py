@@ -17,10 +17,11 @@ import torch
 from rich.console import Console
 
 import kvdiff
-from kvdiff.analysis.synthetic import SyntheticModel, write_trace
-from kvdiff.probes.points import ALL_POINTS
-from kvdiff.probes.trace_format import DTYPE_ATTR, to_storage
+from synthetic import SyntheticModel, write_trace
+from kvdiff.trace.points import ALL_POINTS
+from kvdiff.trace.format import DTYPE_ATTR, to_storage
 from kvdiff.reports import render_terminal
+from kvdiff.analysis.report import Report
 from robustness import assert_error, cli
 
 PROMPT = list(range(3, 23))
@@ -154,7 +155,7 @@ def test_traces_of_other_weights_or_tokenizers_are_diffed_with_a_warning(traces,
     report = div.to_json()
     assert report["recorded_with_different"] == [what]
     console = Console(width=100, record=True, file=io.StringIO())
-    render_terminal(report, console)
+    render_terminal(Report.from_json(report), console)
     assert f"recorded with different {what}: differences may come from them" in console.export_text()
 
 

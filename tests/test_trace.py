@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvdiff.errors import TraceError
-from kvdiff.probes.sink import ProbeIntegrityError
-from kvdiff.probes.trace import ChunkRecord, TraceMeta, TraceWriter, open_trace
+from kvdiff.trace.sink import ProbeIntegrityError
+from kvdiff.trace import ChunkRecord, ModelDims, TraceMeta, TraceWriter, open_trace
 
 
 def make_meta(dtype: str = "float32") -> TraceMeta:
@@ -23,8 +23,8 @@ def make_meta(dtype: str = "float32") -> TraceMeta:
         kvdiff_version="0.1.0", model_name="unit", model_fingerprint="cfg:0/w:0", tokenizer_fingerprint="tok",
         dtype=dtype, device="cpu", torch_version=torch.__version__, transformers_version="5", strategy="reference",
         numerics="fast", messages=[{"role": "user", "content": "hi"}], input_ids=np.arange(6, dtype=np.int64),
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32, vocab_size=50,
-        attn_scale=8 ** -0.5, points=("resid_pre", "k"), layers=(0, 1),
+        dims=ModelDims(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32, vocab_size=50,
+                       attn_scale=8 ** -0.5), points=("resid_pre", "k"), layers=(0, 1),
     )
 
 
@@ -96,7 +96,7 @@ def test_points_read_once_leave_no_chunk_cache_behind(tmp_path):
     def resident() -> int:
         return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-    meta = replace(make_meta(), num_layers=40, hidden_size=2048, layers=tuple(range(40)), points=("resid_pre",))
+    meta = replace(make_meta(), dims=replace(make_meta().dims, num_layers=40, hidden_size=2048), layers=tuple(range(40)), points=("resid_pre",))
     with TraceWriter(tmp_path / "t.h5", meta) as w:
         for layer in meta.layers:
             w.write_rows(f"layers/{layer}", "resid_pre", range(256), torch.randn(256, 2048))   # 2 MB a layer
@@ -159,7 +159,7 @@ _KILLED_WRITER = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
     from test_trace import make_meta
-    from kvdiff.probes.trace import TraceWriter
+    from kvdiff.trace import TraceWriter
     w = TraceWriter({path!r}, make_meta())
     pos = 0
     while True:

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from kvdiff.errors import TraceError, TraceWriteError
-from kvdiff.probes import staging, trace_writer
-from kvdiff.probes.background import SerialWorker
-from kvdiff.probes.sink import ProbeIntegrityError
-from kvdiff.probes.trace import TraceWriter, open_trace
+from kvdiff.trace import staging
+from kvdiff.trace import writer as trace_writer
+from kvdiff.trace.background import SerialWorker
+from kvdiff.trace.sink import ProbeIntegrityError
+from kvdiff.trace import TraceWriter, open_trace
 
 from test_trace import make_meta
 
@@ -104,7 +105,7 @@ def test_rows_written_through_a_tiny_backlog_round_trip_bit_for_bit(tmp_path, dt
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (see docs/gpu.md)")
 @pytest.mark.parametrize("device_bytes, on_gpu", [(None, True), (0, False)])
 def test_large_gpu_captures_wait_on_the_gpu_and_reach_the_file_in_pieces(tmp_path, monkeypatch, device_bytes, on_gpu):
-    from kvdiff.probes.device_rows import Bounce
+    from kvdiff.trace.device_rows import Bounce
     monkeypatch.setattr(trace_writer, "Bounce", lambda: Bounce(4096))     # pieces of 128 or 64 rows
     g = torch.Generator(device="cuda").manual_seed(7)
     rows = {dtype: (torch.randn(700, 2, 8, device="cuda", generator=g) * 1e3).to(dtype)
@@ -128,7 +129,7 @@ def test_large_gpu_captures_wait_on_the_gpu_and_reach_the_file_in_pieces(tmp_pat
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (see docs/gpu.md)")
 def test_a_gpu_out_of_memory_for_a_capture_sends_it_and_the_later_ones_to_host_memory(tmp_path, monkeypatch):
-    from kvdiff.probes.device_rows import DeviceRows
+    from kvdiff.trace.device_rows import DeviceRows
     copies = []
 
     def short_of_memory(rows):
@@ -152,7 +153,7 @@ def test_a_gpu_out_of_memory_for_a_capture_sends_it_and_the_later_ones_to_host_m
 
 def test_rows_arriving_one_position_at_a_time_are_written_once_per_hdf5_chunk(tmp_path, monkeypatch):
     import h5py
-    from kvdiff.probes.trace_column import TraceColumn
+    from kvdiff.trace.column import TraceColumn
     writes = []                     # runs of rows go through TraceColumn.write_run, scattered rows through h5py's slicing
     original, original_run = h5py.Dataset.__setitem__, TraceColumn.write_run
     monkeypatch.setattr(h5py.Dataset, "__setitem__",
@@ -177,7 +178,7 @@ def test_rows_arriving_one_position_at_a_time_are_written_once_per_hdf5_chunk(tm
 
 
 def test_rows_reach_the_file_when_written_not_when_it_is_closed(tmp_path):
-    from kvdiff.probes.trace_file import TraceFile
+    from kvdiff.trace.file import TraceFile
     rows = np.random.default_rng(3).standard_normal((384, 1024)).astype(np.float32)   # 3 chunks of 128 rows
     path = tmp_path / "t.h5"
     f = TraceFile(path, np.arange(384), None)
@@ -191,8 +192,8 @@ def test_rows_reach_the_file_when_written_not_when_it_is_closed(tmp_path):
 
 def test_rows_from_the_first_chunk_on_go_into_chunks_allocated_as_the_column_grows(tmp_path, monkeypatch):
     import h5py
-    from kvdiff.probes.trace_column import LatchingFile
-    from kvdiff.probes.trace_file import TraceFile
+    from kvdiff.trace.column import LatchingFile
+    from kvdiff.trace.file import TraceFile
     writes = []
     original = LatchingFile.pwrite
     monkeypatch.setattr(LatchingFile, "pwrite", lambda io, view, at: (writes.append(len(view)), original(io, view, at)))
@@ -225,7 +226,7 @@ def test_rows_from_the_first_chunk_on_go_into_chunks_allocated_as_the_column_gro
 
 def test_rows_go_into_allocated_chunks_at_most_1_mb_a_system_call(tmp_path, monkeypatch):
     import h5py
-    from kvdiff.probes.trace_file import TraceFile
+    from kvdiff.trace.file import TraceFile
     calls, original = [], os.pwrite
     monkeypatch.setattr(os, "pwrite", lambda fd, data, at: (calls.append(len(data)), original(fd, data, at))[1])
     rows = np.random.default_rng(8).standard_normal((3000, 256)).astype(np.float32)       # 3 MB
@@ -239,7 +240,7 @@ def test_rows_go_into_allocated_chunks_at_most_1_mb_a_system_call(tmp_path, monk
 
 def test_rows_that_start_past_the_first_chunk_leave_the_chunks_before_them_unallocated(tmp_path):
     import h5py
-    from kvdiff.probes.trace_file import TraceFile
+    from kvdiff.trace.file import TraceFile
     rows = np.random.default_rng(6).standard_normal((10, 256)).astype(np.float32)
     path = tmp_path / "t.h5"
     f = TraceFile(path, np.arange(5010), None)
@@ -262,7 +263,7 @@ def test_rows_that_start_past_the_first_chunk_leave_the_chunks_before_them_unall
 ])
 def test_chunks_hold_about_1_mb_at_most_128_rows_unless_rows_are_tiny(tmp_path, row_shape, dtype, chunk_rows):
     import h5py
-    from kvdiff.probes.trace_file import TraceFile
+    from kvdiff.trace.file import TraceFile
     path = tmp_path / "t.h5"
     f = TraceFile(path, np.arange(3), None)
     try:
@@ -395,7 +396,7 @@ def test_captures_spanning_many_full_stages_land_in_their_own_datasets(tmp_path,
 
 
 def test_decode_steps_are_written_together_and_a_layout_change_or_gap_writes_them_first(tmp_path, monkeypatch):
-    from kvdiff.probes.trace_file import TraceFile
+    from kvdiff.trace.file import TraceFile
     puts = []
     put = TraceFile.put
     monkeypatch.setattr(TraceFile, "put", lambda self, name, *a: (puts.append(name), put(self, name, *a)))
@@ -438,7 +439,7 @@ _FILE_TOO_LARGE = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_trace import make_meta
     from kvdiff.errors import TraceError
-    from kvdiff.probes.trace import TraceWriter
+    from kvdiff.trace import TraceWriter
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
     w = TraceWriter({path!r}, make_meta())
@@ -535,7 +536,7 @@ def test_rows_changed_in_place_only_after_the_first_forward_drop_the_trace(tmp_p
 
 
 def test_latching_file_keeps_the_first_write_error_and_drops_every_later_write(tmp_path, monkeypatch):
-    from kvdiff.probes.trace_column import LatchingFile
+    from kvdiff.trace.column import LatchingFile
     io = LatchingFile(tmp_path / "f")
     io.pwrite(memoryview(b"abcd"), 0)
     tried = []
@@ -562,8 +563,8 @@ def test_finishing_a_trace_reads_nothing_back_from_the_file(tmp_path, monkeypatc
     """Datasets grow to exactly the rows they hold: shrinking them at the end made HDF5 read and
     rewrite the last chunk of every dataset."""
     import h5py
-    from kvdiff.probes.trace_column import LatchingFile
-    from kvdiff.probes.trace_file import TraceFile
+    from kvdiff.trace.column import LatchingFile
+    from kvdiff.trace.file import TraceFile
     rows = np.random.default_rng(9).standard_normal((300, 1024)).astype(np.float32)     # 128 rows a chunk
     f = TraceFile(tmp_path / "t.h5", np.arange(300), None)
     f.put("layers/0/a", np.arange(290), rows[:290], "float32")

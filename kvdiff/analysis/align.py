@@ -7,7 +7,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvdiff.probes.trace import StepRecords, TraceMeta
+from kvdiff.trace import StepRecords, TraceMeta
 
 TokenText = Callable[[int], str]
 

@@ -23,7 +23,7 @@ from kvdiff.analysis.divergence import Divergence, recorded_with_different
 from kvdiff.analysis.search import first_bit_difference, first_non_finite, first_tolerance_breach, location
 from kvdiff.analysis.tolerance import Tolerance, Tolerances
 from kvdiff.errors import InputError
-from kvdiff.probes.trace import TraceReader, open_trace
+from kvdiff.trace import TraceReader, open_trace
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def _check_same_model(ref: TraceReader, cand: TraceReader) -> None:
     """Refuse traces of differently shaped models; warn when the weights or the tokenizers differ
     (`recorded_with_different`), since every difference may then come from them."""
     for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
-        a, b = getattr(ref.meta, name), getattr(cand.meta, name)
+        a, b = getattr(ref.meta.dims, name), getattr(cand.meta.dims, name)
         if a != b:
             raise InputError(f"{cand.path} and {ref.path} come from different models ({name} {b} vs {a}): "
                              f"diff traces of the same model")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvdiff.analysis.search import Location
-from kvdiff.probes.points import POINT_ORDER
+from kvdiff.trace.points import POINT_ORDER
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvdiff.probes.trace import ChunkRecord, ProvenanceRecords, TraceReader
+from kvdiff.trace import ChunkRecord, ProvenanceRecords, TraceReader
 
 
 @dataclass(frozen=True)

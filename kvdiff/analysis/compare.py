@@ -18,8 +18,8 @@ from kvdiff.analysis.align import Alignment
 from kvdiff.analysis.metrics import RowMetrics, row_metrics
 from kvdiff.analysis.norms import NormCheck, NormChecker
 from kvdiff.analysis.tolerance import NOT_COMPARED, Tier, Tolerances
-from kvdiff.probes.points import FINAL_POINTS, LAYER_POINTS, READ_POINTS
-from kvdiff.probes.trace import TraceReader
+from kvdiff.trace.points import FINAL_POINTS, LAYER_POINTS, READ_POINTS
+from kvdiff.trace import TraceReader
 
 log = logging.getLogger(__name__)
 

@@ -88,7 +88,7 @@ def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
         if start <= int(positions[0]):
             continue
         unattended = (int(positions[0]), start - 1)
-        scale = inputs.reference.meta.attn_scale
+        scale = inputs.reference.meta.dims.attn_scale
         mass, shift = span_attention(ref_q, ref_k, inputs.rows(layer, "v")[0], positions, gcols, unattended, scale)
         ref_out, cand_out = (rows[gcols].astype(np.float64) for rows in inputs.rows(layer, "attn_out"))
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -143,7 +143,7 @@ def diagnose_missing_context_in_cache(inputs: DiagnosisInputs) -> list[Diagnosis
         if span is None or span[0] <= int(positions[0]):
             continue
         unattended = (int(positions[0]), span[0] - 1)
-        mass, _ = span_attention(ref_q, ref_k, ref_v, positions, gcols, unattended, inputs.reference.meta.attn_scale)
+        mass, _ = span_attention(ref_q, ref_k, ref_v, positions, gcols, unattended, inputs.reference.meta.dims.attn_scale)
         _, k_rel = inputs.worst("k", row, gcols)
         _, v_rel = inputs.worst("v", row, gcols)
         lo, hi = int(group[0]), int(group[-1])

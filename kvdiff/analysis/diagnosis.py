@@ -12,7 +12,7 @@ from kvdiff.analysis.chunks import ChunkLookup
 from kvdiff.analysis.compare import Comparison, PointMap
 from kvdiff.analysis.rope import estimate_thetas
 from kvdiff.analysis.tolerance import Tier
-from kvdiff.probes.trace import TraceReader
+from kvdiff.trace import TraceReader
 
 KINDS = ("tokenization_mismatch", "position_mismatch", "missing_context", "cache_content_mismatch",
          "norm_consistency", "numerical_noise", "non_finite")

@@ -11,14 +11,14 @@ from kvdiff.analysis.align import TokenDivergence
 from kvdiff.analysis.attribution import Attribution
 from kvdiff.analysis.compare import Comparison, PointMap
 from kvdiff.analysis.diagnosis import Diagnosis
+from kvdiff.analysis.report import SCHEMA_VERSION as REPORT_SCHEMA_VERSION, Report
 from kvdiff.analysis.search import Location
 from kvdiff.analysis.tolerance import Tier
-from kvdiff.probes.trace import ChunkRecord, TraceMeta
+from kvdiff.trace import ChunkRecord, TraceMeta
 
-REPORT_SCHEMA_VERSION = 1
 _META_FIELDS = ("model_name", "model_fingerprint", "tokenizer_fingerprint", "dtype", "device", "strategy", "numerics",
-                "kvdiff_version", "torch_version", "transformers_version", "num_layers", "num_heads",
-                "num_kv_heads", "head_dim")
+                "kvdiff_version", "torch_version", "transformers_version")
+_DIMS_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim")     # report.json's metadata keeps these
 
 
 def _fingerprint_parts(fingerprint: str) -> tuple[str, str]:
@@ -147,10 +147,14 @@ class Divergence:
         out.update({k: (loc.to_json()[k] if loc else None) for k in ("tier", "max_abs", "rel", "cosine")})
         return out
 
+    def report(self, **extra) -> Report:
+        """The typed report the renderers take; `extra` keys join its report.json document."""
+        return Report.from_json({**self.to_json(), **extra})
+
     def to_json(self) -> dict:
         """report.json (schema_version 1): strict JSON types, no NaN."""
         cmp, al = self.comparison, self.comparison.alignment
-        meta = lambda m: {f: getattr(m, f) for f in _META_FIELDS}
+        meta = lambda m: {**{f: getattr(m, f) for f in _META_FIELDS}, **{f: getattr(m.dims, f) for f in _DIMS_FIELDS}}
         loc = lambda x: None if x is None else x.to_json()
         return {
             "schema_version": REPORT_SCHEMA_VERSION,

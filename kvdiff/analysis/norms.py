@@ -16,7 +16,7 @@ from kvdiff.analysis.align import Alignment
 from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.tolerance import Tier, Tolerances
 from kvdiff.errors import TraceError
-from kvdiff.probes.trace import TraceReader
+from kvdiff.trace import TraceReader
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -14,7 +14,7 @@ import numpy as np
 from kvdiff.analysis.chunks import ChunkLookup
 from kvdiff.analysis.compare import Comparison, PointMap
 from kvdiff.analysis.tolerance import Tier
-from kvdiff.probes.points import POINT_ORDER
+from kvdiff.trace.points import POINT_ORDER
 
 
 @dataclass(frozen=True)

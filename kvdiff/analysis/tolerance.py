@@ -21,7 +21,7 @@ from enum import IntEnum
 from typing import Mapping
 
 from kvdiff.errors import InputError
-from kvdiff.probes.points import ALL_POINTS
+from kvdiff.trace.points import ALL_POINTS
 
 
 class Tier(IntEnum):

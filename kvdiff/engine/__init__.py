@@ -2,6 +2,6 @@
 
 from kvdiff.engine.engine import Engine
 from kvdiff.engine.outputs import RequestOutput, RequestStats
-from kvdiff.probes.trace_format import ChunkRecord
+from kvdiff.trace.format import ChunkRecord
 
 __all__ = ["Engine", "RequestOutput", "RequestStats", "ChunkRecord"]

@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from kvdiff.engine.conversation import Messages, render_chat, validate_messages
-from kvdiff.engine.reference import render_prompt_ids
+from kvdiff.conversation import Messages, render_chat, render_prompt_ids, validate_messages
 from kvdiff.errors import InputError, TokenizationBoundaryError
 
 log = logging.getLogger(__name__)

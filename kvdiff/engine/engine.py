@@ -11,22 +11,22 @@ import torch
 
 from kvdiff.engine.adapters import get_adapter
 from kvdiff.engine.chunks import ChunkedPrompt, split_conversation
-from kvdiff.engine.conversation import Messages, check_fits
+from kvdiff.conversation import Messages, check_fits
 from kvdiff.engine.kv_cache import BLOCK_SIZE, BlockPool, BlockTable
 from kvdiff.engine.numerics import exact_numerics
 from kvdiff.engine.outputs import RequestOutput
 from kvdiff.engine.reference import stop_token_ids
 from kvdiff.engine.registry import ChunkRegistry, RegistryStats
-from kvdiff.probes.model_meta import model_fingerprint
+from kvdiff.trace.fingerprint import model_fingerprint
 from kvdiff.engine.runner import ModelRunner, RowGroup
-from kvdiff.engine.scheduler import Planner, Request, Reused
-from kvdiff.engine.strategies import BLEND_SELECT_LAYER, DEFAULT_RECOMPUTE_RATIO, make_strategy, select_blend_tokens
+from kvdiff.engine.planner import Planner, Request, Reused
+from kvdiff.engine.strategies import BLEND_SELECT_LAYER, make_strategy, select_blend_tokens
 from kvdiff.errors import InputError
-from kvdiff.probes.sink import ProbeSink, Provenance
+from kvdiff.options import DEFAULT_RECOMPUTE_RATIO, Numerics, Strategy, check_recompute_ratio
+from kvdiff.trace.sink import ProbeSink, Provenance
 
 log = logging.getLogger(__name__)
 
-NUMERICS = ("fast", "exact")
 DEFAULT_KV_BUDGET = 512 * 2**20
 
 
@@ -36,18 +36,19 @@ class Engine:
     Greedy by default; `temperature > 0` samples (seeded by `seed`) with optional top-k / top-p.
     """
 
-    def __init__(self, model, tokenizer, strategy: str = "prefix", numerics: str = "fast",
+    def __init__(self, model, tokenizer, strategy: Strategy | str = Strategy.PREFIX,
+                 numerics: Numerics | str = Numerics.FAST,
                  chunk_size: int | None = None, recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET, allow_boundary_mismatch: bool = False,
                  seed: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  block_size: int = BLOCK_SIZE):
-        if numerics not in NUMERICS:
-            raise InputError(f"unknown numerics {numerics!r}: use one of {', '.join(NUMERICS)}")
+        # A public entry point: names from Python callers are parsed here, once.
+        strategy, numerics = Strategy.parse(strategy), Numerics.parse(numerics)
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
             raise InputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         self.model = model
         self.tokenizer = tokenizer
-        self.strategy = make_strategy(strategy, recompute_ratio)
+        self.strategy = make_strategy(strategy, check_recompute_ratio(recompute_ratio))
         self.numerics = numerics
         self.chunk_size = chunk_size
         self.allow_boundary_mismatch = allow_boundary_mismatch
@@ -61,7 +62,7 @@ class Engine:
         self.pool = BlockPool(len(a.layers), a.num_kv_heads, a.head_dim, kv_budget_bytes // per_block,
                               dtype, device, block_size, layer_devices=[layer.device for layer in a.layers])
         self.registry = ChunkRegistry(self.pool, per_block, kv_budget_bytes)
-        self.runner = ModelRunner(a, self.pool, exact=numerics == "exact")
+        self.runner = ModelRunner(a, self.pool, exact=numerics is Numerics.EXACT)
         self.fingerprint = model_fingerprint(model)
         self.stops = stop_token_ids(model, tokenizer)
         self._forwards = 0
@@ -91,7 +92,7 @@ class Engine:
                    for c in conversations]
         for i, p in enumerate(prompts):
             self.check_fits(p, max_new_tokens, f"request {i}: ")
-        numerics = exact_numerics(self.model) if self.numerics == "exact" else contextlib.nullcontext()
+        numerics = exact_numerics(self.model) if self.numerics is Numerics.EXACT else contextlib.nullcontext()
         requests = [Request(i, p, BlockTable(self.pool), sinks.get(i)) for i, p in enumerate(prompts)]
         planner = Planner(self.registry, self.strategy, self.fingerprint)
         start = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvdiff.engine.chunks import SkippedMessage
-from kvdiff.probes.trace_format import ChunkRecord
+from kvdiff.trace.format import ChunkRecord
 
 
 @dataclass

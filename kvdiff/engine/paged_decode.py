@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvdiff.engine.attention import single_attention
+from kvdiff.engine.cascade import single_attention
 from kvdiff.engine.kv_cache import BlockPool
 
 

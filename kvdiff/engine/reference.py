@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiff.engine.conversation import Messages, check_fits, render_chat
-from kvdiff.probes.sink import ProbeSink
+from kvdiff.conversation import Messages, check_fits, render_prompt_ids
+from kvdiff.trace.sink import ProbeSink
 
 
 @dataclass
@@ -17,13 +17,6 @@ class ReferenceOutput:
     input_ids: list[int]
     token_ids: list[int]
     text: str
-
-
-def render_prompt_ids(tokenizer, messages: Messages) -> list[int]:
-    """Token ids of the conversation rendered with the chat template, generation prompt added."""
-    encoded = render_chat(tokenizer, messages, generation=True, tokenize=True)
-    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-    return [int(i) for i in ids]
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:

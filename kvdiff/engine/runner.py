@@ -19,7 +19,7 @@ from kvdiff.engine.kv_cache import BlockPool, Segment
 from kvdiff.engine.numerics import exact_attention
 from kvdiff.engine.paged_decode import PagedDecode
 from kvdiff.engine.strategies import rerotate_keys
-from kvdiff.probes.sink import ProbeSink, Provenance
+from kvdiff.trace.sink import ProbeSink, Provenance
 
 
 @dataclass

@@ -20,18 +20,16 @@ from dataclasses import dataclass
 import torch
 
 from kvdiff.engine.adapters import apply_rope
-from kvdiff.errors import InputError
+from kvdiff.options import DEFAULT_RECOMPUTE_RATIO, Strategy
 
-STRATEGIES = ("none", "prefix", "isolated-local", "isolated-global", "rerotate", "blend")
-DEFAULT_RECOMPUTE_RATIO = 0.15
 BLEND_SELECT_LAYER = 1
 
 
 @dataclass(frozen=True)
-class Strategy:
+class StrategyRules:
     """A chunk strategy's behaviour, as flags the engine follows."""
 
-    name: str
+    name: Strategy
     caches: bool          # chunks are kept in the registry
     chains_prefix: bool   # a chunk's key and KV depend on the chunks before it
     isolated: bool        # a chunk's KV is computed from the chunk alone
@@ -47,23 +45,21 @@ class Strategy:
         return 0 if self.local else start
 
 
-def make_strategy(name: str, recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO) -> Strategy:
-    """The Strategy called `name`; InputError lists the valid names."""
-    if name not in STRATEGIES:
-        raise InputError(f"unknown strategy {name!r}: use one of {', '.join(STRATEGIES)}")
-    if not 0.0 <= float(recompute_ratio) <= 1.0:
-        raise InputError(f"recompute_ratio must be within [0, 1], got {recompute_ratio!r}")
-    if name == "none":
-        return Strategy(name, False, False, False, False, False)
-    if name == "prefix":
-        return Strategy(name, True, True, False, False, False)
-    if name == "isolated-local":
-        return Strategy(name, True, False, True, True, False)
-    if name == "isolated-global":
-        return Strategy(name, True, False, True, False, False)
-    if name == "rerotate":
-        return Strategy(name, True, False, True, True, True)
-    return Strategy(name, True, False, True, True, True, float(recompute_ratio))
+# caches, chains_prefix, isolated, local, rerotates
+_RULES = {
+    Strategy.NONE: (False, False, False, False, False),
+    Strategy.PREFIX: (True, True, False, False, False),
+    Strategy.ISOLATED_LOCAL: (True, False, True, True, False),
+    Strategy.ISOLATED_GLOBAL: (True, False, True, False, False),
+    Strategy.REROTATE: (True, False, True, True, True),
+    Strategy.BLEND: (True, False, True, True, True),
+}
+
+
+def make_strategy(strategy: Strategy, recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO) -> StrategyRules:
+    """The rules of `strategy`; only blend keeps the recompute ratio."""
+    ratio = float(recompute_ratio) if strategy is Strategy.BLEND else 0.0
+    return StrategyRules(strategy, *_RULES[strategy], ratio)
 
 
 def rerotate_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvdiff.engine.conversation import Messages, build_messages, validate_messages
+from kvdiff.conversation import Messages, build_messages, validate_messages
 from kvdiff.errors import InputError
 
 if sys.version_info >= (3, 11):

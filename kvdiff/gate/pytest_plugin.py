@@ -13,7 +13,7 @@ from typing import Sequence
 
 import pytest
 
-from kvdiff.engine.conversation import Messages
+from kvdiff.conversation import Messages
 from kvdiff.errors import InputError
 
 
@@ -69,7 +69,7 @@ class KvdiffChecker:
         Fails with the divergence summary and the report folder when the tokens differ. A check
         that passes leaves no folder (the result's report stays in memory).
         """
-        from kvdiff.compare import compare
+        from kvdiff.run.compare import compare
         from kvdiff.gate.runner import remove_tree
 
         result = compare(messages, out=self._next_dir(), model_cache=self.models, **options)
@@ -87,9 +87,9 @@ class KvdiffChecker:
         failure names the first differing step and both tokens, and the reference trace is
         written into the report folder for `kvdiff diff` against the engine's own trace.
         """
-        import kvdiff
-        from kvdiff.engine.conversation import validate_messages
-        from kvdiff.engine.reference import reference_generate, render_prompt_ids
+        from kvdiff.conversation import render_prompt_ids, validate_messages
+        from kvdiff.engine.reference import reference_generate
+        from kvdiff.run.record import record
 
         messages = validate_messages(messages)
         token_ids = generated_ids(token_ids, render_prompt_ids(tokenizer, messages))
@@ -101,7 +101,7 @@ class KvdiffChecker:
                     min(len(reference.token_ids), len(token_ids)))
         folder = self._next_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        trace = kvdiff.record(model, tokenizer, messages, folder / "reference.h5", max_new_tokens=steps)
+        trace = record(model, tokenizer, messages, folder / "reference.h5", max_new_tokens=steps)
 
         def show(ids, i):
             return f"{ids[i]} {tokenizer.decode([ids[i]])!r}" if i < len(ids) else "<end>"

@@ -50,7 +50,7 @@ def run_cases(cases: list[GateCase], out_dir: Path, compare_fn: Callable | None 
     Each case runs into its own folder under `out_dir`; folders of passing cases are removed,
     so what is left is one report folder per failing case.
     """
-    from kvdiff.compare import compare
+    from kvdiff.run.compare import compare
 
     compare_fn = compare_fn or compare
     models: dict = {}

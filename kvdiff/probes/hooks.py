@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvdiff.probes.sink import ProbeIntegrityError, ProbeSink, Provenance
+from kvdiff.trace.sink import ProbeIntegrityError, ProbeSink, Provenance
 from kvdiff.probes.spec import ProbeSpec, default_spec
 
 log = logging.getLogger(__name__)

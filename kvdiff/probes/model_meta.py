@@ -1,130 +1,25 @@
-"""What a trace records about a model: dimensions, fingerprints, norm modules and versions."""
+"""What a trace records about a transformers model: dimensions, norm modules and versions."""
 
 from __future__ import annotations
-
-import hashlib
-import json
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-import kvdiff
 from kvdiff.probes.selection import Selection
 from kvdiff.probes.spec import ProbeSpec, compile_pattern, layer_of
-from kvdiff.probes.trace_format import TraceMeta, dtype_name
+from kvdiff.trace.fingerprint import model_fingerprint, tokenizer_fingerprint
+from kvdiff.trace.format import ModelDims, TraceMeta, dtype_name
+from kvdiff.version import __version__
 
 
-@dataclass(frozen=True)
-class ModelDims:
-    """The shapes a model's probe rows have."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    attn_scale: float
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> "ModelDims":
-        c = model.config
-        heads = c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        scales = [m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")]
-        return cls(c.num_hidden_layers, heads, getattr(c, "num_key_value_heads", None) or heads, head_dim,
-                   c.hidden_size, c.vocab_size, float(scales[0]) if scales else head_dim ** -0.5)
-
-    def point_shape(self, point: str) -> tuple[int, ...]:
-        """Row shape of a probe point (rows are (T, *shape))."""
-        if point == "q":
-            return (self.num_heads, self.head_dim)
-        if point in ("k_pre_rope", "k", "v"):
-            return (self.num_kv_heads, self.head_dim)
-        if point == "logits":
-            return (self.vocab_size,)
-        return (self.hidden_size,)
-
-
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_HASH_CHUNK = 1 << 26                 # elements hashed at once (bounds the int64 scratch memory)
-_MUL1, _MUL2, _MUL3 = -7046029254386353131, -4658895280553007687, 6364136223846793005
-
-
-def _mixed_word_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Every word of `tensor` mixed with its index (multiply, xor-shift), summed with int64
-    wrap-around: a 0-dim tensor on the tensor's device, queued there without waiting for it."""
-    words = tensor.detach().contiguous().view(-1)
-    words = words.view(_WORDS[words.element_size()])
-    if words.is_cuda:
-        from kvdiff.probes import hash_kernel      # imports Triton: only when weights are on a GPU
-
-        if hash_kernel.available:
-            return hash_kernel.mixed_word_sum(words, _MUL1, _MUL2, _MUL3)
-    total = torch.zeros((), dtype=torch.int64, device=words.device)
-    for start in range(0, words.numel(), _HASH_CHUNK):
-        x = words[start:start + _HASH_CHUNK].to(torch.int64) * _MUL1
-        x += torch.arange(start, start + x.numel(), device=x.device, dtype=torch.int64) * _MUL2
-        x ^= x >> 31
-        x *= _MUL3
-        x ^= x >> 29
-        total += x.sum()
-    return total
-
-
-def gpu_weight_digests(tensors: list[torch.Tensor]) -> list[bytes]:
-    """An 8-byte hash of each GPU tensor's bytes, computed on its GPU.
-
-    Each hash is the sum modulo 2**64 of the tensor's words mixed with their indices (an integer
-    sum, so its order does not matter). Every tensor is queued first and each GPU is then waited
-    on once. Copying a billion weights to the host to hash them there costs seconds; this costs
-    milliseconds.
-    """
-    sums = [_mixed_word_sum(t) for t in tensors]
-    values: dict[int, int] = {}
-    for device in {s.device for s in sums}:
-        indices = [i for i, s in enumerate(sums) if s.device == device]
-        values.update(zip(indices, torch.stack([sums[i] for i in indices]).tolist()))
-    return [(values[i] % 2**64).to_bytes(8, "little") for i in range(len(sums))]
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """'cfg:<16 hex>/w:<16 hex>': a hash of the config and one of every weight's bytes.
-
-    Weights on a GPU are hashed there (`gpu_weight_digests`) and the weight part is then
-    written 'wg:', so a fingerprint says which scheme made it: the same weights on CPU and on
-    GPU give different fingerprints.
-    """
-    config = {k: v for k, v in model.config.to_dict().items()
-              if not k.startswith("_") and k not in ("transformers_version", "name_or_path", "dtype", "torch_dtype")}
-    cfg = hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
-    parts: list[bytes | int] = []          # bytes to hash, or the index of a GPU tensor's digest
-    on_gpu: list[torch.Tensor] = []
-    seen = set()
-    for name, tensor in model.state_dict().items():
-        parts.append(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        if tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
-        if tensor.is_cuda:
-            parts.append(len(on_gpu))
-            on_gpu.append(tensor)
-        else:
-            parts.append(tensor.detach().contiguous().view(torch.uint8).numpy().data)
-    gpu_digests = gpu_weight_digests(on_gpu)
-    digest = hashlib.blake2b(digest_size=8)
-    for part in parts:
-        digest.update(gpu_digests[part] if isinstance(part, int) else part)
-    return f"cfg:{cfg}/{'wg' if on_gpu else 'w'}:{digest.hexdigest()}"
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of the tokenizer's full definition and chat template."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    body += "\n" + str(getattr(tokenizer, "chat_template", "") or "")
-    return hashlib.blake2b(body.encode(), digest_size=16).hexdigest()
+def model_dims(model: torch.nn.Module) -> ModelDims:
+    """The row shapes of a transformers model's probe points, read from its config and modules."""
+    c = model.config
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    scales = [m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")]
+    return ModelDims(c.num_hidden_layers, heads, getattr(c, "num_key_value_heads", None) or heads, head_dim,
+                     c.hidden_size, c.vocab_size, float(scales[0]) if scales else head_dim ** -0.5)
 
 
 def norm_modules(model: torch.nn.Module, spec: ProbeSpec) -> dict[tuple[int | None, str], torch.nn.Module]:
@@ -153,10 +48,9 @@ def build_meta(model, tokenizer, messages: list[dict], input_ids, selection: Sel
     weight takes about half a second for the default model on a CPU)."""
     import transformers
 
-    dims = ModelDims.of(model)
     param = next(model.parameters())
     return TraceMeta(
-        kvdiff_version=kvdiff.__version__,
+        kvdiff_version=__version__,
         model_name=str(getattr(model, "kvdiff_source", None) or getattr(model, "name_or_path", "") or
                        type(model).__name__),
         model_fingerprint=fingerprint or model_fingerprint(model),
@@ -165,7 +59,5 @@ def build_meta(model, tokenizer, messages: list[dict], input_ids, selection: Sel
         torch_version=str(torch.__version__), transformers_version=transformers.__version__,
         strategy=strategy, numerics=numerics, messages=[dict(m) for m in messages],
         input_ids=np.asarray(input_ids, dtype=np.int64),
-        num_layers=dims.num_layers, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads,
-        head_dim=dims.head_dim, hidden_size=dims.hidden_size, vocab_size=dims.vocab_size,
-        attn_scale=dims.attn_scale, points=selection.points, layers=selection.layers,
+        dims=model_dims(model), points=selection.points, layers=selection.layers,
     )

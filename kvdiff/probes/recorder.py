@@ -1,4 +1,9 @@
-"""TraceRecorder: the ProbeSink that checks integrity and streams captures into a trace."""
+"""TraceRecorder: the ProbeSink that checks integrity and streams captures into a trace.
+
+Longer than ~300 lines because the sink protocol is one state machine (forward brackets,
+repeated decode layouts, K/V-only reads, the integrity check at each end): split, each half
+would need the other's state.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +16,16 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from kvdiff.probes.model_meta import ModelDims, build_meta, norm_eps, norm_modules
-from kvdiff.probes.points import FINAL_NORMS, LAYER_NORMS, READ_POINTS
-from kvdiff.probes.selection import Selection, format_ranges
-from kvdiff.probes.sink import ProbeIntegrityError, Provenance
+from kvdiff.conversation import render_prompt_ids
+from kvdiff.probes.model_meta import build_meta, model_dims, norm_eps, norm_modules
+from kvdiff.trace.points import FINAL_NORMS, LAYER_NORMS, READ_POINTS
+from kvdiff.probes.selection import Selection
+from kvdiff.trace.ranges import format_ranges
+from kvdiff.trace.sink import ProbeIntegrityError, Provenance
 from kvdiff.probes.spec import ProbeSpec, default_spec
-from kvdiff.probes.staging import StageLayout, version_of
-from kvdiff.probes.trace_format import ChunkRecord, point_group
-from kvdiff.probes.trace_writer import TraceWriter
+from kvdiff.trace.staging import StageLayout, version_of
+from kvdiff.trace.format import ChunkRecord, ModelDims, point_group
+from kvdiff.trace.writer import TraceWriter
 
 
 @dataclass(frozen=True)
@@ -86,9 +93,7 @@ class TraceRecorder:
         epsilons are found with `spec` (default: the architecture's built-in spec).
         `max_new_tokens`, if known, sizes a short trace's file to its rows (`TraceWriter`).
         """
-        from kvdiff.engine.reference import render_prompt_ids
-
-        dims = ModelDims.of(model)
+        dims = model_dims(model)
         selection = Selection.parse(dims.num_layers, capture, layers, positions)
         ids = list(input_ids) if input_ids is not None else render_prompt_ids(tokenizer, messages)
         meta = build_meta(model, tokenizer, messages, ids, selection, strategy, numerics, fingerprint)

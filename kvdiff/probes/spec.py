@@ -14,7 +14,7 @@ from typing import Iterator, Literal
 import torch
 
 from kvdiff.errors import UnsupportedModelError
-from kvdiff.probes.points import ALL_POINTS, FINAL_POINTS
+from kvdiff.trace.points import ALL_POINTS, FINAL_POINTS
 
 Kind = Literal["output", "input", "norm"]
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")

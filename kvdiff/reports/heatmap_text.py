@@ -14,7 +14,8 @@ from typing import Any, Sequence
 
 from rich.text import Text
 
-from kvdiff.reports.view import TIERS, ReportView, printable
+from kvdiff.analysis.report import TIERS, Report
+from kvdiff.reports.printable import printable
 
 GLYPHS: dict[str | None, str] = {
     "bitwise": "·", "noise": "░", "divergent": "█", "incomparable": "/", None: " ",
@@ -47,7 +48,7 @@ class Segment:
     columns: list[int]
 
 
-def segments(view: ReportView, positions: Sequence[int]) -> list[Segment]:
+def segments(view: Report, positions: Sequence[int]) -> list[Segment]:
     """Group the heatmap's positions into runs of the same chunk."""
     out: list[Segment] = []
     for index, position in enumerate(positions):
@@ -88,7 +89,7 @@ def _cell(rel_row: Sequence[Any], tier_row: Sequence[Any], bucket: list[int]) ->
     return Text(GLYPHS[tier], style=ramp_colour(max(finite)))
 
 
-def _rows(view: ReportView, point: str) -> list[tuple[str, list[Any], list[Any]]]:
+def _rows(view: Report, point: str) -> list[tuple[str, list[Any], list[Any]]]:
     grid = view.heatmaps[point]
     rows = [(f"L{layer}", list(rel), list(tiers)) for layer, rel, tiers
             in zip(grid.get("layers") or [], grid.get("rel") or [], grid.get("tiers") or [])]
@@ -119,7 +120,7 @@ def _header(segs: list[Segment], counts: list[int], positions: Sequence[int], pa
     return Text("\n").join([names, starts])
 
 
-def heatmap_text(view: ReportView, point: str, width: int) -> Text:
+def heatmap_text(view: Report, point: str, width: int) -> Text:
     """The heatmap of `point` with a chunk header and a legend, fitted to `width` columns."""
     rows = _rows(view, point)
     positions = list(view.heatmaps[point].get("positions") or [])

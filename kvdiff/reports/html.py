@@ -27,7 +27,7 @@ from typing import Any
 
 from kvdiff.errors import KvdiffError
 from kvdiff.files import write_text_atomically
-from kvdiff.reports.view import load_view
+from kvdiff.analysis.report import Report
 
 _ASSETS = resources.files("kvdiff.reports")
 
@@ -60,10 +60,9 @@ def embed_json(data: Any) -> str:
     return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
 
 
-def render_html(report: dict[str, Any]) -> str:
-    """The HTML report of `report` (a report.json dict, schema_version 1) as one string."""
-    view = load_view(report)
-    payload = {"report": _portable(report), "points": view.points(),
+def render_html(view: Report) -> str:
+    """The HTML report of `view` as one string."""
+    payload = {"report": _portable(view.to_json()), "points": view.points(),
                "default_point": view.default_point()}
     style = _asset("report.css")
     script = _asset("heatmap.js") + "\n" + _asset("report.js")
@@ -78,6 +77,6 @@ def render_html(report: dict[str, Any]) -> str:
         data=embed_json(payload))
 
 
-def write_html(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+def write_html(report: Report, path: str | os.PathLike[str]) -> Path:
     """Write the HTML report to `path` atomically (temporary file, then rename); returns it."""
     return write_text_atomically(path, render_html(report), "the HTML report")

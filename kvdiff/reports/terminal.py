@@ -17,7 +17,8 @@ from rich.text import Text
 
 from kvdiff.errors import InputError
 from kvdiff.reports.heatmap_text import heatmap_text
-from kvdiff.reports.view import ReportView, load_view, printable
+from kvdiff.analysis.report import Report
+from kvdiff.reports.printable import printable
 
 
 def _chunk_label(item: dict) -> str | None:
@@ -37,7 +38,7 @@ def _fmt(value: Any) -> str:
 class _Report:
     """Renders one view; `plain` drops text attributes (NO_COLOR)."""
 
-    def __init__(self, view: ReportView, console: Console) -> None:
+    def __init__(self, view: Report, console: Console) -> None:
         self.view = view
         self.console = console
         self.plain = console.no_color
@@ -167,12 +168,11 @@ class _Report:
         return Group(title, heatmap_text(self.view, point, self.console.width))
 
 
-def render_terminal(report: dict[str, Any], console: Console, point: str | None = None) -> None:
+def render_terminal(view: Report, console: Console, point: str | None = None) -> None:
     """Print the report of a run to `console`; `point` picks the heatmap's probe point.
 
     By default the heatmap shows the point of the first tolerance breach, else `k`.
     """
-    view = load_view(report)
     chosen = point or view.default_point()
     if point is not None and point not in view.heatmaps:
         known = ", ".join(view.points()) or "none"

@@ -8,10 +8,10 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from kvdiff.probes.points import POINT_ORDER
-from kvdiff.probes.selection import format_ranges
-from kvdiff.probes.trace_reader import TraceReader
-from kvdiff.reports.view import printable
+from kvdiff.trace.points import POINT_ORDER
+from kvdiff.trace.ranges import format_ranges
+from kvdiff.trace.reader import TraceReader
+from kvdiff.reports.printable import printable
 
 
 def _mb(n: int) -> str:
@@ -27,8 +27,8 @@ def describe_trace(tr: TraceReader) -> Group:
     rows = [
         ("trace", f"{tr.path} ({_mb(tr.nbytes)}, schema {m.schema_version}, kvdiff {m.kvdiff_version})"),
         ("model", f"{m.model_name}  {m.model_fingerprint}"),
-        ("shape", f"{m.num_layers} layers, {m.num_heads} heads, {m.num_kv_heads} kv heads, head_dim {m.head_dim}, "
-                  f"hidden {m.hidden_size}, vocab {m.vocab_size}"),
+        ("shape", f"{m.dims.num_layers} layers, {m.dims.num_heads} heads, {m.dims.num_kv_heads} kv heads, "
+                  f"head_dim {m.dims.head_dim}, hidden {m.dims.hidden_size}, vocab {m.dims.vocab_size}"),
         ("run", f"strategy {m.strategy}, numerics {m.numerics}, {m.dtype} on {m.device}, "
                 f"torch {m.torch_version}, transformers {m.transformers_version}"),
         ("tokens", f"{len(m.input_ids)} prompt + {len(m.generated_ids)} generated; "

@@ -6,6 +6,9 @@ object and the rule it breaks (TraceError, exit code 2), instead of failing some
 analysis. Attributes, ids and positions are read; probe datasets are checked by dtype and shape
 only, never loaded. Nothing is unpickled or evaluated: attributes must be plain strings and
 numbers, and JSON attributes are parsed as JSON.
+
+Longer than ~300 lines because it is the format's rule book: one checker per kind of object,
+read top to bottom beside docs/trace-format.md.
 """
 
 from __future__ import annotations
@@ -18,9 +21,8 @@ import h5py
 import numpy as np
 
 from kvdiff.errors import TraceError
-from kvdiff.probes.model_meta import ModelDims
-from kvdiff.probes.points import ALL_POINTS, FINAL_NORMS, FINAL_POINTS, LAYER_NORMS, LAYER_POINTS, NORM_STATS
-from kvdiff.probes.trace_format import DTYPE_ATTR, FINAL_GROUP, KV_ONLY_SCHEMA_VERSION, ChunkRecord, TraceMeta
+from kvdiff.trace.points import ALL_POINTS, FINAL_NORMS, FINAL_POINTS, LAYER_NORMS, LAYER_POINTS, NORM_STATS
+from kvdiff.trace.format import DTYPE_ATTR, FINAL_GROUP, KV_ONLY_SCHEMA_VERSION, ChunkRecord, ModelDims, TraceMeta
 
 _REQUIRED = object()
 _MAX_INT = 2 ** 62                     # ids, positions and sizes stay far from int64 overflow
@@ -257,11 +259,10 @@ def read_meta(path: Path, f: h5py.File) -> TraceMeta:
         raise malformed(path, f"num_heads {dims['num_heads']} is not a multiple of num_kv_heads {dims['num_kv_heads']}")
     if dims["head_dim"] % 2:
         raise malformed(path, f"head_dim {dims['head_dim']} is odd (RoPE rotates pairs of elements)")
-    texts = {name: as_text(path, name, attr(name)) for name in TraceMeta.SCALARS
-             if name not in dims and name != "attn_scale"}
+    texts = {name: as_text(path, name, attr(name)) for name in TraceMeta.SCALARS}
     schema = as_int(path, "schema_version", attr("schema_version"), low=1)
     return TraceMeta(
-        **dims, **texts, attn_scale=as_float(path, "attn_scale", attr("attn_scale")),
+        **texts, dims=ModelDims(**dims, attn_scale=as_float(path, "attn_scale", attr("attn_scale"))),
         messages=parse_messages(path, attr("messages_json")),
         chunks=parse_chunks(path, attr("chunks_json")),
         input_ids=read_ints(path, f, "input_ids", dims["vocab_size"]),
@@ -293,8 +294,7 @@ def check_layout(path: Path, f: h5py.File, meta: TraceMeta, positions: np.ndarra
     if np.setdiff1d(meta.kv_only_positions, positions).size:
         raise malformed(path, "kv_only_positions holds positions that /positions does not")
     layers = meta.layers
-    dims = ModelDims(meta.num_layers, meta.num_heads, meta.num_kv_heads, meta.head_dim, meta.hidden_size,
-                     meta.vocab_size, meta.attn_scale)
+    dims = meta.dims
     layer_points = tuple(p for p in meta.points if p in LAYER_POINTS)
     final_points = tuple(p for p in meta.points if p in FINAL_POINTS)
     groups = _member(path, f, "layers", h5py.Group, required=False)

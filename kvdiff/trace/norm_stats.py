@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvdiff.probes.points import NORM_STATS
+from kvdiff.trace.points import NORM_STATS
 
 
 def norm_statistics(norm_input: torch.Tensor, norm_output: torch.Tensor) -> torch.Tensor:

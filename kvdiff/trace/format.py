@@ -47,6 +47,29 @@ class ChunkRecord:
                    str(d["cache"]), tuple(int(p) for p in d["encoded_positions"]))
 
 
+@dataclass(frozen=True)
+class ModelDims:
+    """The shapes a model's probe rows have (stored as one root attribute each)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    attn_scale: float
+
+    def point_shape(self, point: str) -> tuple[int, ...]:
+        """Row shape of a probe point (rows are (T, *shape))."""
+        if point == "q":
+            return (self.num_heads, self.head_dim)
+        if point in ("k_pre_rope", "k", "v"):
+            return (self.num_kv_heads, self.head_dim)
+        if point == "logits":
+            return (self.vocab_size,)
+        return (self.hidden_size,)
+
+
 @dataclass
 class TraceMeta:
     """Everything a trace says about the run that produced it."""
@@ -63,13 +86,7 @@ class TraceMeta:
     numerics: str                           # "fast" | "exact"
     messages: list[dict]
     input_ids: np.ndarray
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    attn_scale: float
+    dims: ModelDims
     points: tuple[str, ...]                 # recorded probe point names
     layers: tuple[int, ...]                 # recorded layer ids
     chunks: list[ChunkRecord] = field(default_factory=list)
@@ -80,11 +97,9 @@ class TraceMeta:
     # rows there (no other point, norm statistics or final point).
     kv_only_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
-    # Scalar attributes stored one per HDF5 attribute, in this order.
+    # Scalar attributes stored one per HDF5 attribute, in this order (then the fields of `dims`).
     SCALARS = ("kvdiff_version", "model_name", "model_fingerprint", "tokenizer_fingerprint", "dtype",
-               "device", "torch_version", "transformers_version", "strategy", "numerics", "text",
-               "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size",
-               "attn_scale")
+               "device", "torch_version", "transformers_version", "strategy", "numerics", "text")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,10 @@ Row layout of every capture is (tokens, ...) indexed by 0-based global position.
 
 from __future__ import annotations
 
+from typing import Iterable
+
+from kvdiff.errors import InputError
+
 # Per decoder layer, in dataflow order.
 LAYER_POINTS: tuple[str, ...] = (
     "resid_pre",   # (T, hidden)   input of the decoder layer
@@ -38,3 +42,13 @@ NORM_STATS: tuple[str, ...] = ("input_rms", "mean", "variance", "max_abs", "outp
 
 # Dataflow rank of a point inside a layer; final points come after every layer point.
 POINT_ORDER: dict[str, int] = {name: i for i, name in enumerate(ALL_POINTS)}
+
+
+def parse_points(capture: str | Iterable[str]) -> tuple[str, ...]:
+    """'q, k' (or ['q', 'k']) -> ('q', 'k') in dataflow order; unknown names are an InputError."""
+    names = [p.strip() for p in capture.split(",")] if isinstance(capture, str) else list(capture)
+    unknown = [p for p in names if p not in POINT_ORDER]
+    if unknown or not names:
+        raise InputError(f"unknown probe point(s) {', '.join(unknown) or '(none)'}: "
+                         f"choose from {', '.join(ALL_POINTS)}")
+    return tuple(sorted(set(names), key=POINT_ORDER.__getitem__))

@@ -89,3 +89,10 @@ def check_fits(prompt_tokens: int, max_new_tokens: int, context: int, where: str
     if prompt_tokens + max_new_tokens > context:
         raise InputError(f"{where}prompt of {prompt_tokens} tokens plus max_new_tokens {max_new_tokens} "
                          f"exceeds the model context of {context}: shorten the prompt or lower max_new_tokens")
+
+
+def render_prompt_ids(tokenizer, messages: Messages) -> list[int]:
+    """Token ids of the conversation rendered with the chat template, generation prompt added."""
+    encoded = render_chat(tokenizer, messages, generation=True, tokenize=True)
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    return [int(i) for i in ids]

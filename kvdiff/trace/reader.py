@@ -15,8 +15,8 @@ import h5py
 import numpy as np
 
 from kvdiff.errors import TraceError
-from kvdiff.probes.trace_checks import as_int, check_layout, read_attr, read_meta, read_positions
-from kvdiff.probes.trace_format import (
+from kvdiff.trace.checks import as_int, check_layout, read_attr, read_meta, read_positions
+from kvdiff.trace.format import (
     DTYPE_ATTR, FORMAT_NAME, KV_ONLY_SCHEMA_VERSION, ProvenanceRecords, StepRecords, from_storage,
     norm_weight_path, point_group,
 )

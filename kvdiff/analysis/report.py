@@ -1,20 +1,22 @@
-"""A checked, read-only view of a report.json dict, shared by the terminal and HTML renderers.
+"""The report: what the analysis hands the renderers (terminal, HTML), typed.
 
-Only `schema_version`, `verdict` and `tokens_identical` are required; every other key of the
-contract is optional and reads as empty (no heatmaps, no chunks, no firsts).
+`Divergence.report()` makes one; `Report.from_json` checks a report.json read from elsewhere
+(only `schema_version`, `verdict` and `tokens_identical` are required; every other key of the
+contract is optional and reads as empty: no heatmaps, no chunks, no firsts). `to_json()` is
+the report.json rendering (docs/report-format.md).
 """
 
 from __future__ import annotations
 
-import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvdiff.errors import InputError
-from kvdiff.probes.points import ALL_POINTS, POINT_ORDER
+from kvdiff.analysis.tolerance import Tier
+from kvdiff.trace.points import ALL_POINTS, POINT_ORDER
 
 SCHEMA_VERSION = 1
-TIERS: tuple[str, ...] = ("bitwise", "noise", "divergent", "incomparable")
+TIERS: tuple[str, ...] = tuple(t.label for t in Tier)
 GENERATED = "generated"  # label of positions past the last prompt chunk
 
 
@@ -31,10 +33,11 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class ReportView:
-    """The report's parts the renderers use, with defaults for absent optional keys."""
+class Report:
+    """The report's parts the renderers use, with defaults for absent optional keys; `raw` is
+    the whole report.json document."""
 
-    raw: dict[str, Any]
+    raw: dict[str, Any] = field(repr=False)
     verdict: str
     tokens_identical: bool
     prompt_tokens: list[str]
@@ -44,6 +47,15 @@ class ReportView:
     heatmaps: dict[str, dict[str, Any]]
     final: dict[str, dict[str, Any]]
     diagnoses: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, document: Any) -> "Report":
+        """A report.json document (schema_version 1), checked; InputError with one line otherwise."""
+        return load_report(document)
+
+    def to_json(self) -> dict[str, Any]:
+        """The report.json document."""
+        return self.raw
 
     def section(self, key: str) -> dict[str, Any]:
         """A dict-valued top-level key ({} when absent or null)."""
@@ -96,14 +108,6 @@ class ReportView:
         return points[0] if points else None
 
 
-def printable(text: str, keep: str = "\n\t") -> str:
-    """`text` with control characters, line or paragraph separators (other than those in `keep`) and
-    lone surrogates (undecodable bytes) shown as escapes."""
-    return "".join(
-        c if c in keep or unicodedata.category(c) not in ("Cc", "Cs", "Zl", "Zp") else repr(c)[1:-1] for c in text
-    )
-
-
 def _tokens(section: Any) -> list[str]:
     tokens = section.get("tokens") if isinstance(section, dict) else None
     return [str(t) for t in tokens] if isinstance(tokens, list) else []
@@ -127,7 +131,7 @@ def _chunk(entry: dict[str, Any]) -> Chunk:
     )
 
 
-def load_view(report: Any) -> ReportView:
+def load_report(report: Any) -> Report:
     """Check `report` (schema_version 1) and wrap it; InputError with one line otherwise."""
     if not isinstance(report, dict):
         raise InputError(f"report must be a JSON object, got {type(report).__name__}")
@@ -143,7 +147,7 @@ def load_view(report: Any) -> ReportView:
     heatmaps = report.get("heatmaps")
     final = report.get("final")
     diagnoses = report.get("diagnoses")
-    return ReportView(
+    return Report(
         raw=report,
         verdict=str(report["verdict"]),
         tokens_identical=bool(report["tokens_identical"]),

@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Iterable
 
-from kvdiff.engine.conversation import validate_messages
+from kvdiff.conversation import validate_messages
 from kvdiff.engine.reference import reference_generate
 from kvdiff.probes.hooks import attach_probes
 from kvdiff.probes.recorder import TraceRecorder

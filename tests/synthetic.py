@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvdiff.probes.points import LAYER_POINTS
-from kvdiff.probes.trace import ChunkRecord, TraceMeta, TraceWriter
+from kvdiff.trace.points import LAYER_POINTS
+from kvdiff.trace import ChunkRecord, ModelDims, TraceMeta, TraceWriter
 
 
 @dataclass
@@ -136,9 +136,9 @@ def write_trace(model: SyntheticModel, path: str | Path, prompt: list[int], step
         kvdiff_version="0.1.0", model_name="synthetic", model_fingerprint=f"synthetic:{model.layers}",
         tokenizer_fingerprint="ids", dtype="float32", device="cpu", torch_version=torch.__version__,
         transformers_version="none", strategy=strategy, numerics="fast", messages=[],
-        input_ids=np.asarray(prompt, dtype=np.int64), num_layers=model.layers, num_heads=model.heads,
-        num_kv_heads=model.kv_heads, head_dim=model.head_dim, hidden_size=model.hidden, vocab_size=model.vocab,
-        attn_scale=model.attn_scale, points=LAYER_POINTS + ("final_norm", "logits"),
+        input_ids=np.asarray(prompt, dtype=np.int64), dims=ModelDims(
+            num_layers=model.layers, num_heads=model.heads, num_kv_heads=model.kv_heads, head_dim=model.head_dim,
+            hidden_size=model.hidden, vocab_size=model.vocab, attn_scale=model.attn_scale), points=LAYER_POINTS + ("final_norm", "logits"),
         layers=tuple(range(model.layers)))
     with TraceWriter(path, meta) as w:
         for i, c in enumerate(cap["layers"]):

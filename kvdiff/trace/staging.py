@@ -21,7 +21,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from kvdiff.probes.trace_format import to_storage
+from kvdiff.trace.format import to_storage
 
 STAGE_BYTES = 4 << 20       # a stage is sealed once it holds this much
 STAGED_ROWS_BYTES = 1 << 20  # captures up to this size are staged, larger ones copied alone

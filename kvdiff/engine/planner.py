@@ -15,11 +15,11 @@ import torch
 from kvdiff.engine.chunks import Chunk, ChunkedPrompt
 from kvdiff.engine.kv_cache import BlockTable, Segment
 from kvdiff.engine.outputs import RequestStats
-from kvdiff.probes.trace_format import ChunkRecord
+from kvdiff.trace.format import ChunkRecord
 from kvdiff.engine.registry import CacheEntry, ChunkRegistry
 from kvdiff.engine.runner import RowGroup
-from kvdiff.engine.strategies import Strategy
-from kvdiff.probes.sink import ProbeSink, Provenance
+from kvdiff.engine.strategies import StrategyRules
+from kvdiff.trace.sink import ProbeSink, Provenance
 
 
 @dataclass
@@ -75,7 +75,7 @@ def _group(req: Request, chunks: list[Chunk], write: torch.Tensor, encoded: list
 class Planner:
     """Turns requests into row groups under one strategy, registering chunks as it goes."""
 
-    def __init__(self, registry: ChunkRegistry, strategy: Strategy, fingerprint: str):
+    def __init__(self, registry: ChunkRegistry, strategy: StrategyRules, fingerprint: str):
         self.registry = registry
         self.strategy = strategy
         self.fingerprint = fingerprint

@@ -17,6 +17,9 @@ The file is written under a temporary name in the target's folder; `close()` che
 recorded point holds every recorded position, sets the `complete` attribute last, and renames
 the file into place. A writer that dies before that leaves only the temporary file, which
 readers refuse as incomplete.
+
+Longer than ~300 lines because the hand-over between the caller's thread and the writer thread
+(staging, bounds, repeats, errors) is one protocol, kept in one place.
 """
 
 from __future__ import annotations
@@ -34,14 +37,14 @@ import torch
 
 from kvdiff.errors import KvdiffError, TraceError, TraceWriteError
 from kvdiff.files import in_place, landing
-from kvdiff.probes.background import SerialWorker
-from kvdiff.probes.device_rows import Bounce, DeviceRows
-from kvdiff.probes.norm_stats import norm_statistics
-from kvdiff.probes.sink import ProbeIntegrityError
-from kvdiff.probes.staging import Stage, StageLayout, host_copy
-from kvdiff.probes.step_batch import StagedForward, StepBatch, put_norm_stats
-from kvdiff.probes.trace_file import Source, Step, TraceFile
-from kvdiff.probes.trace_format import ChunkRecord, TraceMeta, dtype_name, to_storage
+from kvdiff.trace.background import SerialWorker
+from kvdiff.trace.device_rows import Bounce, DeviceRows
+from kvdiff.trace.norm_stats import norm_statistics
+from kvdiff.trace.sink import ProbeIntegrityError
+from kvdiff.trace.staging import Stage, StageLayout, host_copy
+from kvdiff.trace.step_batch import StagedForward, StepBatch, put_norm_stats
+from kvdiff.trace.file import Source, Step, TraceFile
+from kvdiff.trace.format import ChunkRecord, TraceMeta, dtype_name, to_storage
 
 log = logging.getLogger(__name__)
 

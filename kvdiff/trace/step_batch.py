@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvdiff.probes.norm_stats import norm_statistics
-from kvdiff.probes.points import NORM_STATS
-from kvdiff.probes.staging import SealedStage, StageLayout
-from kvdiff.probes.trace_file import TraceFile
-from kvdiff.probes.trace_format import from_storage, to_storage
+from kvdiff.trace.norm_stats import norm_statistics
+from kvdiff.trace.points import NORM_STATS
+from kvdiff.trace.staging import SealedStage, StageLayout
+from kvdiff.trace.file import TraceFile
+from kvdiff.trace.format import from_storage, to_storage
 
 DEFAULT_MAX_STEPS = 32
 

@@ -12,17 +12,18 @@ and how a write error is kept from HDF5.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Mapping
 
 import h5py
 import numpy as np
 
-from kvdiff.probes.points import READ_POINTS
-from kvdiff.probes.selection import format_ranges
-from kvdiff.probes.sink import ProbeIntegrityError
-from kvdiff.probes.trace_column import LatchingFile, TraceColumn
-from kvdiff.probes.trace_format import (
+from kvdiff.trace.points import READ_POINTS
+from kvdiff.trace.ranges import format_ranges
+from kvdiff.trace.sink import ProbeIntegrityError
+from kvdiff.trace.column import LatchingFile, TraceColumn
+from kvdiff.trace.format import (
     DTYPE_ATTR, FORMAT_NAME, KV_ONLY_SCHEMA_VERSION, SCHEMA_VERSION, TraceMeta, norm_weight_path,
 )
 
@@ -207,7 +208,9 @@ class TraceFile:
         for name in TraceMeta.SCALARS:
             value = getattr(meta, name)
             # HDF5 strings cannot hold NUL (a model may generate one): it is stored as U+2400.
-            attrs[name] = value if isinstance(value, (int, float)) else str(value).replace("\0", "\u2400")
+            attrs[name] = str(value).replace("\0", "\u2400")
+        for name, value in asdict(meta.dims).items():
+            attrs[name] = value
         attrs["messages_json"] = json.dumps(meta.messages)
         attrs["chunks_json"] = json.dumps([c.to_json() for c in meta.chunks])
         attrs["points"] = json.dumps(list(meta.points))

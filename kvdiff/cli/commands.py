@@ -1,0 +1,189 @@
+"""The commands that run and read comparisons: generate, compare, diff, report, inspect."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvdiff.cli.options import (
+    DEFAULT_MODEL, DEFAULT_NUMERICS, DEFAULT_RATIO, DEFAULT_STRATEGY, Device, DeviceMap, DType, MessagesFile, Model,
+    NumericsOption, Point, Prompt, RecomputeRatio, StrategyOption, System,
+)
+from kvdiff.cli.app import app, check_point, command, console, echo, for_humans, progress, show_report
+from kvdiff.errors import InputError
+from kvdiff.files import check_outputs
+
+log = logging.getLogger("kvdiff")
+
+
+@app.command()
+@command
+def generate(
+    prompt: Prompt = None,
+    system: System = None,
+    messages: MessagesFile = None,
+    model: Model = DEFAULT_MODEL,
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
+    dtype: DType = "float32",
+    device: Device = "cpu",
+    device_map: DeviceMap = None,
+) -> None:
+    """Generate greedily on the reference (continuous) path and print the answer.
+
+    Example: kvdiff generate --system "You are a helpful assistant." --prompt "What is the capital of France?"
+    """
+    from kvdiff.conversation import build_messages
+    from kvdiff.engine.loading import load_model
+    from kvdiff.engine.reference import reference_generate
+
+    conversation = build_messages(prompt, system, messages)
+    loaded_model, tokenizer = load_model(model, dtype=dtype, device=device, device_map=device_map)
+    out = reference_generate(loaded_model, tokenizer, conversation, max_new_tokens)
+    echo(out.text)
+
+
+@app.command()
+@command
+def compare(
+    prompt: Prompt = None,
+    system: System = None,
+    messages: MessagesFile = None,
+    model: Model = DEFAULT_MODEL,
+    strategy: StrategyOption = DEFAULT_STRATEGY,
+    numerics: NumericsOption = DEFAULT_NUMERICS,
+    recompute_ratio: RecomputeRatio = DEFAULT_RATIO,
+    chunk_size: Optional[int] = typer.Option(None, "--chunk-size", help="Cut the prompt into fixed N-token chunks."),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", "-n", help="Tokens to generate."),
+    dtype: DType = "float32",
+    device: Device = "cpu",
+    device_map: DeviceMap = None,
+    capture: Optional[str] = typer.Option(None, "--capture", help="Probe points to record, comma-separated (default all)."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Layers to record, e.g. 0-3,29 (default all)."),
+    warm: bool = typer.Option(False, "--warm", help="Run the conversation through the engine once first, so the "
+                              "compared run reads its chunks from the cache."),
+    warm_with: Optional[Path] = typer.Option(None, "--warm-with", help="A JSON file of messages the engine runs "
+                                             "first instead (implies --warm): only the chunks they share are hits."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (new or empty); default ./kvdiff-runs/<time>-<strategy>."),
+    html: Optional[Path] = typer.Option(None, "--html", help="Also write the HTML report here."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write report.json here."),
+    point: Point = None,
+) -> None:
+    """Run the reference and the chunked engine with probes, and report where they part.
+
+    Exit 0 when the tokens are identical, 1 when they differ.
+
+    Example: kvdiff compare --system "You are a helpful assistant. Always answer in French." --prompt "What is the capital of France?" --strategy isolated-local
+    """
+    from kvdiff.run.compare import compare as run_compare
+    from kvdiff.conversation import build_messages
+
+    check_point(point)
+    conversation = build_messages(prompt, system, messages)
+    warm_up = build_messages(None, None, warm_with) if warm_with is not None else warm
+    with progress() as step:
+        result = run_compare(
+            conversation, model=model, strategy=strategy, numerics=numerics, recompute_ratio=recompute_ratio,
+            chunk_size=chunk_size, max_new_tokens=max_new_tokens, dtype=dtype, device=device, device_map=device_map,
+            capture=capture, layers=layers, warm=warm_up, out=out, html=html, json_path=json_out, progress=step,
+        )
+    log.info("artefacts in %s", result.out_dir)
+    if for_humans(html, json_out):
+        show_report(result.report, point)
+        echo(f"report: {result.report_html}")
+    raise typer.Exit(result.exit_code)
+
+
+@app.command()
+@command
+def diff(
+    reference: Path = typer.Argument(..., help="The reference trace (.h5)."),
+    candidate: Path = typer.Argument(..., help="The candidate trace (.h5)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write report.json (schema 1) to this file."),
+    html: Optional[Path] = typer.Option(None, "--html", help="Write the HTML report to this file."),
+    tolerance: list[str] = typer.Option([], "--tolerance", help="POINT=ATOL[,RTOL], repeatable."),
+    baseline: Optional[Path] = typer.Option(None, "--baseline", help="Engine trace with strategy none, for attribution."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model whose tokenizer shows token text (default: ids)."),
+    point: Point = None,
+) -> None:
+    """Diff two trace files: exit 0 if the tokens are identical, 1 if they differ.
+
+    Works on traces from any engine that writes the trace format (docs/trace-format.md).
+
+    Example: kvdiff diff run/reference.h5 run/candidate.h5 --json report.json --tolerance logits=1e-4,1e-3
+    """
+    from kvdiff.analysis import diff as run_diff, parse_tolerance
+    from kvdiff.engine.loading import load_model
+    from kvdiff.reports.json_report import write_json_atomically
+    from kvdiff.reports.html import write_html
+
+    check_point(point)
+    check_outputs({"report.json": json_out, "the HTML report": html},
+                  [trace for trace in (reference, candidate, baseline) if trace is not None])
+    tolerances = dict(parse_tolerance(spec) for spec in tolerance)
+    tokenizer = load_model(model)[1] if model else None
+    div = run_diff(reference, candidate, baseline=baseline, tolerances=tolerances, tokenizer=tokenizer)
+    report = div.report()
+    if json_out is not None:
+        write_json_atomically(report.to_json(), json_out)
+    if html is not None:
+        write_html(report, html)
+    if for_humans(html, json_out):
+        show_report(report, point)
+        attribution = report.section("attribution")
+        if attribution:
+            echo(f"attribution: {attribution['source']}: {attribution['evidence']}")
+    raise typer.Exit(0 if div.tokens_identical else 1)
+
+
+@app.command()
+@command
+def report(
+    run_dir: Path = typer.Argument(..., help="A compare run folder holding report.json."),
+    point: Point = None,
+) -> None:
+    """Re-render the terminal and HTML reports of a compare run folder from its report.json.
+
+    Example: kvdiff report kvdiff-runs/20261121-120000-isolated-local
+    """
+    import json
+
+    from kvdiff.analysis.report import Report
+    from kvdiff.reports.html import write_html
+
+    check_point(point)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise InputError(f"{run_dir} is not a folder: give the run folder that holds report.json "
+                         f"(`kvdiff report {run_dir.parent}`)")
+    path = run_dir / "report.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{run_dir} holds no report.json: give a folder written by `kvdiff compare`") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path} is not a kvdiff report ({exc})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path} is not a kvdiff report")
+    report = Report.from_json(data)
+    if for_humans():
+        show_report(report, point)
+    write_html(report, run_dir / "report.html")
+    raise typer.Exit(0 if report.tokens_identical else 1)
+
+
+@app.command()
+@command
+def inspect(
+    trace: Path = typer.Argument(..., help="A trace file (.h5) written by kvdiff."),
+) -> None:
+    """Print what a trace file holds: model, chunks, tokens, probe points, layers and sizes.
+
+    Example: kvdiff inspect run/reference.h5
+    """
+    from kvdiff.reports.inspect import describe_trace
+    from kvdiff.trace import open_trace
+
+    with open_trace(trace) as tr:
+        console().print(describe_trace(tr))

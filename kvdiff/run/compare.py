@@ -1,0 +1,156 @@
+"""`kvdiff compare`: reference and chunked engine, both probed, diffed, reported into one folder."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kvdiff.analysis import Divergence, diff
+from kvdiff.analysis.report import Report
+from kvdiff.conversation import Messages, validate_messages
+from kvdiff.options import DEFAULT_RECOMPUTE_RATIO, Numerics, Strategy
+from kvdiff.run.folder import check_report_copies, claimed_out_dir, discarded_on_failure
+from kvdiff.run.options import RunOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CompareResult:
+    """What a compare run produced: the divergence, its report and where its artefacts are."""
+
+    divergence: Divergence
+    report: Report = field(repr=False)    # megabytes for a real model: not in the repr
+    out_dir: Path
+    reference_trace: Path
+    candidate_trace: Path
+    report_json: Path
+    report_html: Path
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.divergence.tokens_identical else 1
+
+    @property
+    def summary(self) -> str:
+        """One line: verdict, first token flip, first divergence, diagnoses."""
+        r = self.report
+        if r.tokens_identical:
+            return "tokens identical"
+        parts = []
+        flip = r.first("first_token_divergence")
+        if flip:
+            parts.append(f"tokens differ at step {flip['step']} ({flip['reference_token']!r} vs {flip['candidate_token']!r})")
+        first = r.first("first_divergence")
+        if first:
+            parts.append(f"first divergence at layer {first['layer']} position {first['position']} {first['tensor']}")
+        kinds = sorted({str(d.get("kind")) for d in r.diagnoses})
+        if kinds:
+            parts.append("diagnoses: " + ", ".join(kinds))
+        return "; ".join(parts) or "tokens differ"
+
+
+def compare(
+    messages: Messages,
+    *,
+    model: str = "smollm2-135m",
+    strategy: str | Strategy = Strategy.PREFIX,
+    numerics: str | Numerics = Numerics.EXACT,
+    recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
+    chunk_size: int | None = None,
+    max_new_tokens: int = 16,
+    dtype: str = "float32",
+    device: str = "cpu",
+    device_map: str | None = None,
+    capture: str | None = None,
+    layers: str | None = None,
+    warm: bool | Messages = False,
+    out: Path | str | None = None,
+    html: Path | str | None = None,
+    json_path: Path | str | None = None,
+    model_cache: dict | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> CompareResult:
+    """Run the reference and the chunked engine on `messages`, probe both, diff, and report.
+
+    Writes reference.h5, candidate.h5, report.json and report.html into `out` (default: a new
+    folder under ./kvdiff-runs/). `html`/`json_path` write extra copies of the reports. `warm`:
+    the engine runs the conversation once, unrecorded, before the recorded run, which then reads
+    its chunks from the cache (hits; their positions hold K/V only in the candidate trace); a
+    conversation instead of True is run first instead, so only the chunks it shares are hits.
+    """
+    from kvdiff.engine import Engine
+    from kvdiff.engine.chunks import split_conversation
+    from kvdiff.engine.loading import load_model
+    from kvdiff.engine.numerics import exact_numerics
+    from kvdiff.probes.recorder import TraceRecorder
+    from kvdiff.reports.html import write_html
+    from kvdiff.reports.json_report import write_json_atomically
+    from kvdiff.run.record import record
+
+    step = progress or (lambda what: log.info("%s", what))
+    messages = validate_messages(messages)
+    warm_messages = None if isinstance(warm, bool) else validate_messages(warm)
+    options = RunOptions.of(strategy, numerics, max_new_tokens, recompute_ratio, chunk_size, capture, layers)
+    strategy, numerics, capture = options.strategy, options.numerics, options.capture
+    check_report_copies(json_path, html, out)
+    with claimed_out_dir(out, str(strategy)) as out_dir, discarded_on_failure(out_dir):
+        check_report_copies(json_path, html, out_dir)
+        step("loading model")
+        key = (model, dtype, device, device_map)
+        if model_cache is not None and key in model_cache:
+            loaded, tokenizer = model_cache[key]
+        else:
+            loaded, tokenizer = load_model(model, dtype=dtype, device=device, device_map=device_map)
+            if model_cache is not None:
+                model_cache[key] = (loaded, tokenizer)
+
+        # The engine drops empty messages (no chunk); the reference must render the same prompt.
+        chunked = split_conversation(tokenizer, messages, chunk_size=chunk_size)
+        engine = Engine(loaded, tokenizer, strategy=strategy, numerics=numerics,
+                        chunk_size=chunk_size, recompute_ratio=options.recompute_ratio)
+        engine.check_fits(chunked, max_new_tokens)
+        warm_chunked = chunked if warm_messages is None else split_conversation(tokenizer, warm_messages,
+                                                                                chunk_size=chunk_size)
+        if warm:
+            engine.check_fits(warm_chunked, 1, "warm-up ")
+        reference_path = out_dir / "reference.h5"
+        candidate_path = out_dir / "candidate.h5"
+        numerics_ctx = exact_numerics(loaded) if numerics is Numerics.EXACT else nullcontext()
+        step("recording the reference")
+        with numerics_ctx:
+            record(loaded, tokenizer, chunked.messages, reference_path, max_new_tokens=max_new_tokens,
+                   capture=capture, layers=layers, strategy="reference", numerics=str(numerics),
+                   fingerprint=engine.fingerprint)     # the weights' hash, once per compare
+
+        if warm:
+            step("filling the engine's cache (--warm)")
+            engine.generate([warm_chunked.messages], max_new_tokens=1)
+        step(f"running the engine ({strategy}, {numerics})")
+        recorder = TraceRecorder.for_model(loaded, tokenizer, chunked.messages, candidate_path, strategy=str(strategy),
+                                           numerics=str(numerics), capture=capture, layers=layers,
+                                           fingerprint=engine.fingerprint, max_new_tokens=max_new_tokens)
+        try:
+            (output,) = engine.generate([chunked.messages], max_new_tokens=max_new_tokens, sinks={0: recorder})
+        except BaseException:
+            recorder.abort()
+            raise
+        recorder.finish(output.token_ids, output.text, output.chunks)
+
+        step("diffing")
+        divergence = diff(reference_path, candidate_path, tokenizer=tokenizer)
+        report = divergence.report(skipped_messages=[
+            {"index": s.message_index, "role": s.role, "reason": s.reason} for s in chunked.skipped
+        ])
+        report_json = out_dir / "report.json"
+        report_html = out_dir / "report.html"
+        write_json_atomically(report.to_json(), report_json)
+        write_html(report, report_html)
+        if json_path is not None:
+            write_json_atomically(report.to_json(), Path(json_path))
+        if html is not None:
+            write_html(report, Path(html))
+        return CompareResult(divergence, report, out_dir, reference_path, candidate_path, report_json, report_html)
