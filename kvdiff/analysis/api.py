@@ -20,6 +20,7 @@ from kvdiff.analysis.diagnose_position import diagnose_position_mismatch
 from kvdiff.analysis.diagnose_tokens import diagnose_noise, diagnose_non_finite, diagnose_tokenization
 from kvdiff.analysis.diagnosis import DiagnosisInputs
 from kvdiff.analysis.divergence import Divergence, recorded_with_different
+from kvdiff.analysis.operation import first_operation
 from kvdiff.analysis.search import first_bit_difference, first_non_finite, first_tolerance_breach, location
 from kvdiff.analysis.tolerance import Tolerance, Tolerances
 from kvdiff.errors import InputError
@@ -94,7 +95,8 @@ def _diff_open(ref: TraceReader, cand: TraceReader, baseline: TraceReader | None
         token_strings={"prompt": [text(i) for i in ref.meta.input_ids],
                        "reference": [text(i) for i in ref.meta.generated_ids],
                        "candidate": [text(i) for i in cand.meta.generated_ids]},
-        chunk_of={int(p): chunks.chunk_of(int(p)) for p in cmp.alignment.positions})
+        chunk_of={int(p): chunks.chunk_of(int(p)) for p in cmp.alignment.positions},
+        first_operation=first_operation(cmp, first_div or first_bit))
     if baseline is not None:
         base = _compare(ref, baseline, tolerances, text)
         base_chunks = ChunkLookup.of(baseline)

@@ -35,6 +35,17 @@ class Diagnosis:
         return out
 
 
+# Which diagnosis a report leads with when several are made: causes before their consequences.
+PRIORITY = ("tokenization_mismatch", "non_finite", "position_mismatch", "cache_content_mismatch",
+            "missing_context", "norm_consistency", "numerical_noise")
+
+
+def top_diagnosis(diagnoses: list[Diagnosis]) -> Diagnosis | None:
+    """The diagnosis the report leads with: the highest kind in `PRIORITY`, the earliest of it."""
+    rank = {kind: i for i, kind in enumerate(PRIORITY)}
+    return min(diagnoses, key=lambda d: rank.get(d.kind, len(PRIORITY)), default=None)
+
+
 @dataclass
 class DiagnosisInputs:
     """The traces (re-read point by point when a rule needs raw rows), the comparison and the chunks."""

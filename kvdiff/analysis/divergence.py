@@ -10,7 +10,8 @@ import numpy as np
 from kvdiff.analysis.align import TokenDivergence
 from kvdiff.analysis.attribution import Attribution
 from kvdiff.analysis.compare import Comparison, PointMap
-from kvdiff.analysis.diagnosis import Diagnosis
+from kvdiff.analysis.diagnosis import Diagnosis, top_diagnosis
+from kvdiff.analysis.operation import Operation
 from kvdiff.analysis.report import SCHEMA_VERSION as REPORT_SCHEMA_VERSION, Report
 from kvdiff.analysis.search import Location
 from kvdiff.analysis.tolerance import Tier
@@ -95,6 +96,7 @@ class Divergence:
     token_strings: dict[str, list[str]]         # "prompt", "reference", "candidate"
     chunk_of: dict[int, str | None] = field(default_factory=dict)
     attribution: Attribution | None = None
+    first_operation: Operation | None = None     # the operation that first breaks (analysis.operation)
 
     @property
     def comparable_until(self) -> int | None:
@@ -170,7 +172,9 @@ class Divergence:
             "first_token_divergence": self._token_divergence_json(),
             "first_bit_difference": loc(self.first_bit_difference),
             "first_divergence": loc(self.first_divergence),
-            "diagnoses": [_strict(d.to_json()) for d in self.diagnoses],     # details may hold NaN (NaN traces)
+            "first_operation": None if self.first_operation is None else self.first_operation.to_json(),
+            "diagnoses": [_strict(d.to_json()) for d in self.diagnoses],
+            "top_diagnosis": None if not self.diagnoses else self.diagnoses.index(top_diagnosis(self.diagnoses)),     # details may hold NaN (NaN traces)
             "chunks": [c.to_json() for c in self.chunks],
             "comparable_until": al.comparable_until,
             "first_input_difference": al.first_input_difference,

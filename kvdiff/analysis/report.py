@@ -57,6 +57,13 @@ class Report:
         """The report.json document."""
         return self.raw
 
+    @property
+    def top_diagnosis(self) -> dict[str, Any] | None:
+        """The diagnosis the report leads with (`top_diagnosis`, an index into `diagnoses`)."""
+        index = self.raw.get("top_diagnosis")
+        valid = isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(self.raw.get("diagnoses") or [])
+        return self.raw["diagnoses"][index] if valid and isinstance(self.raw["diagnoses"][index], dict) else None
+
     def section(self, key: str) -> dict[str, Any]:
         """A dict-valued top-level key ({} when absent or null)."""
         value = self.raw.get(key)

@@ -70,6 +70,8 @@ def compare(
     html: Optional[Path] = typer.Option(None, "--html", help="Also write the HTML report here."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write report.json here."),
     point: Point = None,
+    engine: str = typer.Option("kvdiff", "--engine", help="kvdiff (its own chunked engine), or an engine under "
+                               "test run cold, cold again and warm: transformers or vllm."),
 ) -> None:
     """Run the reference and the chunked engine with probes, and report where they part.
 
@@ -88,6 +90,7 @@ def compare(
             conversation, model=model, strategy=strategy, numerics=numerics, recompute_ratio=recompute_ratio,
             chunk_size=chunk_size, max_new_tokens=max_new_tokens, dtype=dtype, device=device, device_map=device_map,
             capture=capture, layers=layers, warm=warm_up, out=out, html=html, json_path=json_out, progress=step,
+            engine=engine,
         )
     log.info("artefacts in %s", result.out_dir)
     if for_humans(html, json_out):

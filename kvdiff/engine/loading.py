@@ -241,4 +241,5 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", device="cpu",
     if device_map is None:
         model.to(torch_device)
     model.kvdiff_source = source
+    model.kvdiff_folder = None if name in TINY_FAMILIES else folder      # the checkpoint other engines load
     return model, tokenizer

@@ -26,6 +26,7 @@ _OPTION_TYPES: dict[str, type | tuple[type, ...]] = {
     "capture": str,
     "layers": str,
     "warm": bool,
+    "engine": str,
 }
 _CONVERSATION_KEYS = {"name", "system", "prompt", "messages"}
 

@@ -52,6 +52,14 @@
     head.append(el("h1", "", String(R.verdict).toUpperCase() + (R.tokens_identical
       ? " — tokens identical" : inputs !== null ? " — inputs differ from position " + inputs
       : flip ? " — tokens differ from step " + flip.step : " — tokens differ")));
+    const op = R.first_operation;
+    if (op) head.append(el("p", "answer", (op.tier === "divergent" ? "first breaks: " : "bits first differ in: ") +
+      op.operation + " at layer " + fmt(op.layer) + ", position " + op.position + " " +
+      JSON.stringify(String(tokenAt(op.position))) + " (chunk " + chunkAt(op.position) + ")" +
+      (op.proved ? " — inputs match" : " — not proved")));
+    const top = Number.isInteger(R.top_diagnosis) && (R.diagnoses || [])[R.top_diagnosis];
+    if (top) head.append(el("p", "answer", "diagnosis: " + top.kind + (top.chunk == null ? "" : ", chunk " + top.chunk) +
+      ", positions " + span(top.positions) + (top.offset != null ? ", offset " + fmt(top.offset) : "")));
     const cand = R.candidate || {};
     const meta = (R.metadata && R.metadata.reference) || {};
     head.append(el("p", "", "candidate strategy " + fmt(cand.strategy) + ", numerics " +
@@ -114,6 +122,21 @@
       .map(([label, ev]) => ev ? [label, ev.tensor, ev.layer, ev.position + " " + JSON.stringify(String(tokenAt(ev.position))),
         ev.chunk, ev.tier || "", fmt(ev.max_abs), fmt(ev.rel)] : [label, "none", "", "", "", "", "", ""]);
     table("firsts", ["event", "tensor", "layer", "position", "chunk", "tier", "max_abs", "rel"], rows);
+  }
+
+  function engine() {
+    const box = document.getElementById("engine"), e = R.engine;
+    if (!e) { box.parentNode.hidden = true; return; }
+    const floor = R.noise_floor || {}, rows = [
+      ["engine", String(e.name) + " " + String(e.version)],
+      ["cache hit", "warm run served " + fmt(e.cache_hit_tokens) + " of " + fmt(e.prompt_tokens) + " prompt tokens from its cache"],
+      ["noise floor", "two cold runs: " + (floor.bitwise_equal ? "bitwise equal" : "logits max_abs " + fmt(floor.max_abs_logit))]];
+    (R.flips || []).forEach((f) => rows.push(["flip: " + f.kind, "step " + f.step + ": " +
+      JSON.stringify(String(f.reference_token)) + " → " + JSON.stringify(String(f.candidate_token)) +
+      ", cold margin " + fmt(f.reference_margin) + ", logits max_abs there " + fmt(f.logit_max_abs)]));
+    const ref = R.engine_vs_reference;
+    if (ref) rows.push(["vs kvdiff reference", ref.tokens_identical ? "tokens identical" : "tokens differ (" + fmt((ref.flip || {}).kind) + ")"]);
+    table("engine", ["", "details"], rows);
   }
 
   function diagnoses() {
@@ -182,6 +205,7 @@
     }
     generated();
     firsts();
+    engine();
     diagnoses();
     timeline();
     metadata();

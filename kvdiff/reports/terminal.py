@@ -63,7 +63,22 @@ class _Report:
         head.append(" — tokens identical" if ok else
                     f" — inputs differ from position {inputs}" if inputs is not None else
                     f" — tokens differ from step {flip['step']}" if flip else " — tokens differ")
-        body = Text(f"candidate: strategy {candidate.get('strategy', '?')}, "
+        body = Text()
+        operation = view.first("first_operation")
+        if operation is not None:
+            body.append("first breaks: " if operation.get("tier") == "divergent" else "bits first differ in: ",
+                        style=self.attr("bold"))
+            body.append(printable(f"{operation.get('operation')} at layer {operation.get('layer')}, position "
+                                  f"{self.where(operation.get('position'))}"
+                                  + (f" ({_chunk_label({'chunk': view.chunk_at(operation['position'])})})"
+                                     if isinstance(operation.get("position"), int) and view.chunks else "")
+                                  + (" — inputs match" if operation.get("proved") else " — not proved")) + "\n")
+        top = view.top_diagnosis
+        if top is not None:
+            body.append("diagnosis: ", style=self.attr("bold"))
+            body.append(printable(", ".join(filter(None, [str(top.get("kind")), _chunk_label(top),
+                                                          f"positions {_fmt(top.get('positions', '?'))}"]))) + "\n")
+        body.append(f"candidate: strategy {candidate.get('strategy', '?')}, "
                     f"numerics {candidate.get('numerics', '?')}")
         model = view.section("metadata").get("reference", {}).get("model_name")
         if model:
@@ -134,6 +149,31 @@ class _Report:
                 f"candidate {_fmt(flip.get('candidate_margin'))}")))
         return table
 
+    def engine(self) -> Table:
+        """An engine under test: its cache hit, its own noise floor, each flip classified."""
+        view = self.view
+        engine, floor = view.section("engine"), view.section("noise_floor")
+        table = self.table("engine under test", "details", title="engine (cold vs warm)")
+        table.add_row(Text(printable(f"{engine.get('name')} {engine.get('version')}")), Text(printable(
+            f"warm run served {engine.get('cache_hit_tokens')} of {engine.get('prompt_tokens')} prompt tokens "
+            f"from its cache (the engine's counter)")))
+        table.add_row("noise floor", Text(
+            "two cold runs: " + ("bitwise equal" if floor.get("bitwise_equal") else
+                                 f"differ (logits max_abs {_fmt(floor.get('max_abs_logit'))})") +
+            ("" if floor.get("tokens_identical", True) else ", tokens differ")))
+        flips = view.raw.get("flips") if isinstance(view.raw.get("flips"), list) else []
+        for flip in (f for f in flips if isinstance(f, dict)):
+            table.add_row(Text(f"flip: {printable(str(flip.get('kind')))}", style=self.attr("bold") + " yellow"),
+                          Text(printable(
+                              f"step {flip.get('step')}: {flip.get('reference_token')!r} -> "
+                              f"{flip.get('candidate_token')!r}; cold margin {_fmt(flip.get('reference_margin'))}, "
+                              f"logits max_abs there {_fmt(flip.get('logit_max_abs'))}")))
+        against = view.section("engine_vs_reference")
+        if against:
+            table.add_row("vs kvdiff reference", "tokens identical" if against.get("tokens_identical") else Text(
+                printable(f"tokens differ; {_fmt((against.get('flip') or {}).get('kind'))}")))
+        return table
+
     def diagnoses(self) -> Table:
         table = self.table("diagnosis", "evidence", title="diagnoses")
         if not self.view.diagnoses:
@@ -183,6 +223,8 @@ def render_terminal(view: Report, console: Console, point: str | None = None) ->
     if chosen is not None:
         console.print(parts.heatmap(chosen))
     console.print(parts.firsts())
+    if view.section("engine"):
+        console.print(parts.engine())
     console.print(parts.diagnoses())
     if view.chunks:
         console.print(parts.chunk_table())

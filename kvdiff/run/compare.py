@@ -73,6 +73,7 @@ def compare(
     json_path: Path | str | None = None,
     model_cache: dict | None = None,
     progress: Callable[[str], None] | None = None,
+    engine: str = "kvdiff",
 ) -> CompareResult:
     """Run the reference and the chunked engine on `messages`, probe both, diff, and report.
 
@@ -81,6 +82,11 @@ def compare(
     the engine runs the conversation once, unrecorded, before the recorded run, which then reads
     its chunks from the cache (hits; their positions hold K/V only in the candidate trace); a
     conversation instead of True is run first instead, so only the chunks it shares are hits.
+
+    `engine`: "kvdiff" (its own chunked engine, as above), or an engine under test
+    ("transformers", "vllm"), which runs cold, cold again and warm instead
+    (`kvdiff.run.engine_compare`); strategy, numerics, chunking and capture options are kvdiff's
+    engine's and are refused with another engine.
     """
     from kvdiff.engine import Engine
     from kvdiff.engine.chunks import split_conversation
@@ -91,6 +97,11 @@ def compare(
     from kvdiff.reports.json_report import write_json_atomically
     from kvdiff.run.record import record
 
+    if engine != "kvdiff":
+        return _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, html, json_path,
+                                     model_cache, progress, strategy=strategy, numerics=numerics,
+                                     recompute_ratio=recompute_ratio, chunk_size=chunk_size, dtype=dtype,
+                                     device=device, device_map=device_map, capture=capture, layers=layers)
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
     warm_messages = None if isinstance(warm, bool) else validate_messages(warm)
@@ -154,3 +165,22 @@ def compare(
         if html is not None:
             write_html(report, Path(html))
         return CompareResult(divergence, report, out_dir, reference_path, candidate_path, report_json, report_html)
+
+
+def _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, html, json_path, model_cache,
+                          progress, **kvdiff_only) -> CompareResult:
+    """An engine under test: refuse the options only kvdiff's engine has, then run cold/cold/warm."""
+    from kvdiff.errors import InputError
+    from kvdiff.run.engine_compare import compare_engine
+    from kvdiff.targets.registry import EngineName
+
+    name = EngineName.parse(engine)
+    defaults = {"strategy": Strategy.PREFIX, "numerics": Numerics.EXACT, "recompute_ratio": DEFAULT_RECOMPUTE_RATIO,
+                "chunk_size": None, "dtype": "float32", "device": "cpu", "device_map": None, "capture": None,
+                "layers": None}
+    given = [k for k, v in kvdiff_only.items() if v != defaults[k]]
+    if given:
+        raise InputError(f"{', '.join(given)} apply to kvdiff's own engine, not to --engine {name}: leave them out")
+    return compare_engine(messages, engine=name, model=model, max_new_tokens=max_new_tokens,
+                          warm=True if warm is False else warm, out=out, html=html, json_path=json_path,
+                          model_cache=model_cache, progress=progress)

@@ -93,17 +93,18 @@ def claimed_out_dir(out: Path | str | None, label: str) -> Iterator[Path]:
 
 
 @contextmanager
-def discarded_on_failure(out_dir: Path) -> Iterator[None]:
+def discarded_on_failure(out_dir: Path, artefacts: tuple[str, ...] = ARTEFACTS) -> Iterator[None]:
     """On any failure or interrupt, remove what the run wrote."""
     try:
         yield
     except BaseException:
-        for name in ARTEFACTS:
+        for name in artefacts:
             (out_dir / name).unlink(missing_ok=True)
         raise
 
 
-def check_report_copies(json_path: Path | str | None, html: Path | str | None, out: Path | str | None) -> None:
+def check_report_copies(json_path: Path | str | None, html: Path | str | None, out: Path | str | None,
+                        artefacts: tuple[str, ...] = ARTEFACTS) -> None:
     """InputError for an extra copy of a report that cannot be written or would replace another
     file of the run (`check_outputs`); a copy onto the run's own report is that report. Checked
     before the run, and again once the run's folder is made."""
@@ -113,4 +114,4 @@ def check_report_copies(json_path: Path | str | None, html: Path | str | None, o
         return
     own = {"report.json": "report.json", "the HTML report": "report.html"}
     copies = {what: path for what, path in copies.items() if path is None or not same_file(path, Path(out) / own[what])}
-    check_outputs(copies, [Path(out) / name for name in ARTEFACTS], made_later=out)
+    check_outputs(copies, [Path(out) / name for name in artefacts], made_later=out)

@@ -1,0 +1,132 @@
+"""Localization by operation: the first operation whose inputs match and whose output differs.
+
+Between consecutive probe points of a layer sits one operation (norm, projection, RoPE,
+attention, residual add, MLP). At the first row that breaks tolerance (or, when none does, the
+first row whose bits differ), the operation that produced it is named only when its inputs are
+shown to be within tolerance there: each input's tier is read from the comparison (for
+attention, `q` at the position and `k`/`v` at every compared position up to it). When an
+input was not recorded or not compared, the answer is the span between the last point known to
+match and the point that differs, and it says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvdiff.analysis.compare import Comparison, PointMap
+from kvdiff.analysis.search import Location
+from kvdiff.analysis.tolerance import Tier
+
+# point -> (the operation producing it, its inputs: (point, layer offset)); attention reads
+# k and v at every earlier position too.
+OPERATIONS: dict[str, tuple[str, tuple[tuple[str, int], ...]]] = {
+    "resid_pre": ("hand-off from the previous layer", (("resid_post", -1),)),
+    "attn_norm": ("attention norm", (("resid_pre", 0),)),
+    "q": ("q projection (q-norm, RoPE)", (("attn_norm", 0),)),
+    "k_pre_rope": ("k projection (k-norm)", (("attn_norm", 0),)),
+    "k": ("RoPE on k", (("k_pre_rope", 0),)),
+    "v": ("v projection", (("attn_norm", 0),)),
+    "attn_out": ("attention (softmax(q k^T) v, o_proj)", (("q", 0), ("k", 0), ("v", 0))),
+    "resid_mid": ("residual add after attention", (("resid_pre", 0), ("attn_out", 0))),
+    "mlp_norm": ("MLP norm", (("resid_mid", 0),)),
+    "mlp_out": ("MLP", (("mlp_norm", 0),)),
+    "resid_post": ("residual add after the MLP", (("resid_mid", 0), ("mlp_out", 0))),
+    "final_norm": ("final norm", (("resid_post", 0),)),
+    "logits": ("LM head", (("final_norm", 0),)),
+}
+MATCHING = (Tier.BITWISE.label, Tier.NOISE.label)     # tiers within tolerance
+
+
+@dataclass(frozen=True)
+class InputCheck:
+    """One input of the operation and how it compares where the operation read it."""
+
+    point: str
+    layer: int | None
+    tier: str                    # worst tier over the rows read; "not compared" when unknown
+
+    def to_json(self) -> dict:
+        return {"point": self.point, "layer": self.layer, "tier": self.tier}
+
+
+@dataclass(frozen=True)
+class Operation:
+    """The operation that first breaks, with the input checks that prove it."""
+
+    name: str                    # "RoPE on k", ...; "between X and Y" when not proved
+    layer: int | None
+    position: int
+    tensor: str                  # its output point
+    tier: str                    # the output's tier there
+    proved: bool                 # every input recorded and within tolerance
+    inputs: list[InputCheck] = field(default_factory=list)
+
+    @property
+    def proof(self) -> str:
+        """One sentence: the inputs' tiers against the output's."""
+        ins = ", ".join(f"{i.point}{'' if i.layer is None else f'@{i.layer}'} {i.tier}" for i in self.inputs)
+        return f"inputs {ins or 'none'}; output {self.tensor} {self.tier}"
+
+    def to_json(self) -> dict:
+        return {"operation": self.name, "layer": self.layer, "position": self.position, "tensor": self.tensor,
+                "tier": self.tier, "proved": self.proved, "proof": self.proof,
+                "inputs": [i.to_json() for i in self.inputs]}
+
+
+def _worst(pmap: PointMap, row: int, cols: np.ndarray) -> str:
+    tiers = pmap.tier[row, cols] if cols.size else np.zeros(0, dtype=np.int8)
+    if not cols.size or (tiers < 0).any():
+        return "not compared"
+    return Tier(int(tiers.max())).label
+
+
+def _input_check(comparison: Comparison, point: str, layer: int | None, position: int,
+                 every_earlier: bool) -> InputCheck:
+    """The worst tier of `point` at `layer` over the rows the operation read."""
+    pmap = comparison.final.get(point) if layer is None else comparison.points.get(point)
+    if pmap is None or layer not in pmap.layers:
+        return InputCheck(point, layer, "not compared")
+    row = pmap.layers.index(layer)
+    at = pmap.positions <= position if every_earlier else pmap.positions == position
+    cols = np.flatnonzero(at)
+    if every_earlier:           # cells no trace holds at earlier positions are skipped, not fatal
+        cols = cols[pmap.tier[row, cols] >= 0]
+    return InputCheck(point, layer, _worst(pmap, row, cols))
+
+
+def first_operation(comparison: Comparison, where: Location | None) -> Operation | None:
+    """The operation that produced `where` (the first breach, or first bit difference), checked."""
+    if where is None or where.tensor not in OPERATIONS:
+        return None
+    name, sources = OPERATIONS[where.tensor]
+    layers = comparison.layers
+    checks = []
+    for point, offset in sources:
+        if where.tensor == "final_norm":
+            layer = layers[-1] if layers else None
+        elif where.layer is None:
+            layer = None
+        else:
+            index = layers.index(where.layer) + offset if where.layer in layers else -1
+            if offset and (index < 0 or layers[index] != where.layer + offset):
+                checks.append(InputCheck(point, where.layer + offset, "not compared"))
+                continue
+            layer = layers[index]
+        checks.append(_input_check(comparison, point, layer, where.position,
+                                   every_earlier=where.tensor == "attn_out" and point in ("k", "v")))
+    if where.tensor == "resid_pre" and where.layer == 0:
+        name, checks = "embedding", []
+    proved = all(c.tier in MATCHING for c in checks)
+    if proved and where.tensor == "q":
+        # q is recorded after RoPE only; k shows which of the two steps breaks.
+        before, after = (_input_check(comparison, p, where.layer, where.position, False) for p in ("k_pre_rope", "k"))
+        if before.tier in MATCHING and after.tier not in (*MATCHING, "not compared"):
+            name, checks = "RoPE (on q and k)", checks + [before, after]
+    if not proved and where.tensor in ("k", "v") and all(c.tier == "not compared" for c in checks):
+        name = f"{where.tensor.upper()} read from the cache (computed where this trace does not show)"
+    elif not proved:
+        known = [c.point for c in checks if c.tier in MATCHING]
+        name = f"between {', '.join(known) or 'earlier points'} and {where.tensor} ({name} or before)"
+    return Operation(name, where.layer, where.position, where.tensor, where.tier, proved, checks)

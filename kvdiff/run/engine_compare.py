@@ -1,0 +1,177 @@
+"""`kvdiff compare --engine X`: an engine under test run cold, cold again and warm, each recorded
+from its own tensors, diffed against itself and against kvdiff's reference path.
+
+1. cold, twice, the cache dropped before each: the engine's own noise floor (are two cold runs
+   bitwise equal? how far apart are their logits?);
+2. a request that shares the prompt's prefix fills the engine's cache, then the prompt runs warm:
+   the engine's counters must show a hit (a warm run with no hit tested nothing and fails);
+3. kvdiff's continuous reference path on the same checkpoint.
+
+report.json is the diff of cold (reference side) against warm (candidate side), with `engine`,
+`noise_floor`, `flips` (each first token flip classified from the data) and
+`engine_vs_reference` added.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from kvdiff.analysis import Divergence, diff
+from kvdiff.conversation import Messages, render_prompt_ids, validate_messages
+from kvdiff.errors import KvdiffError
+from kvdiff.run.compare import CompareResult
+from kvdiff.run.folder import check_report_copies, claimed_out_dir, discarded_on_failure
+from kvdiff.run.options import RunOptions
+from kvdiff.targets.protocol import Target, TargetRun
+from kvdiff.targets.registry import EngineName, open_target
+
+log = logging.getLogger(__name__)
+
+ARTEFACTS = ("cold.h5", "cold-again.h5", "warm.h5", "reference.h5", "report.json", "report.html")
+
+
+def compare_engine(messages: Messages, *, engine: str | EngineName, model: str = "smollm2-135m",
+                   max_new_tokens: int = 16, warm: bool | Messages = True, out: Path | str | None = None,
+                   html: Path | str | None = None, json_path: Path | str | None = None,
+                   model_cache: dict | None = None,
+                   progress: Callable[[str], None] | None = None) -> CompareResult:
+    """Run engine `engine` cold, cold again and warm on `messages`, record each, diff, report.
+
+    `warm`: True fills the cache with the conversation itself; a conversation instead fills it
+    with that one (a request sharing a prefix). Exit code of the result: 0 when the warm tokens
+    equal the cold ones, 1 otherwise.
+    """
+    from kvdiff.engine.loading import load_model
+    from kvdiff.reports.html import write_html
+    from kvdiff.reports.json_report import write_json_atomically
+    from kvdiff.run.record import record
+
+    name = EngineName.parse(engine)
+    step = progress or (lambda what: log.info("%s", what))
+    messages = validate_messages(messages)
+    warm_messages = messages if isinstance(warm, bool) else validate_messages(warm)
+    options = RunOptions.of(max_new_tokens=max_new_tokens)
+    check_report_copies(json_path, html, out, ARTEFACTS)
+    with claimed_out_dir(out, str(name)) as out_dir, discarded_on_failure(out_dir, ARTEFACTS):
+        check_report_copies(json_path, html, out_dir, ARTEFACTS)
+        step("loading model")
+        key = (model, "float32", "cpu", None)
+        if model_cache is not None and key in model_cache:
+            loaded, tokenizer = model_cache[key]
+        else:
+            loaded, tokenizer = load_model(model)
+            if model_cache is not None:
+                model_cache[key] = (loaded, tokenizer)
+        ids = render_prompt_ids(tokenizer, messages)
+        step(f"starting {name}")
+        target = open_target(name, loaded, tokenizer)
+        try:
+            runs = _cold_cold_warm(target, loaded, tokenizer, messages, ids, warm_messages, out_dir,
+                                   options.max_new_tokens, step)
+        finally:
+            target.close()
+        step("recording kvdiff's reference path")
+        record(loaded, tokenizer, messages, out_dir / "reference.h5", max_new_tokens=options.max_new_tokens,
+               capture=target.points)
+        step("diffing")
+        main = diff(out_dir / "cold.h5", out_dir / "warm.h5", tokenizer=tokenizer)
+        noise = diff(out_dir / "cold.h5", out_dir / "cold-again.h5", tokenizer=tokenizer)
+        against = diff(out_dir / "reference.h5", out_dir / "cold.h5", tokenizer=tokenizer)
+        floor = noise_floor(noise)
+        report = main.report(
+            engine={"name": target.info.name, "version": target.info.version,
+                    "checkpoint": str(target.info.checkpoint), "cache_hit_tokens": runs["warm"].cache_hit_tokens,
+                    "prompt_tokens": len(ids)},
+            noise_floor=floor, flips=[flip for flip in [classify_flip(main, floor)] if flip is not None],
+            engine_vs_reference={"tokens_identical": against.tokens_identical,
+                                 "first_divergence": _where(against),
+                                 "flip": classify_flip(against, floor)})
+        report_json, report_html = out_dir / "report.json", out_dir / "report.html"
+        write_json_atomically(report.to_json(), report_json)
+        write_html(report, report_html)
+        if json_path is not None:
+            write_json_atomically(report.to_json(), Path(json_path))
+        if html is not None:
+            write_html(report, Path(html))
+        return CompareResult(main, report, out_dir, out_dir / "cold.h5", out_dir / "warm.h5", report_json,
+                             report_html)
+
+
+def _cold_cold_warm(target: Target, model, tokenizer, messages: Messages, ids: list[int], warm_messages: Messages,
+                    out_dir: Path, max_new_tokens: int, step: Callable[[str], None]) -> dict[str, TargetRun]:
+    """The three recorded runs; a warm run the engine's counters show no hit for is an error."""
+    from kvdiff.probes.recorder import TraceRecorder
+
+    runs: dict[str, TargetRun] = {}
+    for label, file in (("cold", "cold.h5"), ("cold again", "cold-again.h5"), ("warm", "warm.h5")):
+        if label == "warm":
+            step(f"filling {target.info.name}'s cache")
+            target.generate(render_prompt_ids(tokenizer, warm_messages), 1)
+        else:
+            target.reset_cache()
+        step(f"running {target.info.name} {label}")
+        recorder = TraceRecorder.for_model(model, tokenizer, messages, out_dir / file, input_ids=ids,
+                                           strategy=f"{target.info.name} {label}", numerics="engine",
+                                           capture=target.points, max_new_tokens=max_new_tokens)
+        try:
+            run = target.generate(ids, max_new_tokens, sink=recorder)
+        except BaseException:
+            recorder.abort()
+            raise
+        recorder.finish(run.token_ids, run.text)
+        runs[label] = run
+        if label.startswith("cold") and run.cache_hit_tokens:
+            raise KvdiffError(f"{target.info.name} served {run.cache_hit_tokens} tokens from its cache on a cold run "
+                              "after its cache was dropped: its reset does not work, so cold and warm cannot be told apart")
+    if runs["warm"].cache_hit_tokens == 0:
+        raise KvdiffError(f"the warm run of {target.info.name} had no cache hit (its counters show 0 cached tokens), "
+                          "so it tested nothing: give a longer shared prefix (engines cache whole blocks only)")
+    return runs
+
+
+def noise_floor(noise: Divergence) -> dict:
+    """What two cold runs of one engine differ by: their tokens, their bits, their logits."""
+    logits = noise.comparison.final.get("logits")
+    worst = float(np.nanmax(logits.max_abs)) if logits is not None and np.isfinite(logits.max_abs).any() else None
+    return {"tokens_identical": noise.tokens_identical, "bitwise_equal": noise.first_bit_difference is None,
+            "max_abs_logit": worst}
+
+
+def classify_flip(div: Divergence, floor: dict) -> dict | None:
+    """The first token flip of `div`, classified from the tensors.
+
+    `near_tie`: no row before the flip's logits breaks tolerance, and the logits at that row
+    differ by enough to swap the top two (a margin at most twice the largest logit difference,
+    or within the cold runs' own noise). `divergence` otherwise, with where it starts.
+    """
+    td = div.first_token_divergence
+    if td is None:
+        return None
+    logits = div.comparison.final.get("logits")
+    at = None
+    if logits is not None:
+        hit = np.flatnonzero(logits.positions == td.position)
+        at = float(logits.max_abs[0, hit[0]]) if hit.size and np.isfinite(logits.max_abs[0, hit[0]]) else None
+    first = div.first_divergence
+    upstream_clean = first is None or (first.position >= td.position and first.tensor in ("logits", "final_norm"))
+    margin = td.reference_margin
+    swing = max(2 * at if at is not None else 0.0, floor.get("max_abs_logit") or 0.0)
+    near = upstream_clean and margin is not None and math.isfinite(margin) and margin <= swing
+    return {"step": td.step, "position": td.position, "kind": "near_tie" if near else "divergence",
+            "reference_token": td.reference_token, "candidate_token": td.candidate_token,
+            "reference_margin": _finite(td.reference_margin), "candidate_margin": _finite(td.candidate_margin),
+            "logit_max_abs": at, "first_divergence": _where(div),
+            "diagnoses": sorted({d.kind for d in div.diagnoses})}
+
+
+def _where(div: Divergence) -> dict | None:
+    return None if div.first_divergence is None else div.first_divergence.to_json()
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None

