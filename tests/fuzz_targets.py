@@ -20,8 +20,10 @@ import logging
 import math
 import os
 import pickle
+import re
 import shutil
 import tempfile
+import time
 import warnings
 import xml.etree.ElementTree as ET
 from collections import Counter
@@ -35,7 +37,7 @@ import numpy as np
 from hypothesis import given, strategies as st
 from typer.testing import CliRunner
 
-import kvdiff
+from kvdiff.engine import loading
 from synthetic import Faults, SyntheticModel, write_trace
 from kvdiff.cli import app
 from kvdiff.errors import ModelLoadError
@@ -51,7 +53,8 @@ ATTRS = ("format", "schema_version", "complete") + TraceMeta.SCALARS + (
     "messages_json", "chunks_json", "points", "layers", "eps", "kvdiff_dtype")
 SPECIAL_NUMBERS = (math.nan, math.inf, -math.inf, -1, 0, 1, 2 ** 31, 2 ** 62, -(2 ** 63), 1e38, -1e-45, 65504)
 HOSTILE_TEXT = ("[/bold]", "[red]x[/red]", "[link=file:///etc/passwd]x", "\x1b[31mred", "a\nb", "\u2028", "\x85",
-                "\u202e", "<script>alert(1)</script>", "%s%n{0}", "\x00")
+                "\u202e", "<script>alert(1)</script>", "%s%n{0}", "\x00", "\ud800",
+                "x\nkvdiff: error: forged\x1b[2J", "\r\x1b]0;title\x07", "\x9b31m")
 NAMES = HOSTILE_TEXT + ALL_POINTS + NORM_STATS + (
     "0", "1", "2", "99", "-1", "layers", "final", "norms", "steps", "provenance", "positions", "input_ids",
     "generated_ids", "norm_stats", "chunk")
@@ -201,11 +204,14 @@ class Replace:
                 ds.attrs[key] = value
 
 
+MAX_EDITED = 1 << 22         # elements a mutation reads to edit: not a dataset DeclareHuge made huge
+
+
 def _edit_elements(path: Path, seed: Seed, index: int, kinds: str, edit: Callable[[np.ndarray], None]) -> None:
     """Apply `edit` to the flat elements of a non-empty dataset whose dtype kind is in `kinds`."""
     with _h5_write(path) as f:
         ds = f[_pick(seed.objects, index)]
-        if not isinstance(ds, h5py.Dataset) or ds.size == 0 or ds.dtype.kind not in kinds:
+        if not isinstance(ds, h5py.Dataset) or not 0 < ds.size <= MAX_EDITED or ds.dtype.kind not in kinds:
             return
         data = ds[()]
         with np.errstate(all="ignore"):
@@ -296,7 +302,8 @@ class Recode:
         name = _pick(seed.objects, self.index)
         with _h5_write(path) as f:
             ds = f[name]
-            if not isinstance(ds, h5py.Dataset) or "kvdiff_dtype" not in ds.attrs or ds.dtype != np.float32:
+            if not isinstance(ds, h5py.Dataset) or "kvdiff_dtype" not in ds.attrs or ds.dtype != np.float32 \
+                    or ds.size > MAX_EDITED:
                 return
             data = ds[()]
             with np.errstate(over="ignore"):        # huge float32 values become Inf in float16
@@ -380,6 +387,94 @@ class SetSteps:
             g.create_dataset("topk_ids", data=np.zeros((g_count, self.k), dtype=np.int64))
             g.create_dataset("topk_values", data=np.full((g_count, self.k), self.value, dtype=np.float32))
             g.create_dataset("margin", data=np.full(g_count, self.value))
+
+
+@dataclass(frozen=True)
+class Outward:
+    """Point a dataset (or a new object) outside the file: an external or soft link, external raw
+    storage, a virtual dataset of another file, or a filter HDF5 would load as a plugin."""
+
+    index: int
+    kind: str
+
+    def apply(self, path: Path, seed: Seed) -> None:
+        other = seeds()["reference"].path
+        with _h5_write(path) as f:
+            name = _pick(seed.objects, self.index)
+            if self.kind == "new-external-link":
+                f[f"{name.rpartition('/')[0] or ''}/zz_external".lstrip("/")] = h5py.ExternalLink(str(other), "/")
+                return
+            ds = f[name]
+            if not isinstance(ds, h5py.Dataset) and self.kind not in ("external-link", "soft-link"):
+                return
+            attrs = dict(ds.attrs)
+            shape, dtype = (ds.shape, ds.dtype) if isinstance(ds, h5py.Dataset) else ((), None)
+            del f[name]
+            if self.kind == "external-link":
+                f[name] = h5py.ExternalLink(str(other), "/" + name)
+                return
+            if self.kind == "soft-link":
+                f[name] = h5py.SoftLink("/" + _pick(seed.objects, self.index + 1))
+                return
+            nbytes = max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
+            if self.kind == "external-storage":
+                made = f.create_dataset(name, shape=shape, dtype=dtype, external=[("/etc/passwd", 0, nbytes)])
+            elif self.kind == "virtual-dataset":
+                layout = h5py.VirtualLayout(shape=shape, dtype=dtype)
+                layout[...] = h5py.VirtualSource(str(other), name, shape=shape)
+                made = f.create_virtual_dataset(name, layout)
+            else:
+                made = f.create_dataset(name, shape=shape, dtype=dtype, chunks=True if shape else None,
+                                        compression=32001, allow_unknown_filter=True)
+            made.attrs.update(attrs)
+
+
+@dataclass(frozen=True)
+class CutSteps:
+    """Keep the first `rows` rows of every /steps dataset (lengths that disagree with generated_ids)."""
+
+    rows: int
+
+    def apply(self, path: Path, seed: Seed) -> None:
+        with _h5_write(path) as f:
+            for name in list(f["steps"]):
+                data = f[f"steps/{name}"][: self.rows]
+                del f[f"steps/{name}"]
+                f[f"steps/{name}"] = data
+
+
+@dataclass(frozen=True)
+class HugeChunks:
+    """A chunk table of `count` copies of one span (overlapping, or far past the prompt)."""
+
+    count: int
+    span: tuple[int, int]
+
+    def apply(self, path: Path, seed: Seed) -> None:
+        entry = {"name": "c", "positions": list(self.span), "hash": "h", "cache": "miss",
+                 "encoded_positions": list(self.span)}
+        with _h5_write(path) as f:
+            f.attrs["chunks_json"] = json.dumps([entry] * self.count)
+
+
+@dataclass(frozen=True)
+class DeclareHuge:
+    """Re-create a dataset declared `length` rows long, chunked and unwritten (no bytes in the file)."""
+
+    index: int
+    length: int
+
+    def apply(self, path: Path, seed: Seed) -> None:
+        name = _pick(seed.objects, self.index)
+        with _h5_write(path) as f:
+            ds = f[name]
+            if not isinstance(ds, h5py.Dataset) or not ds.shape:
+                return
+            attrs, shape, dtype = dict(ds.attrs), ds.shape, ds.dtype
+            del f[name]
+            made = f.create_dataset(name, shape=(self.length, *shape[1:]), maxshape=(None, *shape[1:]),
+                                    chunks=(64, *shape[1:]), dtype=dtype)
+            made.attrs.update(attrs)
 
 
 class Unpicklable:
@@ -493,6 +588,15 @@ trace_mutations = st.one_of(
               st.sampled_from(SPECIAL_NUMBERS)),
     st.builds(SetAttr, st.just(-1), st.just("chunks_json"), valid_chunk_tables.map(json.dumps)),
     st.builds(SetAttr, st.just(-1), st.just("dtype"), st.sampled_from(("float32", "bfloat16", "float16", "int8", ""))),
+    # issue #28: objects outside the file, text that forges lines, tables that disagree, huge sizes
+    st.builds(Outward, object_index, st.sampled_from(("external-link", "soft-link", "external-storage",
+                                                      "virtual-dataset", "plugin-filter", "new-external-link"))),
+    st.builds(SetAttr, st.just(-1), st.sampled_from(TraceMeta.SCALARS), st.sampled_from(HOSTILE_TEXT)),
+    st.builds(CutSteps, st.integers(0, STEPS + 1)),
+    st.builds(HugeChunks, st.sampled_from((2, 10, 1000, 100_000)), st.sampled_from(((0, 0), (0, 3), (0, 10 ** 12)))),
+    st.builds(DeclareHuge, object_index, st.sampled_from((2 ** 20, 2 ** 31, 2 ** 40))),
+    st.builds(SetAttr, st.just(-1), st.sampled_from(("vocab_size", "hidden_size", "num_layers", "head_dim")),
+              st.sampled_from((2 ** 20, 2 ** 26, 2 ** 40)).map(np.int64)),
 )
 
 
@@ -519,8 +623,16 @@ def _runner() -> CliRunner:
     return CliRunner()
 
 
-def check(result, command: list[str]) -> None:
-    """The contract: exit 0/1/2/3, no escaped exception or traceback, one specific error line on 2/3."""
+# Characters that must never reach a stream raw: C0 and C1 controls (ESC, CR, BEL, CSI) and line
+# separators; a trace's or case file's text shows them as escapes (issue #28).
+_RAW = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+BUDGET_SECONDS = 60.0         # one command on a tiny input: more means work grew with something else
+
+
+def check(result, command: list[str], seconds: float = 0.0) -> None:
+    """The contract: exit 0/1/2/3, no escaped exception or traceback, one specific error line on 2/3;
+    on any exit no raw control character in stdout or stderr, at most one `kvdiff: error:` line
+    (a forged one would be a second), and the command within BUDGET_SECONDS."""
     where = " ".join(command)
     exc = result.exception
     if exc is not None and not isinstance(exc, SystemExit):
@@ -535,24 +647,69 @@ def check(result, command: list[str]) -> None:
             raise FuzzFailure(f"{where}: exit {result.exit_code} with stderr {result.stderr!r} (want one error line)")
         if lines[0].startswith(CATCH_ALL):
             raise FuzzFailure(f"{where}: crashed into the catch-all: {lines[0]}")
+    for name, text in (("stdout", result.stdout), ("stderr", result.stderr)):
+        raw = _RAW.search(text)
+        if raw:
+            raise FuzzFailure(f"{where}: a raw control character {raw.group()!r} reached {name}: "
+                              f"{text[max(raw.start() - 80, 0):raw.end() + 40]!r}")
+    if sum(line.startswith("kvdiff: error: ") for line in result.stderr.splitlines()) > 1:
+        raise FuzzFailure(f"{where}: more than one error line: {result.stderr[-2000:]!r}")
+    if seconds > BUDGET_SECONDS:
+        raise FuzzFailure(f"{where}: took {seconds:.0f} s, more than {BUDGET_SECONDS:.0f} s")
 
 
 EXIT_CODES: Counter = Counter()       # exit code -> examples, for the long run's summary
+LAST_EXIT = [0]                       # the exit code of the last invocation
 
 
 def invoke(args: list[str]) -> None:
     """Run `kvdiff ARGS` in-process and check the property; a warning kvdiff's code raises (numpy's
     on NaN, say) would reach stderr as two lines of noise, so it fails the property too."""
     logging.getLogger().handlers.clear()       # the CLI's basicConfig binds the stderr of this invocation
+    start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = _runner().invoke(app, args)
     EXIT_CODES[result.exit_code] += 1
-    check(result, args)
+    LAST_EXIT[0] = result.exit_code
+    check(result, args, time.perf_counter() - start)
     ours = [w for w in caught if f"{os.sep}kvdiff{os.sep}" in w.filename]
     if ours:
         w = ours[0]
         raise FuzzFailure(f"{' '.join(args)}: {w.category.__name__} at {Path(w.filename).name}:{w.lineno}: {w.message}")
+
+
+def reaches_outside(path: Path) -> bool:
+    """Whether an HDF5 file (that h5py opens) holds a link that is not hard, or a dataset whose bytes
+    are not in it: the oracle for the refusal `kvdiff diff` and `inspect` must give (exit 2)."""
+    try:
+        with h5py.File(path, "r") as f:
+            found = []
+
+            def visit(raw: bytes):
+                kind = f.id.links.get_info(raw).type
+                if kind != h5py.h5l.TYPE_HARD:
+                    found.append(raw)
+                    return True
+                obj = f.get(raw.decode("utf-8", "replace"))
+                if isinstance(obj, h5py.Dataset):
+                    plist = obj.id.get_create_plist()
+                    filters = {plist.get_filter(i)[0] for i in range(plist.get_nfilters())}
+                    if plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count() or filters - {1, 2, 3, 4, 5, 6, 32000}:
+                        found.append(raw)
+                        return True
+                return None
+
+            f.id.links.visit(visit)
+            return bool(found)
+    except Exception:            # a file HDF5 cannot read: kvdiff refuses it for that
+        return False
+
+
+def _expect_refused(mutated: Path, args: list[str]) -> None:
+    if LAST_EXIT[0] != 2 and reaches_outside(mutated):
+        raise FuzzFailure(f"{' '.join(args)}: a trace reaching outside its file was not refused "
+                          f"(exit {LAST_EXIT[0]})")
 
 
 def run_diff(ops: list, target: str, html: bool, baseline: bool) -> None:
@@ -569,6 +726,7 @@ def run_diff(ops: list, target: str, html: bool, baseline: bool) -> None:
         if baseline:
             args += ["--baseline", str(mutated)]
         invoke(args)
+        _expect_refused(mutated, args)
         if Unpicklable.ran:
             raise FuzzFailure("a trace attribute was unpickled")
 
@@ -576,7 +734,9 @@ def run_diff(ops: list, target: str, html: bool, baseline: bool) -> None:
 def run_inspect(ops: list, target: str) -> None:
     s = seeds()
     with tempfile.TemporaryDirectory(prefix="kvdiff-fuzz-") as tmp:
-        invoke(["inspect", str(mutate(s[target], ops, Path(tmp) / "mutated.h5"))])
+        mutated = mutate(s[target], ops, Path(tmp) / "mutated.h5")
+        invoke(["inspect", str(mutated)])
+        _expect_refused(mutated, ["inspect", str(mutated)])
         if Unpicklable.ran:
             raise FuzzFailure("a trace attribute was unpickled")
 
@@ -673,12 +833,17 @@ def text_mutations(draw, text: str) -> str:
     return "".join(chars)
 
 
+def _utf8(text: str) -> bytes:
+    """A case file's bytes; a lone surrogate (HOSTILE_TEXT holds one) stays as its invalid bytes."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 GOOD_FILE = toml_cases([GOOD_CASE, {**GOOD_CASE, "name": "fast", "numerics": "fast"}], {})
 case_files = st.one_of(
-    st.builds(toml_cases, st.lists(case_tables(), max_size=3), st.just({})).map(str.encode),
-    st.builds(toml_cases, st.lists(case_tables(), max_size=3), st.just({})).map(str.encode),
+    st.builds(toml_cases, st.lists(case_tables(), max_size=3), st.just({})).map(_utf8),
+    st.builds(toml_cases, st.lists(case_tables(), max_size=3), st.just({})).map(_utf8),
     st.builds(toml_cases, st.lists(case_tables(), max_size=2),
-              st.dictionaries(st.sampled_from(["title", "case", "x"]), toml_values, max_size=1)).map(str.encode),
+              st.dictionaries(st.sampled_from(["title", "case", "x"]), toml_values, max_size=1)).map(_utf8),
     text_mutations(GOOD_FILE).map(lambda t: t.encode("utf-8", "surrogatepass")),
     st.text(max_size=60).map(lambda t: t.encode("utf-8", "surrogatepass")),
     st.binary(max_size=60),
@@ -694,7 +859,8 @@ class _CaseCrashes(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if "crashed" in record.getMessage():
-            self.crashes.append(record.getMessage().splitlines()[-1])
+            error = record.exc_info[1] if record.exc_info else None
+            self.crashes.append(f"{record.getMessage()}: {type(error).__name__}: {error}")
 
 
 class _NoModels(ModelLoadError):
@@ -715,14 +881,16 @@ def run_gate(content: bytes) -> None:
         cases.write_bytes(content)
         junit = folder / "junit.xml"
         args = ["gate", str(cases), "--junit", str(junit), "--out", str(folder / "out")]
-        real_load, kvdiff.load_model = kvdiff.load_model, _no_model
+        # the pipeline imports load_model from its module when it runs: that is the one to replace
+        # (replacing kvdiff.load_model alone let valid cases load tiny-llama and run, ~10 s each)
+        real_load, loading.load_model = loading.load_model, _no_model
         runner_log.addHandler(crashes)
         runner_log.setLevel(logging.DEBUG)
         runner_log.propagate = False
         try:
             invoke(args)
         finally:
-            kvdiff.load_model = real_load
+            loading.load_model = real_load
             runner_log.removeHandler(crashes)
             runner_log.setLevel(logging.NOTSET)
             runner_log.propagate = True

@@ -154,6 +154,7 @@ def _flip_last_token(path, margin: float) -> None:
     """Change the last generated token (never fed back, so no tensor changes) and its margin."""
     with h5py.File(path, "r+") as f:
         f["generated_ids"][-1] = (f["generated_ids"][-1] + 1) % 64
+        f["steps/token_id"][-1] = f["generated_ids"][-1]       # the step chose it: the reader checks they agree
         f["steps/margin"][-1] = margin
 
 

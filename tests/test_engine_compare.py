@@ -86,7 +86,8 @@ def test_flip_classification_follows_the_data(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--engine", "llama.cpp"], "unknown engine 'llama.cpp': use one of kvdiff, transformers, vllm (llama.cpp has no adapter"),
+    (["--engine", "sglang"], "unknown engine 'sglang': use one of kvdiff, transformers, vllm, llama.cpp"),
+    (["--engine", "llamacpp", "--model", "tiny-llama"], "llama.cpp runs a GGUF file"),
     (["--engine", "transformers", "--strategy", "isolated-local"], "strategy apply to kvdiff's own engine"),
     (["--engine", "vllm", "--model", "tiny-llama"], "vLLM loads a checkpoint folder"),
 ])

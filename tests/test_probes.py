@@ -188,7 +188,7 @@ def test_a_buffer_overwritten_after_capture_does_not_change_the_trace(tiny_llama
     recorder.capture("resid_pre", 0, buffer, range(4))
     buffer.fill_(-1.0)
     recorder.end_forward()
-    recorder.finish([1], "x")
+    recorder.finish([], "x")      # nothing generated: no steps
     with open_trace(tmp_path / "t.h5") as tr:
         assert np.array_equal(tr.layer(0)["resid_pre"], original.numpy())
 
@@ -254,7 +254,7 @@ def test_a_decode_step_breaking_the_layout_is_checked_capture_by_capture(tiny_ll
         for p in range(7):
             _step(recorder, p, [("resid_pre", 0, rows[p]), ("resid_post", 0, -rows[p])] if p != 5 else
                   [("resid_post", 0, -rows[p]), ("resid_pre", 0, rows[p])])
-    recorder.finish([1], "x")
+    recorder.finish([], "x")      # nothing generated: no steps
     with open_trace(tmp_path / "u.h5") as tr:
         assert np.array_equal(tr.layer(0)["resid_pre"][:, 0], np.arange(7.0))
         assert np.array_equal(tr.layer(0)["resid_post"][:, 0], -np.arange(7.0))
@@ -289,7 +289,7 @@ def test_inference_tensors_in_a_logged_decode_step_are_copied(tiny_llama, tmp_pa
     with torch.inference_mode():
         for rows in made:
             rows.add_(100)               # after their forwards, before the writer reads the kept steps
-    recorder.finish([1], "x")
+    recorder.finish([], "x")      # nothing generated: no steps
     with open_trace(tmp_path / "t.h5") as tr:
         assert np.array_equal(tr.layer(0)["resid_pre"][:, 0], np.arange(4.0))
 

@@ -93,3 +93,22 @@ def test_chunk_names_of_narrow_chunks_take_a_second_lane_or_are_left_out_never_o
     for lane in (0, 1):
         drawn = [label for label in labels if label["lane"] == lane]
         assert all(b["x0"] >= a["x1"] + 5 for a, b in zip(drawn, drawn[1:])), drawn
+
+
+def test_the_header_answers_before_the_heatmap_and_opens_on_the_telling_point(tmp_path):
+    """The operation that breaks and the top diagnosis are in the page's header, above the
+    heatmap, and the heatmap opens on k (k_pre_rope equal, k different), as a screenshot shows."""
+    from kvdiff.run.compare import compare
+
+    seeds = [{"role": "system", "content": "You are a helpful assistant. Always answer in French."},
+             {"role": "user", "content": "What is the capital of France?"}]
+    result = compare(seeds, model="tiny-llama", strategy="isolated-local", numerics="fast", max_new_tokens=3,
+                     out=tmp_path / "run")
+    page = load(result.report_html)
+    header = page.dom[page.dom.index('<header id="verdict"'):page.dom.index("</header>")]
+    assert "first breaks: RoPE (on q and k) at layer 0, position 16" in header
+    assert "diagnosis: position_mismatch, chunk user, positions 16–" in header and "offset -16" in header
+    assert page.dom.index("</header>") < page.dom.index('id="heatmap"')
+    assert page.body_attrs["data-point"] == "k" and not page.console_errors
+    png = screenshot(result.report_html, tmp_path / "header.png", width=1200, height=500)
+    assert png.stat().st_size > 10_000

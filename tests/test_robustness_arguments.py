@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from robustness import assert_error, assert_no_finished_run, cli, compare_args
+from robustness import MESSAGES, assert_error, assert_no_finished_run, cli, compare_args
 
 # (id, extra compare arguments, what the error line says)
 BAD_OPTIONS = [
@@ -74,3 +74,31 @@ def test_json_or_html_into_a_missing_folder_fails_before_the_run(tmp_path):
         result = cli(*compare_args(tmp_path / "run", option, tmp_path / "no" / "such" / "file"))
         assert_error(result, 2, f"folder {tmp_path / 'no' / 'such'} does not exist")
         assert not (tmp_path / "run").exists()
+
+
+# ---- issue #28 ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["k=nan", "k=0,nan", "k=inf", "logits=1e-4,inf", "k=-1"])
+def test_a_tolerance_that_is_not_a_finite_number_is_refused(tmp_path, spec):
+    """`--tolerance k=nan` was accepted (while -1 was refused): NaN fails every comparison."""
+    from synthetic import SyntheticModel, write_trace
+
+    model = SyntheticModel(layers=2, seed=1)
+    traces = [write_trace(model, tmp_path / f"{name}.h5", list(range(3, 13)), 2) for name in ("a", "b")]
+    assert_error(cli("diff", *traces, "--tolerance", spec, "--json", tmp_path / "r.json"), 2,
+                 f"bad tolerance {spec!r}; write POINT=ATOL[,RTOL] with finite numbers >= 0")
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("bad", [10 ** 12, -1], ids=["huge", "negative"])
+def test_assert_tokens_match_refuses_ids_outside_the_vocabulary(tmp_path, bad):
+    """An id of 10**12 raised a bare OverflowError from the tokenizer's decode."""
+    import kvdiff
+    from kvdiff.errors import InputError
+    from kvdiff.gate.pytest_plugin import KvdiffChecker
+
+    model, tokenizer = kvdiff.load_model("tiny-llama")
+    checker = KvdiffChecker(tmp_path / "reports", "t")
+    with pytest.raises(InputError, match=rf"token_ids holds {bad} at step 1, outside the model's vocabulary 0\.\.\d+"):
+        checker.assert_tokens_match(MESSAGES, [5, bad, 7], model=model, tokenizer=tokenizer)
+    assert not (tmp_path / "reports").exists()

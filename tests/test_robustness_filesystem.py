@@ -211,3 +211,23 @@ def test_diff_and_gate_never_write_over_what_they_read(tmp_path):
     cases.write_text('[[case]]\nname = "a"\nprompt = "Hi"\nmodel = "tiny-llama"\nmax_new_tokens = 1\n')
     assert_error(cli("gate", cases, "--junit", cases), 2, "cannot write the JUnit XML to")
     assert cases.read_text().startswith("[[case]]")
+
+
+@pytest.mark.slow
+def test_diff_writes_both_reports_or_neither_when_the_disk_fills(tmp_path):
+    """RLIMIT_FSIZE between the two reports' sizes: report.json (~17 KB) fits, report.html (~37 KB)
+    does not. Before, `diff --json A --html B` exited 3 but kept A, a report without its page."""
+    from synthetic import SyntheticModel, write_trace
+
+    model = SyntheticModel(layers=2, seed=1)
+    traces = [write_trace(model, tmp_path / f"{name}.h5", list(range(3, 23)), 3) for name in ("a", "b")]
+    (tmp_path / "kept.json").write_text("earlier")
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (25_000, 25_000))
+
+    for json_path in (tmp_path / "A.json", tmp_path / "kept.json"):
+        result = run_kvdiff("diff", *traces, "--json", json_path, "--html", tmp_path / "B.html", preexec_fn=limit)
+        assert_error(result, 3, "cannot write the HTML report to", "File too large")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.h5", "b.h5", "kept.json"]   # no A, no B, no temporary
+    assert (tmp_path / "kept.json").read_text() == "earlier"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import kvdiff
+
 from robustness import assert_error, cli, compare_args
 
 LLAMA_CONFIG = {"model_type": "llama", "hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1,
@@ -86,3 +88,27 @@ def test_gguf_truncated_in_its_tensor_data(tmp_path, monkeypatch):
     result = cli(*compare_args(tmp_path / "run", "--model", path))
     assert_error(result, 2, f"cannot read GGUF {path}", "truncated or corrupt")
     assert list((tmp_path / "cache" / "models").glob("*")) == [] and not (tmp_path / "run").exists()
+
+
+def test_the_gguf_conversion_draws_no_progress_bar(tmp_path, monkeypatch, capsys):
+    """transformers' GGUF reader draws its own tqdm bar ("Converting and de-quantizing GGUF
+    tensors...") on stderr, which even `-q` printed: it is not one of transformers' progress bars,
+    which the CLI turns off. The conversion runs here on the tiny model, through the reader's tqdm."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from kvdiff.engine.loading import _convert_gguf
+
+    model, tokenizer = kvdiff.load_model("tiny-llama")
+
+    def model_from_gguf(*args, **kwargs):
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):   # as the reader does
+            pass
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", staticmethod(model_from_gguf))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", staticmethod(lambda *args, **kwargs: tokenizer))
+    _convert_gguf(tmp_path / "model.gguf", tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").is_file()
+    captured = capsys.readouterr()
+    assert "Converting" not in captured.err and captured.err == "", captured.err

@@ -74,7 +74,7 @@ def test_nul_characters_in_the_prompt_and_the_generated_text(tmp_path):
     result = compare(messages, model="tiny-llama", max_new_tokens=2, out=tmp_path / "run")
     assert result.exit_code == 0
     with open_trace(result.reference_trace) as trace:
-        meta = replace(trace.meta, text="a\x00b", points=("logits",), layers=())
+        meta = replace(trace.meta, text="a\x00b", points=("logits",), layers=(), generated_ids=np.zeros(0, np.int64))
     with TraceWriter(tmp_path / "nul.h5", meta) as writer:   # a model may generate NUL: stored as U+2400
         writer.write_rows("final", "logits", [0], torch.zeros(1, meta.dims.vocab_size))
     with open_trace(tmp_path / "nul.h5") as trace:
@@ -146,3 +146,65 @@ def test_a_chat_template_refusing_the_conversation_is_an_input_error():
                                "{{ m['content'] }}{% endfor %}")
     with pytest.raises(InputError, match="refused the conversation: System role not supported"):
         split_conversation(tokenizer, MESSAGES)
+
+
+# ---- many messages: work linear in their count (issue #28) -------------------------------------------
+
+def _count_renders(monkeypatch) -> list[int]:
+    """The number of messages of each chat-template render the chunker asks for."""
+    import kvdiff.engine.chunks as chunks
+
+    sizes: list[int] = []
+    render = chunks.render_chat
+
+    def counted(tokenizer, messages, generation, tokenize=False):
+        sizes.append(len(messages))
+        return render(tokenizer, messages, generation, tokenize)
+
+    monkeypatch.setattr(chunks, "render_chat", counted)
+    return sizes
+
+
+def test_splitting_many_messages_renders_each_a_bounded_number_of_times(monkeypatch):
+    """Each message's chunk came from a render of every prefix of the conversation: 2,000
+    one-character messages took 2 million message renders (8.7 s), 200,000 more than 300 s,
+    before the context check refused them. Now a window of two or three messages gives each chunk."""
+    from kvdiff.engine.chunks import split_conversation
+
+    _, tokenizer = kvdiff.load_model("tiny-llama")
+    messages = [{"role": "user", "content": "x"}] * 2000
+    sizes = _count_renders(monkeypatch)
+    chunked = split_conversation(tokenizer, messages)
+    assert len(chunked.chunks) == 2001 and [c.name for c in chunked.chunks[:2]] == ["user", "user#2"]
+    whole = len(messages) * 3           # the whole conversation: without and with the generation prompt
+    assert sum(sizes) <= 6 * len(messages) + whole, sum(sizes)
+
+
+def test_a_messages_file_of_twenty_thousand_messages_is_refused_by_the_context_check(tmp_path, monkeypatch):
+    sizes = _count_renders(monkeypatch)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps([{"role": "user", "content": "x"}] * 20_000), encoding="utf-8")
+    assert_error(cli(*compare_args(tmp_path / "run", "--messages", path)), 2,
+                 "prompt of 140006 tokens plus max_new_tokens 2 exceeds the model context of 2048")
+    assert sum(sizes) <= 10 * 20_000, sum(sizes)
+    assert not (tmp_path / "run").exists()
+
+
+NUMBERED = "{% for m in messages %}{{ loop.index }}. {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+
+
+def test_a_template_that_numbers_messages_still_gets_exact_chunks_within_a_bound(monkeypatch):
+    """A window renders message 5 as "2. ...": the windows' texts do not join to the whole render,
+    so every prefix is rendered, as before, and at most MAX_PREFIX_RENDER_MESSAGES messages."""
+    from kvdiff.engine.chunks import MAX_PREFIX_RENDER_MESSAGES, split_conversation
+    from kvdiff.errors import InputError
+
+    _, tokenizer = kvdiff.load_model("tiny-llama")
+    tokenizer.chat_template = NUMBERED
+    messages = [{"role": "user", "content": f"m{i}"} for i in range(12)]
+    chunked = split_conversation(tokenizer, messages)
+    assert [tokenizer.decode(c.token_ids) for c in chunked.chunks][10:] == ["11. m10\n", "12. m11\n", "A:"]
+    monkeypatch.setattr("kvdiff.engine.chunks.MAX_PREFIX_RENDER_MESSAGES", 10)
+    with pytest.raises(InputError, match=r"12 messages are more than the 10 kvdiff renders so; use chunk_size=N"):
+        split_conversation(tokenizer, messages)
+    assert MAX_PREFIX_RENDER_MESSAGES == 2048

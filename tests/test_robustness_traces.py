@@ -151,7 +151,7 @@ def test_traces_of_other_weights_or_tokenizers_are_diffed_with_a_warning(traces,
         div = kvdiff.diff(traces["reference"], other)
     assert div.tokens_identical
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and f"different {what} ({attribute} other vs" in warned[0]
+    assert len(warned) == 1 and f"different {what} ({attribute} 'other' vs" in warned[0]    # quoted: trace text
     report = div.to_json()
     assert report["recorded_with_different"] == [what]
     console = Console(width=100, record=True, file=io.StringIO())
@@ -269,3 +269,128 @@ def test_report_of_a_folder_without_a_finished_run(tmp_path):
     assert_error(cli("report", tmp_path / "report.json"), 2,
                  f"{tmp_path / 'report.json'} is not a folder: give the run folder that holds report.json "
                  f"(`kvdiff report {tmp_path}`)")
+
+
+# ---- tables that disagree with the trace or with each other (issue #28) ---------------------------
+
+def _chunks_json(*spans, encoded=None) -> Callable[[h5py.File], None]:
+    table = [{"name": f"c{i}", "positions": list(span), "hash": "h", "cache": "miss",
+              "encoded_positions": list(encoded or span)} for i, span in enumerate(spans)]
+    return lambda f: f.attrs.__setitem__("chunks_json", json.dumps(table))
+
+
+def _replace_dataset(name: str, values) -> Callable[[h5py.File], None]:
+    def change(f: h5py.File) -> None:
+        del f[name]
+        f[name] = values
+    return change
+
+
+def _steps_cut(rows: int) -> Callable[[h5py.File], None]:
+    def change(f: h5py.File) -> None:
+        for name in list(f["steps"]):
+            data = f[f"steps/{name}"][:rows]
+            del f[f"steps/{name}"]
+            f[f"steps/{name}"] = data
+    return change
+
+
+def _declared_length(name: str, length: int) -> Callable[[h5py.File], None]:
+    """`name` declared `length` values long, chunked and unwritten: the file holds no bytes for them."""
+    def change(f: h5py.File) -> None:
+        del f[name]
+        f.create_dataset(name, shape=(length,), maxshape=(None,), chunks=(1024,), dtype=np.int64)
+    return change
+
+
+INCONSISTENT = {
+    # chunk tables: in the prompt (20 tokens), in order, without overlaps, encoded as long as they span
+    "chunk-past-the-prompt": (_chunks_json((0, 10 ** 12)), "chunk 0 of chunks_json spans positions 0-1000000000000, "
+                              "past the prompt's 20 tokens"),
+    "chunks-overlapping": (_chunks_json((0, 9), (5, 19)), "chunk 1 of chunks_json starts at position 5, not after "
+                           "chunk 0 (0-9): chunks are in order and do not overlap"),
+    "chunks-repeated": (_chunks_json(*[(0, 0)] * 300_000), "chunk 1 of chunks_json starts at position 0"),
+    "chunk-encoded-elsewhere-longer": (_chunks_json((0, 9), encoded=(0, 10 ** 12)),
+                                       "chunk 0 of chunks_json is encoded at 1000000000001 positions"),
+    # token lists, steps and positions
+    "generated-ids-empty": (_replace_dataset("generated_ids", np.zeros(0, np.int64)),
+                            "steps holds 3 rows for the 0 tokens of generated_ids"),
+    "steps-cut": (_steps_cut(1), "steps holds 1 rows for the 3 tokens of generated_ids"),
+    "step-token-differs": (lambda f: f["steps/token_id"].__setitem__(1, (f["steps/token_id"][1] + 1) % 64),
+                           "steps/token_id must be the tokens of generated_ids: step 1 holds"),
+    "step-position-differs": (lambda f: f["steps/position"].__setitem__(0, 3),
+                              "steps/position must be the positions whose logits chose the tokens"),
+    "positions-past-the-tokens": (_replace_dataset("positions", np.array([0, 1, 10 ** 12])),
+                                  "positions holds 1000000000000, past the last of the 20 prompt and 3 generated"),
+    "provenance-past-the-tokens": (lambda f: (f.create_group("provenance"), *[
+        f.create_dataset(f"provenance/{k}", data=v) for k, v in (
+            ("positions", np.array([10 ** 12])), ("chunk", np.array([b"x"], dtype=h5py.string_dtype())),
+            ("prefill_id", np.zeros(1, np.int64)), ("encoded_position", np.zeros(1, np.int64)),
+            ("reused", np.zeros(1, bool)))]), "provenance/positions holds 1000000000000, past the last"),
+    # sizes over the sane limits, refused before anything is allocated
+    "vocabulary-huge": (lambda f: f.attrs.__setitem__("vocab_size", 2 ** 40), "attribute 'vocab_size' is "
+                        "1099511627776, outside 1..16777216"),
+    "input-ids-declared-huge": (_declared_length("input_ids", 2 ** 40), "input_ids holds 1099511627776 values, "
+                                "more than the 1048576 kvdiff reads"),
+}
+
+
+@pytest.mark.parametrize("kind", list(INCONSISTENT))
+def test_tables_inconsistent_with_the_trace_are_refused_before_analysis(traces, tmp_path, kind):
+    """Before: 300,000 chunks at [0, 0] took 207 s and 2.2 GB for a 68 MB report.html, a chunk
+    spanning [0, 10^12] was accepted, an empty generated_ids gave `tokens differ from step 0` and
+    /steps cut short gave exit 0."""
+    change, message = INCONSISTENT[kind]
+    bad = mutated(traces, tmp_path, change)
+    for args in (("diff", traces["reference"], bad, "--json", tmp_path / "r.json"), ("inspect", bad)):
+        assert_error(cli(*args), 2, f"trace {bad} is malformed: {message}", "fix its writer")
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_long_chunk_table_is_looked_up_by_bisection():
+    """One chunk per two prompt tokens: every position's chunk is found without a scan of the table
+    (a scan per position made the diff and the terminal heatmap quadratic in the chunk count: about
+    30 s for these 40,000 positions)."""
+    import time
+
+    from kvdiff.analysis.chunks import ChunkLookup
+    from kvdiff.trace import ChunkRecord
+
+    table = [ChunkRecord(f"c{i}", (2 * i, 2 * i + 1), "h", "miss", (0, 1)) for i in range(20_000)]
+    lookup = ChunkLookup(table, np.arange(40_000), None)
+    report = Report.from_json({"schema_version": 1, "verdict": "identical", "tokens_identical": True,
+                               "chunks": [c.to_json() for c in table]})
+    start = time.perf_counter()
+    names = [lookup.chunk_of(p) for p in range(40_001)]
+    labels = [report.chunk_at(p) for p in range(40_000)]
+    assert time.perf_counter() - start < 5
+    assert names[:3] == ["c0", "c0", "c1"] and names[-2:] == ["c19999", None]
+    assert labels[::2] == [f"c{i}" for i in range(20_000)] == labels[1::2]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r.update(verdict={"x": 1}), "report 'verdict' must be 'identical' (tokens_identical is true), not dict"),
+    (lambda r: r.update(verdict="divergent"), "report 'verdict' must be 'identical'"),
+    (lambda r: r.update(tokens_identical="yes"), "report 'tokens_identical' must be true or false, not 'yes'"),
+    (lambda r: r.update(chunks=[{"name": "a", "positions": ["x", 1]}]), "report chunk 0 positions must be [first, last]"),
+    (lambda r: r["heatmaps"]["k"].update(rel=[[0.0]]), "report heatmaps 'k' rows must be lists as long as its positions"),
+], ids=["verdict-a-dict", "verdict-contradicts", "identical-not-a-bool", "chunk-span-not-numbers", "heatmap-rows-short"])
+def test_report_of_a_report_json_of_the_wrong_types_is_refused(traces, tmp_path, change, message):
+    """Before, `kvdiff report` rendered a report.json whose verdict was a dict ("{'X': 1}" as the verdict)."""
+    report = kvdiff.diff(traces["reference"], traces["same"]).to_json()
+    change(report)
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    assert_error(cli("report", tmp_path), 2, message, "is it a kvdiff report.json?")
+    assert not (tmp_path / "report.html").exists()
+
+
+def test_token_ids_shown_without_a_tokenizer_are_separated(traces, tmp_path):
+    """Without --model the diff shows token ids; the terminal report glued them (`23327320163`)."""
+    other = mutated(traces, tmp_path, lambda f: (f["generated_ids"].__setitem__(0, 6),
+                                                 f["steps/token_id"].__setitem__(0, 6)))
+    result = cli("diff", traces["reference"], other, env={"COLUMNS": "200"})
+    assert result.exit_code == 1, result.stderr
+    first, *rest = kvdiff.diff(traces["reference"], traces["same"]).reference.generated_ids.tolist()
+    assert first != 6
+    later = " ".join(map(str, rest))
+    assert f"»{first}« {later}" in result.stdout and f"»6« {later}" in result.stdout

@@ -18,11 +18,13 @@ from kvdiff.trace.sink import ProbeIntegrityError
 from kvdiff.trace import ChunkRecord, ModelDims, TraceMeta, TraceWriter, open_trace
 
 
-def make_meta(dtype: str = "float32") -> TraceMeta:
+def make_meta(dtype: str = "float32", prompt: int = 400) -> TraceMeta:
+    """A unit test's metadata: a prompt of `prompt` tokens (positions the test writes rows at lie
+    in it: the reader refuses positions past the prompt and generated tokens), nothing generated."""
     return TraceMeta(
         kvdiff_version="0.1.0", model_name="unit", model_fingerprint="cfg:0/w:0", tokenizer_fingerprint="tok",
         dtype=dtype, device="cpu", torch_version=torch.__version__, transformers_version="5", strategy="reference",
-        numerics="fast", messages=[{"role": "user", "content": "hi"}], input_ids=np.arange(6, dtype=np.int64),
+        numerics="fast", messages=[{"role": "user", "content": "hi"}], input_ids=np.arange(prompt, dtype=np.int64) % 50,
         dims=ModelDims(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32, vocab_size=50,
                        attn_scale=8 ** -0.5), points=("resid_pre", "k"), layers=(0, 1),
     )
@@ -35,7 +37,7 @@ def test_rows_round_trip_bit_for_bit(tmp_path, dtype):
     rows = {(layer, p): (torch.randn(8, 32, generator=g) * 100).to(dtype) for layer in (0, 1) for p in ("resid_pre",)}
     keys = {layer: (torch.randn(8, 2, 8, generator=g) * 1e-3).to(dtype) for layer in (0, 1)}
     chunks = [ChunkRecord("system", (0, 3), "ab", "miss", (0, 3)), ChunkRecord("user", (4, 5), "cd", "hit", (4, 5))]
-    with TraceWriter(path, make_meta(str(dtype).removeprefix("torch."))) as w:
+    with TraceWriter(path, make_meta(str(dtype).removeprefix("torch."), prompt=6)) as w:
         for layer in (0, 1):
             w.write_rows(f"layers/{layer}", "resid_pre", range(6), rows[(layer, "resid_pre")][:6])
             w.write_rows(f"layers/{layer}", "k", range(6), keys[layer][:6])

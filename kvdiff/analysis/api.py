@@ -47,7 +47,9 @@ def _check_same_model(ref: TraceReader, cand: TraceReader) -> None:
                              f"diff traces of the same model")
     for what in recorded_with_different(ref.meta, cand.meta):
         name = "model_fingerprint" if what == "weights" else "tokenizer_fingerprint"
-        log.warning("%s and %s were recorded with different %s (%s %s vs %s): differences may come from them",
+        # the fingerprints are a trace's text: quoted with repr, so that control characters are
+        # escapes in any log a caller configured, not only in the CLI's
+        log.warning("%s and %s were recorded with different %s (%s %r vs %r): differences may come from them",
                     cand.path, ref.path, what, name, getattr(cand.meta, name), getattr(ref.meta, name))
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_right
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -16,6 +17,12 @@ class ChunkLookup:
     table: list[ChunkRecord]
     positions: np.ndarray                     # the candidate's recorded positions
     provenance: ProvenanceRecords | None
+    # first position of each chunk: the reader keeps tables in order and without overlaps, so the
+    # chunk holding a position is found by bisection (a scan per position was quadratic)
+    firsts: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "firsts", [rec.positions[0] for rec in self.table])
 
     @classmethod
     def of(cls, trace: TraceReader) -> "ChunkLookup":
@@ -27,10 +34,8 @@ class ChunkLookup:
 
     def record(self, position: int) -> ChunkRecord | None:
         """The chunk-table row whose span holds `position`."""
-        for rec in self.table:
-            if rec.positions[0] <= position <= rec.positions[1]:
-                return rec
-        return None
+        i = bisect_right(self.firsts, position) - 1
+        return self.table[i] if i >= 0 and position <= self.table[i].positions[1] else None
 
     def chunk_of(self, position: int) -> str | None:
         row = self._row(position)

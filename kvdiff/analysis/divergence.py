@@ -164,6 +164,7 @@ class Divergence:
             "tokens_identical": self.tokens_identical,
             "text_identical": al.text_identical,
             "prompt": {"token_ids": self.reference.input_ids.tolist(), "tokens": self.token_strings["prompt"]},
+            "conversation": [{"role": str(m.get("role")), "content": str(m.get("content"))} for m in self.reference.messages],
             "reference": {"text": self.reference.text, "token_ids": self.reference.generated_ids.tolist(),
                           "tokens": self.token_strings["reference"]},
             "candidate": {"text": self.candidate.text, "token_ids": self.candidate.generated_ids.tolist(),

@@ -16,6 +16,7 @@ their rounding step (2^-8, 2^-11) dwarfs accumulation-order effects.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Mapping
@@ -90,10 +91,11 @@ def parse_tolerance(spec: str) -> tuple[str, Tolerance]:
             raise ValueError
         atol = float(parts[0])
         rtol = float(parts[1]) if len(parts) == 2 else 0.0
-        if atol < 0 or rtol < 0:
+        if not (0 <= atol < math.inf and 0 <= rtol < math.inf):     # NaN fails every comparison
             raise ValueError
     except ValueError:
-        raise InputError(f"bad tolerance {spec!r}; write POINT=ATOL[,RTOL], e.g. logits=1e-4,1e-3") from None
+        raise InputError(f"bad tolerance {spec!r}; write POINT=ATOL[,RTOL] with finite numbers >= 0, "
+                         "e.g. logits=1e-4,1e-3") from None
     if point not in ALL_POINTS:
         raise InputError(f"unknown probe point {point!r} in tolerance {spec!r}; use one of {', '.join(ALL_POINTS)}")
     return point, Tolerance(atol, rtol)

@@ -103,11 +103,30 @@ app = typer.Typer(
 _state = {"verbose": 0, "quiet": False}
 
 
+class PrintableFormatter(logging.Formatter):
+    """A log line whose message cannot forge other lines or restyle the terminal: its control
+    characters, line breaks included, and line separators are written as escapes. A message
+    may quote a trace, a case file or a model (a fingerprint holding a newline, a fake
+    `kvdiff: error:` line and ESC[2J once cleared the terminal). Tracebacks (-v) stay as they are."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from kvdiff.reports.printable import printable
+
+        original = record.msg, record.args
+        record.msg, record.args = printable(record.getMessage(), keep=""), None
+        try:
+            return super().format(record)
+        finally:
+            record.msg, record.args = original
+
+
 def _configure_logging(verbose: int, quiet: bool) -> None:
     level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING)
     # With -v each line starts with the seconds since start, so a log shows where a run's time goes.
     timed = "%(relativeCreated)8.0fms " if level < logging.WARNING else ""
-    logging.basicConfig(level=level, format=timed + "%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(PrintableFormatter(timed + "%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
     logging.getLogger("kvdiff").setLevel(level)
     from transformers.utils import logging as hf_logging
 

@@ -32,6 +32,7 @@ def gate(
     from rich.markup import escape
     from rich.table import Table
 
+    from kvdiff.reports.printable import printable
     from kvdiff.run.folder import claimed_out_dir
     from kvdiff.gate.cases import load_cases
     from kvdiff.gate.runner import run_cases, write_junit
@@ -51,7 +52,9 @@ def gate(
     colours = {"passed": "green", "failed": "red", "error": "yellow"}
     for o in outcomes:
         detail = o.message + (f" (report: {o.report_dir})" if o.report_dir else "")
-        table.add_row(escape(o.name), f"[{colours[o.status]}]{o.status}[/]", f"{o.seconds:.1f}", escape(detail))
+        # case names and messages come from the case file: markup and control characters made inert
+        table.add_row(escape(printable(o.name, keep="")), f"[{colours[o.status]}]{o.status}[/]", f"{o.seconds:.1f}",
+                      escape(printable(detail)))
     if for_humans(junit):
         console().print(table)
     raise typer.Exit(0 if all(o.status == "passed" for o in outcomes) else 1)

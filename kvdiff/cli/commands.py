@@ -38,11 +38,12 @@ def generate(
     from kvdiff.conversation import build_messages
     from kvdiff.engine.loading import load_model
     from kvdiff.engine.reference import reference_generate
+    from kvdiff.reports.printable import printable
 
     conversation = build_messages(prompt, system, messages)
     loaded_model, tokenizer = load_model(model, dtype=dtype, device=device, device_map=device_map)
     out = reference_generate(loaded_model, tokenizer, conversation, max_new_tokens)
-    echo(out.text)
+    echo(printable(out.text))        # a model may generate control characters: shown as escapes
 
 
 @app.command()
@@ -71,7 +72,7 @@ def compare(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write report.json here."),
     point: Point = None,
     engine: str = typer.Option("kvdiff", "--engine", help="kvdiff (its own chunked engine), or an engine under "
-                               "test run cold, cold again and warm: transformers or vllm."),
+                               "test run cold, cold again and warm: transformers, vllm or llama.cpp."),
 ) -> None:
     """Run the reference and the chunked engine with probes, and report where they part.
 
@@ -108,7 +109,8 @@ def diff(
     html: Optional[Path] = typer.Option(None, "--html", help="Write the HTML report to this file."),
     tolerance: list[str] = typer.Option([], "--tolerance", help="POINT=ATOL[,RTOL], repeatable."),
     baseline: Optional[Path] = typer.Option(None, "--baseline", help="Engine trace with strategy none, for attribution."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model whose tokenizer shows token text (default: ids)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model whose tokenizer shows token text "
+                                        "(default: the model the traces name, when its files are here; else ids)."),
     point: Point = None,
 ) -> None:
     """Diff two trace files: exit 0 if the tokens are identical, 1 if they differ.
@@ -119,25 +121,27 @@ def diff(
     """
     from kvdiff.analysis import diff as run_diff, parse_tolerance
     from kvdiff.engine.loading import load_model
-    from kvdiff.reports.json_report import write_json_atomically
-    from kvdiff.reports.html import write_html
+    from kvdiff.files import write_texts_atomically
+    from kvdiff.reports.json_report import report_json_text
+    from kvdiff.reports.html import render_html
+    from kvdiff.reports.printable import printable
 
     check_point(point)
     check_outputs({"report.json": json_out, "the HTML report": html},
                   [trace for trace in (reference, candidate, baseline) if trace is not None])
     tolerances = dict(parse_tolerance(spec) for spec in tolerance)
-    tokenizer = load_model(model)[1] if model else None
+    tokenizer = load_model(model)[1] if model else _named_tokenizer(reference)
     div = run_diff(reference, candidate, baseline=baseline, tolerances=tolerances, tokenizer=tokenizer)
     report = div.report()
-    if json_out is not None:
-        write_json_atomically(report.to_json(), json_out)
-    if html is not None:
-        write_html(report, html)
+    # both reports or neither: a disk that fills while the second is written keeps the first out too
+    write_texts_atomically([(path, render(), what) for path, render, what in (
+        (json_out, lambda: report_json_text(report.to_json()), "report.json"),
+        (html, lambda: render_html(report), "the HTML report")) if path is not None])
     if for_humans(html, json_out):
         show_report(report, point)
         attribution = report.section("attribution")
         if attribution:
-            echo(f"attribution: {attribution['source']}: {attribution['evidence']}")
+            echo(printable(f"attribution: {attribution['source']}: {attribution['evidence']}", keep=""))
     raise typer.Exit(0 if div.tokens_identical else 1)
 
 
@@ -190,3 +194,20 @@ def inspect(
 
     with open_trace(trace) as tr:
         console().print(describe_trace(tr))
+
+
+def _named_tokenizer(trace: Path):
+    """The tokenizer of the model the trace names, when local files give it and it is the one
+    the trace was recorded with (same tokenizer fingerprint); else None and ids are shown. A
+    trace cannot make kvdiff show text from other files than the tokenizer it was made with."""
+    from kvdiff.engine.loading import load_tokenizer
+    from kvdiff.trace import open_trace
+    from kvdiff.trace.fingerprint import tokenizer_fingerprint
+
+    with open_trace(trace) as reader:
+        name, fingerprint = reader.meta.model_name, reader.meta.tokenizer_fingerprint
+    tokenizer = load_tokenizer(name)
+    if tokenizer is not None and tokenizer_fingerprint(tokenizer) != fingerprint:
+        log.info("the tokenizer of %r is not the one the trace was recorded with: token ids shown", name)
+        return None
+    return tokenizer

@@ -4,6 +4,15 @@ Message chunks come from diffing chat-template renders of message prefixes, each
 alone. Their concatenation must equal the tokenization of the whole prompt; where the
 template or tokenizer merges across a boundary that is an error naming the position,
 unless the caller accepts the mismatch (then the chunk tokens are used, with a warning).
+
+Rendering every prefix costs a render of the conversation per message, which grows with the
+square of the message count (2,000 one-character messages took 8.7 s, 200,000 more than 300 s,
+before the context check refused them). A message's text is taken instead from a window of two
+or three messages ending with it (the text `render(window)` adds to `render(window minus it)`),
+which is linear; the windows' texts must then join to exactly the render of the whole
+conversation. A template whose windows do not (one that numbers messages, or renders one
+differently once later ones follow) gets the prefix renders, for at most
+MAX_PREFIX_RENDER_MESSAGES messages.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from kvdiff.errors import InputError, TokenizationBoundaryError
 log = logging.getLogger(__name__)
 
 GENERATION_CHUNK = "generation"
+MAX_PREFIX_RENDER_MESSAGES = 2048      # prefix renders (quadratic): 2,048 messages take a few seconds
 
 
 @dataclass(frozen=True)
@@ -68,8 +78,68 @@ def _render(tokenizer, messages: Messages, generation: bool) -> str:
     return render_chat(tokenizer, messages, generation)
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+def _encode_all(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, tokenized alone (one batched call)."""
+    if not texts:
+        return []
+    return [[int(i) for i in ids] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def _window_texts(tokenizer, kept: Messages) -> list[str] | None:
+    """Each message's text as the window ending with it renders it: the window starts at the even
+    index at or before the previous message (so it keeps the parity a template that checks
+    alternating roles expects), two or three messages. None when a window's render does not
+    extend the render without its last message, or a template refuses a window."""
+    texts: list[str] = []
+    cached: tuple[int, int, str] = (-1, -1, "")         # (first, end, render) of the last window
+    for n in range(len(kept)):
+        first = max(n - 1, 0) & ~1
+        try:
+            before = cached[2] if cached[:2] == (first, n) else _render(tokenizer, kept[first:n], False)
+            after = _render(tokenizer, kept[first:n + 1], False)
+        except InputError:
+            return None
+        if not after.startswith(before):
+            return None
+        texts.append(after[len(before):])
+        cached = (first, n + 1, after)
+    return texts
+
+
+def _prefix_texts(tokenizer, kept: Messages) -> list[str]:
+    """Each message's text as the render of the conversation up to it adds it: exact for any
+    template, at a render of the conversation per message."""
+    if len(kept) > MAX_PREFIX_RENDER_MESSAGES:
+        name = getattr(tokenizer, "name_or_path", "") or "this model"
+        raise InputError(f"the chat template of {name} renders a message differently within a few messages than "
+                         f"within the whole conversation, so per-message chunks take a render of every prefix: "
+                         f"{len(kept)} messages are more than the {MAX_PREFIX_RENDER_MESSAGES} kvdiff renders so; "
+                         "use chunk_size=N (--chunk-size N)")
+    texts, previous = [], ""
+    for n in range(len(kept)):
+        text = _render(tokenizer, kept[: n + 1], False)
+        if not text.startswith(previous):
+            raise TokenizationBoundaryError(
+                f"the chat template renders message {n} differently once later messages follow: "
+                "per-message chunks are impossible with this template; use chunk_size=N")
+        texts.append(text[len(previous):])
+        previous = text
+    return texts
+
+
+def _message_texts(tokenizer, kept: Messages) -> tuple[list[str], str]:
+    """The text each message adds to the render of the conversation, and the generation prompt's."""
+    whole = _render(tokenizer, kept, False)
+    texts = _window_texts(tokenizer, kept)
+    if texts is None or "".join(texts) != whole:
+        texts = _prefix_texts(tokenizer, kept)
+        whole = "".join(texts)
+    prompt = _render(tokenizer, kept, True)
+    if not prompt.startswith(whole):
+        raise TokenizationBoundaryError(
+            f"the chat template renders message {len(kept) - 1} differently once the generation prompt follows: "
+            "per-message chunks are impossible with this template; use chunk_size=N")
+    return texts, prompt[len(whole):]
 
 
 def _chunk_name(role: str, seen: dict[str, int]) -> str:
@@ -109,19 +179,11 @@ def split_messages(tokenizer, messages: Messages, allow_boundary_mismatch: bool 
         raise InputError("the last non-empty message must be from the user: kvdiff generates the reply")
     chunks: list[Chunk] = []
     seen: dict[str, int] = {}
-    previous = ""
     start = 0
     index_of = [i for i, m in enumerate(messages) if m["content"] != ""]
-    for n in range(len(kept) + 1):
+    texts, generation_text = _message_texts(tokenizer, kept)
+    for n, ids in enumerate(_encode_all(tokenizer, [*texts, generation_text])):
         generation = n == len(kept)
-        text = _render(tokenizer, kept, True) if generation else _render(tokenizer, kept[: n + 1], False)
-        if not text.startswith(previous):
-            raise TokenizationBoundaryError(
-                f"the chat template renders message {n} differently once later messages follow: "
-                "per-message chunks are impossible with this template; use chunk_size=N")
-        piece = text[len(previous):]
-        previous = text
-        ids = _encode(tokenizer, piece)
         if not ids:
             continue
         if generation:

@@ -7,6 +7,8 @@ model is cached as safetensors under the kvdiff cache dir, keyed by the GGUF's c
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -19,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from kvdiff.errors import InputError, ModelLoadError, UnsupportedModelError
+from kvdiff.errors import InputError, KvdiffError, ModelLoadError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -123,24 +125,51 @@ def fill_cache_atomically(target: Path, build: Callable[[Path], None]) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    """No progress bar on stderr while a GGUF is converted: transformers' GGUF reader draws its own
+    tqdm bar (not one of transformers' progress bars, which the CLI turns off, so even `-q` printed
+    it), and saving draws transformers' "Writing model shards". kvdiff's stages are its spinner and
+    log."""
+    from transformers.utils import logging as hf_logging
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:        # pragma: no cover - another transformers layout
+        gguf_utils = None
+    bar = getattr(gguf_utils, "tqdm", None)
+    shown = hf_logging.is_progress_bar_enabled()
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s (one-off, ~20 s); cached for later loads", gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # The weights are dequantized: the model is a plain float model now, and transformers
-    # refuses to save anything still marked as GGUF-quantized.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    # Older converted tokenizers report <|im_start|> as eos; a ChatML turn ends on <|im_end|>.
-    if "<|im_end|>" in tokenizer.get_vocab():
-        tokenizer.eos_token = "<|im_end|>"
-        model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
+    with _no_progress_bars():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The weights are dequantized: the model is a plain float model now, and transformers
+        # refuses to save anything still marked as GGUF-quantized.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        # Older converted tokenizers report <|im_start|> as eos; a ChatML turn ends on <|im_end|>.
+        if "<|im_end|>" in tokenizer.get_vocab():
+            tokenizer.eos_token = "<|im_end|>"
+            model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        model.generation_config.save_pretrained(out)
     (out / "SOURCE").write_text(f"{gguf}\n")
 
 
@@ -242,4 +271,28 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", device="cpu",
         model.to(torch_device)
     model.kvdiff_source = source
     model.kvdiff_folder = None if name in TINY_FAMILIES else folder      # the checkpoint other engines load
+    model.kvdiff_gguf = path if name not in TINY_FAMILIES and path.suffix == ".gguf" else None
     return model, tokenizer
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of a model as a trace names it (`model_name`), when it can be had from local
+    files without converting anything: a tiny model's, a folder's, or a GGUF's (the default
+    model's included) already converted. None otherwise."""
+    from transformers import AutoTokenizer
+
+    from kvdiff.engine.tiny import TINY_FAMILIES, tiny_tokenizer
+
+    name = str(name_or_path)
+    if name in TINY_FAMILIES:
+        return tiny_tokenizer()
+    try:
+        path = default_gguf_path() if name == DEFAULT_MODEL else Path(name).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            path = cache_dir() / "models" / file_sha256(path)[:24]
+        if not (path / "tokenizer_config.json").is_file() and not (path / "tokenizer.json").is_file():
+            return None
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KvdiffError) as exc:
+        log.info("no tokenizer for %s (%s): token ids shown instead", name, exc)
+        return None

@@ -31,9 +31,10 @@ from kvdiff.errors import KvdiffError
 
 log = logging.getLogger(__name__)
 
-CPU_ROW_TILE = 16      # CPU: fixed row tiles, one matmul per tile
+CPU_ROW_TILE = 16      # CPU: fixed row tiles, one batched matmul over them
 CUDA_ROW_TILE = 64     # CUDA: fixed row tiles, one batched matmul (bf16/fp16) or one per tile (fp32)
 KEY_TILE = 64          # attention: keys in tiles of this many positions, aligned to position 0
+QUERY_BLOCK = 128      # CPU attention: query rows per block (a multiple of both row tiles)
 
 EXACT_ATTENTION = "kvdiff_exact"
 
@@ -58,10 +59,15 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     rows = flat.shape[0]
     if flat.is_cuda and flat.dtype != torch.float32:
         out = nn.functional.linear(_pad_rows(flat, CUDA_ROW_TILE), weight)   # one matmul of whole 64-row tiles
-    else:
-        tile = CUDA_ROW_TILE if flat.is_cuda else CPU_ROW_TILE
+    elif flat.is_cuda:        # float32 on a GPU: a matmul per tile (the batched form was not invariant there)
         weight_t = weight.t()
-        out = torch.cat([part @ weight_t for part in _pad_rows(flat, tile).split(tile)])
+        out = torch.cat([part @ weight_t for part in _pad_rows(flat, CUDA_ROW_TILE).split(CUDA_ROW_TILE)])
+    else:
+        # One batched matmul of 16-row tiles against the same (stride-0) weight: each tile is a
+        # gemm of one shape whatever the number of tiles, so a row's bits do not depend on the
+        # rows beside it; the same bits as a matmul per tile, at about a plain matmul's speed.
+        tiles = _pad_rows(flat, CPU_ROW_TILE).view(-1, CPU_ROW_TILE, flat.shape[-1])
+        out = torch.bmm(tiles, weight.t().unsqueeze(0).expand(tiles.shape[0], -1, -1)).reshape(-1, weight.shape[0])
     out = out[:rows]
     if bias is not None:
         out = out + bias
@@ -88,32 +94,45 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
     Lp = ntiles * KEY_TILE
     qf = q.new_zeros((Tp, H, D), dtype=torch.float32)
     qf[:T] = q
-    qf = qf.view(Tp, KVH, groups, D).permute(1, 2, 0, 3).reshape(KVH, groups * Tp, D)
+    qf = qf.view(Tp, KVH, groups, D).permute(1, 0, 2, 3).reshape(KVH, Tp * groups, D)     # row t * groups + g
     kf = k.new_zeros((KVH, Lp, D), dtype=torch.float32)
     kf[:, :L] = k.permute(1, 0, 2)
     vf = v.new_zeros((KVH, Lp, D), dtype=torch.float32)
     vf[:, :L] = v.permute(1, 0, 2)
     vis = torch.zeros((Tp, Lp), dtype=torch.bool, device=q.device)
     vis[:T, :L] = visible
-    hidden = ~vis.unsqueeze(0).expand(groups, Tp, Lp).reshape(groups * Tp, Lp)
+    hidden = ~vis.unsqueeze(1).expand(Tp, groups, Lp).reshape(Tp * groups, Lp)
+    # A key tile hidden from every row of a block leaves those rows' state bit-for-bit unchanged
+    # (scores -inf: alpha 1, p 0), so each block skips such tiles (half of a causal prefill).
+    reaches = vis.view(Tp, ntiles, KEY_TILE).any(-1)
+    out = torch.empty((KVH, Tp * groups, D), device=q.device)
+    for first in range(0, Tp, QUERY_BLOCK):
+        rows = slice(first * groups, min(Tp, first + QUERY_BLOCK) * groups)
+        out[:, rows] = _online_softmax(qf[:, rows], kf, vf, hidden[rows], reaches[first:first + QUERY_BLOCK], scale)
+    out = out.view(KVH, Tp, groups, D).permute(1, 0, 2, 3).reshape(Tp, H, D)
+    return out[:T].to(q.dtype)
 
+
+def _online_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,
+                    reaches: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one block of rows over the key tiles any of them can see, in key order."""
     neg_inf = float("-inf")
-    m = torch.full((KVH, groups * Tp, 1), neg_inf, device=q.device)
-    l = torch.zeros((KVH, groups * Tp, 1), device=q.device)
-    acc = torch.zeros((KVH, groups * Tp, D), device=q.device)
-    for t in range(ntiles):
+    kvh, n, d = q.shape
+    m = torch.full((kvh, n, 1), neg_inf, device=q.device)
+    l = torch.zeros((kvh, n, 1), device=q.device)
+    acc = torch.zeros((kvh, n, d), device=q.device)
+    for t in torch.nonzero(reaches.any(0)).flatten().tolist():
         cols = slice(t * KEY_TILE, (t + 1) * KEY_TILE)
-        s = torch.bmm(qf, kf[:, cols].transpose(1, 2)) * scale
+        s = torch.bmm(q, k[:, cols].transpose(1, 2)) * scale
         s = s.masked_fill(hidden[:, cols], neg_inf)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         m_safe = m_new.masked_fill(m_new == neg_inf, 0.0)
         alpha = torch.exp(m - m_safe)
         p = torch.exp(s - m_safe)
         l = l * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + torch.bmm(p, vf[:, cols])
+        acc = acc * alpha + torch.bmm(p, v[:, cols])
         m = m_new
-    out = (acc / l).view(KVH, groups, Tp, D).permute(2, 0, 1, 3).reshape(Tp, H, D)
-    return out[:T].to(q.dtype)
+    return acc / l
 
 
 def _exact_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -23,11 +23,12 @@ def pytest_addoption(parser) -> None:
                     help="folder for kvdiff divergence reports of failing checks")
 
 
-def generated_ids(token_ids: object, prompt_ids: Sequence[int]) -> list[int]:
+def generated_ids(token_ids: object, prompt_ids: Sequence[int], vocab_size: int | None = None) -> list[int]:
     """An engine's generated ids as ints, from a list, a tuple, or an array or tensor of one row.
 
-    InputError for anything else, and for ids that begin with the whole prompt (the full output
-    of transformers' `generate`): those could never match the generated tokens.
+    InputError for anything else, for ids outside `0..vocab_size-1` (a tokenizer cannot decode
+    them: 10**12 raised a bare OverflowError), and for ids that begin with the whole prompt (the
+    full output of transformers' `generate`): those could never match the generated tokens.
     """
     if hasattr(token_ids, "tolist"):             # numpy array or torch tensor
         token_ids = token_ids.tolist()
@@ -43,6 +44,11 @@ def generated_ids(token_ids: object, prompt_ids: Sequence[int]) -> list[int]:
     except TypeError:
         bad = next(i for i in token_ids if not hasattr(i, "__index__"))
         raise InputError(f"token_ids must hold ints, got {bad!r}") from None
+    if vocab_size is not None:
+        outside = next(((step, i) for step, i in enumerate(ids) if not 0 <= i < vocab_size), None)
+        if outside is not None:
+            raise InputError(f"token_ids holds {outside[1]} at step {outside[0]}, outside the model's vocabulary "
+                             f"0..{vocab_size - 1}: pass the token ids your engine generated")
     prompt = list(prompt_ids)
     if len(ids) > len(prompt) and ids[:len(prompt)] == prompt:
         raise InputError(f"token_ids begins with the prompt's {len(prompt)} tokens: pass only the generated "
@@ -92,7 +98,8 @@ class KvdiffChecker:
         from kvdiff.run.record import record
 
         messages = validate_messages(messages)
-        token_ids = generated_ids(token_ids, render_prompt_ids(tokenizer, messages))
+        vocab = max(int(getattr(model.config, "vocab_size", 0) or 0), len(tokenizer))
+        token_ids = generated_ids(token_ids, render_prompt_ids(tokenizer, messages), vocab)
         steps = max_new_tokens or max(1, len(token_ids))
         reference = reference_generate(model, tokenizer, messages, max_new_tokens=steps)
         if list(reference.token_ids) == token_ids:

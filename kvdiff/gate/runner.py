@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import re
 import time
-import traceback
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +62,7 @@ def run_cases(cases: list[GateCase], out_dir: Path, compare_fn: Callable | None 
         except KvdiffError as exc:
             outcome = CaseOutcome(case.name, "error", time.perf_counter() - start, str(exc))
         except Exception as exc:  # a crashing case is reported; the rest of the gate still runs
-            log.debug("case %s crashed:\n%s", case.name, traceback.format_exc())
+            log.debug("case %s crashed", case.name, exc_info=True)     # the traceback goes after the message
             outcome = CaseOutcome(case.name, "error", time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
         else:
             elapsed = time.perf_counter() - start

@@ -124,8 +124,8 @@ function kvdiffHeatmap(page) {
       "token  " + JSON.stringify(String(tokenAt(pos))),
       "chunk  " + chunkAt(pos),
       "tier   " + (tier ? tier + " " + (TIER_GLYPH[tier] || "") : "not recorded (K/V read from the cache)"),
-      "rel    " + fmt(row.rel[c]),
-      "max_abs " + fmt(row.max_abs[c]),
+      "rel_diff " + fmt(row.rel[c]) + "  (‖a−b‖² / (‖a‖²+‖b‖²))",
+      "largest |difference| " + fmt(row.max_abs[c]),
     ].join("\n");
     tooltip.hidden = false;
     tooltip.style.left = (e.clientX - wrap.getBoundingClientRect().left + wrap.scrollLeft + 14) + "px";

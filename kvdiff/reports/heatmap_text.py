@@ -115,7 +115,7 @@ def _header(segs: list[Segment], counts: list[int], positions: Sequence[int], pa
     names, starts = Text(" " * pad), Text(" " * pad)
     for k, (seg, count) in enumerate(zip(segs, counts)):
         sep = "│" if k else ""
-        names.append(sep + printable(seg.name)[:count].ljust(count), style="cyan")
+        names.append(sep + printable(seg.name, keep="")[:count].ljust(count), style="cyan")
         starts.append(sep + _fit_number(positions[seg.columns[0]], count), style="grey50")
     return Text("\n").join([names, starts])
 
@@ -152,7 +152,7 @@ def legend(per_column: int, blank: bool = False) -> Text:
         text.append(f"{GLYPHS[tier]} {tier}  ")
     if blank:
         text.append("blank: not recorded (K/V read from the cache)  ")
-    text.append("rel ")
+    text.append("rel_diff ")
     for exponent in range(int(LOG_MIN), int(LOG_MAX) + 1, 2):
         text.append("█", style=ramp_colour(10.0 ** exponent))
         text.append(f"1e{exponent} ")

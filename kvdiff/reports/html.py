@@ -28,6 +28,7 @@ from typing import Any
 from kvdiff.errors import KvdiffError
 from kvdiff.files import write_text_atomically
 from kvdiff.analysis.report import Report
+from kvdiff.reports.printable import printable
 
 _ASSETS = resources.files("kvdiff.reports")
 
@@ -73,7 +74,7 @@ def render_html(view: Report) -> str:
     candidate = view.section("candidate")
     title = f"kvdiff report: {view.verdict} ({candidate.get('strategy', '?')})"
     return Template(_asset("report.html")).substitute(
-        csp=html.escape(csp, quote=True), title=html.escape(title), style=style, script=script,
+        csp=html.escape(csp, quote=True), title=html.escape(printable(title, keep="")), style=style, script=script,
         data=embed_json(payload))
 
 

@@ -121,7 +121,20 @@
     const rows = [["first bit difference", R.first_bit_difference], ["first tolerance breach", R.first_divergence]]
       .map(([label, ev]) => ev ? [label, ev.tensor, ev.layer, ev.position + " " + JSON.stringify(String(tokenAt(ev.position))),
         ev.chunk, ev.tier || "", fmt(ev.max_abs), fmt(ev.rel)] : [label, "none", "", "", "", "", "", ""]);
-    table("firsts", ["event", "tensor", "layer", "position", "chunk", "tier", "max_abs", "rel"], rows);
+    table("firsts", ["event", "tensor", "layer", "position", "chunk", "tier", "largest |difference|",
+      "rel_diff (‖a−b‖² / (‖a‖²+‖b‖²))"], rows);
+  }
+
+  function conversation() {
+    const box = document.getElementById("conversation"), list = Array.isArray(R.conversation) ? R.conversation : [];
+    if (!list.length) box.append(el("p", "none", "not in this report"));
+    list.forEach((m, i) => {
+      const chunk = chunks.find((c) => String(c.name).split("#")[0] === String(m.role) && chunks.indexOf(c) === i);
+      const card = el("div", "message");
+      card.append(el("b", "", String(m.role) + (chunk ? " · chunk " + chunk.name + " · positions " + span(chunk.positions) : "")));
+      card.append(el("pre", "", String(m.content)));
+      box.append(card);
+    });
   }
 
   function engine() {
@@ -203,6 +216,7 @@
     } else {
       document.getElementById("heatmap-wrap").replaceChildren(el("p", "none", "no heatmap in this report"));
     }
+    conversation();
     generated();
     firsts();
     engine();

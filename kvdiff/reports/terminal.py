@@ -24,7 +24,13 @@ from kvdiff.reports.printable import printable
 def _chunk_label(item: dict) -> str | None:
     """"chunk NAME" for an event or diagnosis that names its chunk; None for traces without chunks."""
     chunk = item.get("chunk")
-    return None if chunk is None else f"chunk {printable(str(chunk))}"
+    return None if chunk is None else f"chunk {printable(str(chunk), keep='')}"
+
+
+def _ids_only(section: dict, tokens: list[str]) -> bool:
+    """Whether `tokens` are the section's token ids as strings (a diff without a tokenizer)."""
+    ids = section.get("token_ids")
+    return bool(tokens) and isinstance(ids, list) and [str(i) for i in ids] == tokens
 
 
 def _fmt(value: Any) -> str:
@@ -62,7 +68,7 @@ class _Report:
         head = Text(view.verdict.upper(), style=self.attr("bold") + (" green" if ok else " red"))
         head.append(" — tokens identical" if ok else
                     f" — inputs differ from position {inputs}" if inputs is not None else
-                    f" — tokens differ from step {flip['step']}" if flip else " — tokens differ")
+                    f" — tokens differ from step {flip.get('step')}" if flip else " — tokens differ")
         body = Text()
         operation = view.first("first_operation")
         if operation is not None:
@@ -78,11 +84,11 @@ class _Report:
             body.append("diagnosis: ", style=self.attr("bold"))
             body.append(printable(", ".join(filter(None, [str(top.get("kind")), _chunk_label(top),
                                                           f"positions {_fmt(top.get('positions', '?'))}"]))) + "\n")
-        body.append(f"candidate: strategy {candidate.get('strategy', '?')}, "
-                    f"numerics {candidate.get('numerics', '?')}")
+        body.append(printable(f"candidate: strategy {candidate.get('strategy', '?')}, "
+                              f"numerics {candidate.get('numerics', '?')}", keep=""))     # a trace's text
         model = view.section("metadata").get("reference", {}).get("model_name")
         if model:
-            body.append(f"   model: {printable(str(model))}")
+            body.append(f"   model: {printable(str(model), keep='')}")
         bit = view.first("first_bit_difference")
         if inputs is not None:
             body.append(f"\nthe traces are of different prompts: positions from {inputs} on are not compared")
@@ -95,11 +101,15 @@ class _Report:
         return Panel(Group(head, body), title="kvdiff", title_align="left",
                      border_style="green" if ok else "red")
 
-    def tokens(self, tokens: list[str], step: int | None, fallback: str) -> Text:
+    def tokens(self, tokens: list[str], step: int | None, fallback: str, ids: bool = False) -> Text:
+        """The tokens, the first divergent one marked; `ids`: they are token ids, which a space
+        separates (text tokens carry their own spaces)."""
         if not tokens:
-            return Text(printable(fallback))
+            return Text(printable(str(fallback)))
         text = Text()
         for i, token in enumerate(tokens):
+            if ids and i:
+                text.append(" ")
             if i == step:
                 text.append(f"»{printable(token)}«", style=self.attr("bold reverse") + " red")
             else:
@@ -109,15 +119,19 @@ class _Report:
     def outputs(self) -> Table:
         view = self.view
         flip = view.first("first_token_divergence")
-        step = int(flip["step"]) if flip and "step" in flip else None
+        step = flip.get("step") if flip else None
+        step = step if isinstance(step, int) and not isinstance(step, bool) else None
         candidate = view.section("candidate")
         table = self.table("reference", f"candidate ({candidate.get('strategy', '?')})",
                            title="outputs" + (f" (»…« first divergent token, step {step})"
                                               if step is not None else ""))
         table.columns[0].ratio = table.columns[1].ratio = 1
         table.expand = True
-        table.add_row(self.tokens(view.reference_tokens, step, view.section("reference").get("text", "")),
-                      self.tokens(view.candidate_tokens, step, candidate.get("text", "")))
+        reference = view.section("reference")
+        table.add_row(self.tokens(view.reference_tokens, step, reference.get("text", ""),
+                                  _ids_only(reference, view.reference_tokens)),
+                      self.tokens(view.candidate_tokens, step, candidate.get("text", ""),
+                                  _ids_only(candidate, view.candidate_tokens)))
         return table
 
     def where(self, position: Any) -> str:
@@ -137,7 +151,7 @@ class _Report:
             table.add_row(label, Text(
                 f"{event.get('tensor')} at layer {event.get('layer')}, position "
                 f"{', '.join(filter(None, [self.where(event.get('position')), _chunk_label(event)]))}\n"
-                f"{tier}max_abs {_fmt(event.get('max_abs'))}, rel {_fmt(event.get('rel'))}"))
+                f"{tier}largest |difference| {_fmt(event.get('max_abs'))}, rel_diff {_fmt(event.get('rel'))} (squared scale)"))
         flip = self.view.first("first_token_divergence")
         if flip is None:
             table.add_row("first token flip", "none")
@@ -197,8 +211,8 @@ class _Report:
             encoded = Text(_fmt(chunk.encoded) if chunk.encoded else "?")
             if chunk.encoded and chunk.encoded != span:
                 encoded.append(" ≠ positions", style="red")
-            table.add_row(Text(printable(chunk.name)), _fmt(span), Text(chunk.hash[:8]),
-                          Text(chunk.cache, style="green" if chunk.cache == "hit" else "yellow"),
+            table.add_row(Text(printable(chunk.name, keep="")), _fmt(span), Text(printable(chunk.hash[:8], keep="")),
+                          Text(printable(chunk.cache, keep=""), style="green" if chunk.cache == "hit" else "yellow"),
                           encoded)
         return table
 

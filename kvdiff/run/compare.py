@@ -84,7 +84,7 @@ def compare(
     conversation instead of True is run first instead, so only the chunks it shares are hits.
 
     `engine`: "kvdiff" (its own chunked engine, as above), or an engine under test
-    ("transformers", "vllm"), which runs cold, cold again and warm instead
+    ("transformers", "vllm", "llama.cpp"), which runs cold, cold again and warm instead
     (`kvdiff.run.engine_compare`); strategy, numerics, chunking and capture options are kvdiff's
     engine's and are refused with another engine.
     """

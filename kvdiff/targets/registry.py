@@ -15,6 +15,7 @@ class EngineName(str, Enum):
     KVDIFF = "kvdiff"
     TRANSFORMERS = "transformers"
     VLLM = "vllm"
+    LLAMACPP = "llama.cpp"
 
     def __str__(self) -> str:
         return self.value
@@ -23,11 +24,13 @@ class EngineName(str, Enum):
     def parse(cls, value: "str | EngineName") -> "EngineName":
         """The engine called `value`; InputError lists the known ones."""
         try:
-            return cls(value)
+            return cls(_ALIASES.get(str(value), value))
         except ValueError:
             names = ", ".join(m.value for m in cls)
-            hint = " (llama.cpp has no adapter yet: see docs/engines.md)" if str(value).startswith("llama") else ""
-            raise InputError(f"unknown engine {value!r}: use one of {names}{hint}") from None
+            raise InputError(f"unknown engine {value!r}: use one of {names}") from None
+
+
+_ALIASES = {"llamacpp": "llama.cpp", "llama-cpp": "llama.cpp"}
 
 
 def open_target(name: EngineName, model, tokenizer) -> Target:
@@ -45,4 +48,12 @@ def open_target(name: EngineName, model, tokenizer) -> Target:
         from kvdiff.targets.vllm import VllmTarget
 
         return VllmTarget(Path(folder))
+    if name is EngineName.LLAMACPP:
+        gguf = getattr(model, "kvdiff_gguf", None)
+        if gguf is None:
+            raise InputError("llama.cpp runs a GGUF file: give --model smollm2-135m or a .gguf file, "
+                             "not a transformers folder or a built-in tiny-* model")
+        from kvdiff.targets.llamacpp import LlamaCppTarget
+
+        return LlamaCppTarget(Path(gguf))
     raise InputError(f"engine {name} is kvdiff's own: run it without --engine")

@@ -26,6 +26,19 @@ from kvdiff.trace.format import DTYPE_ATTR, FINAL_GROUP, KV_ONLY_SCHEMA_VERSION,
 
 _REQUIRED = object()
 _MAX_INT = 2 ** 62                     # ids, positions and sizes stay far from int64 overflow
+# Sane limits, far above any model or run kvdiff can record, refused before any work: a trace's
+# numbers size what the analysis allocates and loops over.
+MAX_TOKENS = 1 << 20                   # prompt, generated or recorded tokens: 1M (a full capture of 1M tokens
+                                       # of a 135M model would be ~800 GB); RoPE diagnoses scan 2x the last position
+MAX_TOP_K = 1024                       # top-k entries per step (kvdiff writes 5)
+MAX_CELLS = 1 << 26                    # positions x (layers x layer points + final points) the diff compares
+                                       # (and report.json holds a number for each): 128k positions x 30 layers x 12 points is 46M
+MAX_DIMS = {"num_layers": 10_000, "num_heads": 10_000, "num_kv_heads": 10_000, "head_dim": 1 << 16,
+            "hidden_size": 1 << 20, "vocab_size": 1 << 24}
+# HDF5's built-in filters and h5py's lzf: any other filter id makes HDF5 look for a plugin library
+# on its plugin path, so a trace could make kvdiff load code from outside the file.
+_BUILTIN_FILTERS = {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_FLETCHER32,
+                    h5py.h5z.FILTER_SZIP, h5py.h5z.FILTER_NBIT, h5py.h5z.FILTER_SCALEOFFSET, h5py.h5z.FILTER_LZF}
 # kvdiff_dtype -> the HDF5 dtype its rows are stored in
 _STORED_AS = {"bfloat16": "uint16", "float16": "float16", "float32": "float32", "float64": "float64"}
 
@@ -34,6 +47,71 @@ def malformed(path: Path, problem: str) -> TraceError:
     """The one-line refusal of a trace that breaks the format."""
     return TraceError(f"trace {path} is malformed: {problem}; record it again, or fix its writer "
                       f"(docs/trace-format.md)")
+
+
+def outside(path: Path, problem: str) -> TraceError:
+    """The one-line refusal of a trace that would make kvdiff read something other than the file."""
+    return TraceError(f"trace {path} reaches outside its file: {problem}; kvdiff reads nothing but the trace file "
+                      f"itself: write every object into it, with no links, external storage, virtual datasets "
+                      f"or filter plugins (docs/trace-format.md)")
+
+
+def _check_storage(path: Path, where: str, ds: h5py.h5d.DatasetID) -> None:
+    """A dataset's bytes lie in the file: not external raw storage, not a virtual dataset (a map of
+    other files' datasets), not compressed by a filter HDF5 would load as a plugin. (h5py's
+    low-level calls: a trace has hundreds of datasets.)"""
+    plist = ds.get_create_plist()
+    if plist.get_layout() == h5py.h5d.VIRTUAL:
+        raise outside(path, f"{where} is a virtual dataset (a map of other files' datasets)")
+    if plist.get_external_count():
+        files = [_text(plist.get_external(i)[0]) for i in range(plist.get_external_count())]
+        raise outside(path, f"{where} keeps its bytes in external file(s) {files}")
+    plugins = sorted({plist.get_filter(i)[0] for i in range(plist.get_nfilters())} - _BUILTIN_FILTERS)
+    if plugins:
+        raise outside(path, f"{where} is compressed with HDF5 filter {plugins[0]}, which HDF5 would load as a "
+                            f"plugin (use gzip or lzf)")
+
+
+def _text(raw: object) -> str:
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+
+
+def _check_link(path: Path, f: h5py.File, raw: bytes) -> None:
+    """One link of the walk: a hard link, to a dataset whose bytes are in the file if a dataset."""
+    where = "/" + _text(raw)
+    kind = f.id.links.get_info(raw).type
+    if kind == h5py.h5l.TYPE_SOFT:
+        raise outside(path, f"{where} is a soft link to {_text(f.id.links.get_val(raw))}")
+    if kind == h5py.h5l.TYPE_EXTERNAL:
+        filename, target = f.id.links.get_val(raw)
+        raise outside(path, f"{where} is an external link to {_text(filename)}:{_text(target)}")
+    if kind != h5py.h5l.TYPE_HARD:
+        raise outside(path, f"{where} is a user-defined link (type {kind}), which kvdiff does not follow")
+    obj = h5py.h5o.open(f.id, raw)
+    if isinstance(obj, h5py.h5d.DatasetID):
+        _check_storage(path, where, obj)
+
+
+def check_self_contained(path: Path, f: h5py.File) -> None:
+    """Every object of the trace is reached by hard links and stored in the file: external,
+    soft and user-defined links, external raw storage, virtual datasets and plugin filters are
+    refused (`outside`), before anything but the root attributes is read. Soft links are refused
+    too: one pointing into an external link, or aliasing another probe's rows, is never what a
+    writer meant. HDF5 visits each group once, so hard links that form a cycle end the walk."""
+    def visit(raw: bytes) -> TraceError | None:
+        # A refusal is returned, which ends the walk: an exception raised inside HDF5's callback
+        # would surface as a SystemError.
+        try:
+            _check_link(path, f, raw)
+        except TraceError as exc:
+            return exc
+        except (KeyError, OSError, RuntimeError, TypeError, ValueError) as exc:
+            return TraceError(f"trace {path} is damaged: HDF5 cannot open /{_text(raw)} ({exc}); record it again")
+        return None
+
+    problem = f.id.links.visit(visit)
+    if problem is not None:
+        raise problem
 
 
 def read_attr(path: Path, obj: h5py.HLObject, name: str, default: object = _REQUIRED) -> object:
@@ -87,6 +165,15 @@ def as_json(path: Path, name: str, value: object, kind: type) -> list | dict:
     return data
 
 
+def _check_unicode(path: Path, what: str, text: str) -> None:
+    """A string from a JSON attribute is Unicode text: a JSON escape can make a lone surrogate,
+    which no UTF-8 output (report.json, a terminal) can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise malformed(path, f"{what} holds U+{ord(text[exc.start]):04X}, which is not Unicode text") from None
+
+
 def _check_span(path: Path, what: str, value: object) -> None:
     if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)
             and 0 <= value[0] <= value[1] < _MAX_INT):
@@ -99,20 +186,35 @@ def parse_messages(path: Path, value: object) -> list[dict]:
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise malformed(path, f"message {i} of messages_json must be an object with string role and content")
+        for key in ("role", "content"):
+            _check_unicode(path, f"message {i} of messages_json {key}", m[key])
     return messages
 
 
-def parse_chunks(path: Path, value: object) -> list[ChunkRecord]:
-    """chunks_json: the chunk table."""
-    out = []
+def parse_chunks(path: Path, value: object, prompt_length: int) -> list[ChunkRecord]:
+    """chunks_json: the chunk table, in order, of chunks that lie in the prompt and do not overlap
+    (so at most one per prompt token), each encoded at as many positions as it spans."""
+    out: list[ChunkRecord] = []
     for i, c in enumerate(as_json(path, "chunks_json", value, list)):
         where = f"chunk {i} of chunks_json"
         if not (isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("hash"), str)):
             raise malformed(path, f"{where} must be an object with string name and hash")
+        for key in ("name", "hash"):
+            _check_unicode(path, f"{where} {key}", c[key])
         if c.get("cache") not in ("hit", "miss"):
             raise malformed(path, f"{where} has cache {c.get('cache')!r}, not 'hit' or 'miss'")
         for key in ("positions", "encoded_positions"):
             _check_span(path, f"{where} {key}", c.get(key))
+        (first, last), (enc_first, enc_last) = c["positions"], c["encoded_positions"]
+        if last >= prompt_length:
+            raise malformed(path, f"{where} spans positions {first}-{last}, past the prompt's {prompt_length} "
+                                  f"tokens: chunks lie in 0..{prompt_length - 1}")
+        if out and first <= out[-1].positions[1]:
+            raise malformed(path, f"{where} starts at position {first}, not after chunk {i - 1} "
+                                  f"({out[-1].positions[0]}-{out[-1].positions[1]}): chunks are in order and do not overlap")
+        if enc_last - enc_first != last - first:
+            raise malformed(path, f"{where} is encoded at {enc_last - enc_first + 1} positions "
+                                  f"({enc_first}-{enc_last}) for its {last - first + 1} ({first}-{last})")
         out.append(ChunkRecord.from_json(c))
     return out
 
@@ -161,10 +263,13 @@ def _dataset(path: Path, f: h5py.Group, name: str) -> h5py.Dataset:
 
 
 def read_ints(path: Path, f: h5py.Group, name: str, high: int = _MAX_INT) -> np.ndarray:
-    """A 1-D integer dataset with values in 0..high-1, as int64."""
+    """A 1-D integer dataset of at most MAX_TOKENS values in 0..high-1, as int64 (its length is
+    checked before it is read: an HDF5 dataset can declare a length its file holds no bytes for)."""
     ds = _dataset(path, f, name)
     if ds.ndim != 1 or ds.dtype.kind not in "iu":
         raise malformed(path, f"{name} must be a 1-D integer dataset, not {ds.shape} {ds.dtype}")
+    if ds.shape[0] > MAX_TOKENS:
+        raise malformed(path, f"{name} holds {ds.shape[0]} values, more than the {MAX_TOKENS} kvdiff reads")
     values = ds[()]
     if values.size and (int(values.min()) < 0 or int(values.max()) >= high):
         raise malformed(path, f"{name} holds values outside 0..{high - 1}")
@@ -221,8 +326,9 @@ def _check_norm_weights(path: Path, f: h5py.File, dims: ModelDims) -> None:
             as_float(path, f"eps of {ds.name}", read_attr(path, ds, "eps"))
 
 
-def _check_steps(path: Path, f: h5py.File) -> None:
-    """steps/: one row per generated step in each field, top-k fields (G, k)."""
+def _check_steps(path: Path, f: h5py.File, meta: TraceMeta) -> None:
+    """steps/: one row per generated token in each field, top-k fields (G, k); step i is numbered i,
+    chose generated_ids[i], from the logits of position (prompt length - 1 + i)."""
     _member(path, f, "steps", h5py.Group)
     fields = {name: _dataset(path, f, f"steps/{name}") for name in
               ("step", "position", "token_id", "topk_ids", "topk_values", "margin")}
@@ -235,10 +341,29 @@ def _check_steps(path: Path, f: h5py.File) -> None:
                                   f"with one row per step, not {ds.shape} {ds.dtype}")
     if fields["topk_ids"].shape != fields["topk_values"].shape:
         raise malformed(path, "steps/topk_ids and steps/topk_values differ in shape")
+    generated = meta.generated_ids
+    if count != generated.size:
+        raise malformed(path, f"steps holds {count} rows for the {generated.size} tokens of generated_ids: "
+                              "one row per generated token")
+    if fields["topk_ids"].shape[1] > min(MAX_TOP_K, MAX_TOKENS * 16 // max(count, 1)):
+        raise malformed(path, f"steps/topk_ids holds {fields['topk_ids'].shape[1]} entries for each of {count} steps, "
+                              f"more than kvdiff reads (at most {MAX_TOP_K} a step, {MAX_TOKENS * 16} in all)")
+    expected = {"step": np.arange(count), "token_id": generated,
+                "position": meta.input_ids.size - 1 + np.arange(count)}
+    for name, want in expected.items():
+        got = read_ints(path, f, f"steps/{name}", high=_MAX_INT) if count else want
+        wrong = np.flatnonzero(got != want)
+        if wrong.size:
+            i = int(wrong[0])
+            what = {"step": "count 0, 1, 2, ...", "token_id": "be the tokens of generated_ids",
+                    "position": "be the positions whose logits chose the tokens (prompt length - 1 + step)"}[name]
+            raise malformed(path, f"steps/{name} must {what}: step {i} holds {int(got[i])}, not {int(want[i])}")
 
 
-def _check_provenance(path: Path, f: h5py.File) -> None:
-    """provenance/ (optional): a string chunk name and integer fields, one row per listed position."""
+def _check_provenance(path: Path, f: h5py.File, tokens: int) -> None:
+    """provenance/ (optional): a string chunk name and integer fields, one row per listed position;
+    the listed positions lie in the sequence, each once, in order (they may be positions the trace
+    holds no rows for: K/V read from a cache when neither k nor v is recorded)."""
     if _member(path, f, "provenance", h5py.Group, required=False) is None:
         return
     count = _dataset(path, f, "provenance/positions").shape[:1]
@@ -248,24 +373,30 @@ def _check_provenance(path: Path, f: h5py.File) -> None:
         if ds.ndim != 1 or ds.shape != count or text != (name == "chunk") or (not text and ds.dtype.kind not in "biu"):
             raise malformed(path, f"{ds.name} must be a 1-D {'string' if name == 'chunk' else 'integer'} dataset "
                                   f"as long as provenance/positions, not {ds.shape} {ds.dtype}")
+    listed = read_ints(path, f, "provenance/positions")
+    if listed.size > 1 and not bool(np.all(listed[1:] > listed[:-1])):
+        raise malformed(path, "provenance/positions must be strictly increasing")
+    if listed.size and listed[-1] >= tokens:
+        raise malformed(path, f"provenance/positions holds {int(listed[-1])}, past the last of the sequence's "
+                              f"{tokens} tokens")
 
 
 def read_meta(path: Path, f: h5py.File) -> TraceMeta:
     """The root attributes and the id datasets, each checked for its type and range."""
     attr = lambda name: read_attr(path, f, name)
-    dims = {name: as_int(path, name, attr(name), low=1) for name in
-            ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")}
+    dims = {name: as_int(path, name, attr(name), low=1, high=high) for name, high in MAX_DIMS.items()}
     if dims["num_heads"] % dims["num_kv_heads"]:
         raise malformed(path, f"num_heads {dims['num_heads']} is not a multiple of num_kv_heads {dims['num_kv_heads']}")
     if dims["head_dim"] % 2:
         raise malformed(path, f"head_dim {dims['head_dim']} is odd (RoPE rotates pairs of elements)")
     texts = {name: as_text(path, name, attr(name)) for name in TraceMeta.SCALARS}
     schema = as_int(path, "schema_version", attr("schema_version"), low=1)
+    input_ids = read_ints(path, f, "input_ids", dims["vocab_size"])
     return TraceMeta(
         **texts, dims=ModelDims(**dims, attn_scale=as_float(path, "attn_scale", attr("attn_scale"))),
         messages=parse_messages(path, attr("messages_json")),
-        chunks=parse_chunks(path, attr("chunks_json")),
-        input_ids=read_ints(path, f, "input_ids", dims["vocab_size"]),
+        chunks=parse_chunks(path, attr("chunks_json"), input_ids.size),
+        input_ids=input_ids,
         generated_ids=read_ints(path, f, "generated_ids", dims["vocab_size"]),
         points=parse_points(path, attr("points")),
         layers=parse_layers(path, attr("layers"), dims["num_layers"]),
@@ -289,8 +420,20 @@ def _read_kv_only(path: Path, f: h5py.File, schema: int) -> np.ndarray:
 
 def check_layout(path: Path, f: h5py.File, meta: TraceMeta, positions: np.ndarray) -> None:
     """Every probe, statistics, weight, step and provenance dataset has the place, dtype and shape
-    the format gives it."""
+    the format gives it, and the tables agree with the token lists: a step per generated token,
+    positions (and provenance) within the prompt and generated tokens."""
+    _check_steps(path, f, meta)          # first: they say how many tokens the run generated
     rows = int(positions[-1]) + 1 if positions.size else 0
+    tokens = meta.input_ids.size + meta.generated_ids.size
+    if rows > tokens:
+        raise malformed(path, f"positions holds {rows - 1}, past the last of the {meta.input_ids.size} prompt and "
+                              f"{meta.generated_ids.size} generated tokens (positions lie in 0..{tokens - 1})")
+    cells = positions.size * (len(meta.layers) * sum(p in LAYER_POINTS for p in meta.points)
+                              + sum(p in FINAL_POINTS for p in meta.points))
+    if cells > MAX_CELLS:
+        raise TraceError(f"trace {path} is too large to diff: {positions.size} positions x its layers and points are "
+                         f"{cells} rows to compare, more than the {MAX_CELLS} kvdiff compares; record fewer "
+                         f"(--layers, --capture)")
     if np.setdiff1d(meta.kv_only_positions, positions).size:
         raise malformed(path, "kv_only_positions holds positions that /positions does not")
     layers = meta.layers
@@ -307,5 +450,4 @@ def check_layout(path: Path, f: h5py.File, meta: TraceMeta, positions: np.ndarra
     if final is not None:
         _check_group(path, final, final_points, FINAL_NORMS, dims, rows)
     _check_norm_weights(path, f, dims)
-    _check_steps(path, f)
-    _check_provenance(path, f)
+    _check_provenance(path, f, tokens)

@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 
 from kvdiff.errors import TraceError
-from kvdiff.trace.checks import as_int, check_layout, read_attr, read_meta, read_positions
+from kvdiff.trace.checks import as_int, check_layout, check_self_contained, read_attr, read_meta, read_positions
 from kvdiff.trace.format import (
     DTYPE_ATTR, FORMAT_NAME, KV_ONLY_SCHEMA_VERSION, ProvenanceRecords, StepRecords, from_storage,
     norm_weight_path, point_group,
@@ -80,6 +80,7 @@ class TraceReader:
         self._file = _open_file(self.path)
         try:
             _validate(self.path, self._file)
+            check_self_contained(self.path, self._file)     # before any dataset is read
             self.meta = read_meta(self.path, self._file)
             self.positions: np.ndarray = read_positions(self.path, self._file)
             check_layout(self.path, self._file, self.meta, self.positions)

@@ -1,0 +1,275 @@
+"""The llama.cpp target (kvdiff.targets.llamacpp) on the bundled SmolLM2 GGUF, with real llama-cpp-python runs.
+
+One engine for the module (reset_cache between tests). Its reference is kvdiff's transformers model
+loaded from the same GGUF (dequantized): engine and reference differ by llama.cpp's quantized
+kernels, so they are compared loosely (layouts and correlation), cold and warm engine runs exactly.
+Planted bugs go through the engine's own extension points: a `cb_eval` tap that changes tensors while
+the primer runs, or the engine's sequence state (`llama_state_seq_get/set_data`) edited between the
+primer and the warm request. Expectations of the planted-bug tests were written before they were
+first run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+import kvdiff  # noqa: E402
+from kvdiff.conversation import render_prompt_ids  # noqa: E402
+from kvdiff.engine.loading import default_gguf_path  # noqa: E402
+from kvdiff.errors import InputError, KvdiffError  # noqa: E402
+from kvdiff.probes.recorder import TraceRecorder  # noqa: E402
+from kvdiff.targets.llamacpp import LlamaCppTarget  # noqa: E402
+from kvdiff.trace import open_trace  # noqa: E402
+
+pytestmark = pytest.mark.real_model
+
+SYSTEM = ("You are a careful assistant. Answer briefly and precisely. When you are unsure, say so, and never "
+          "invent facts. Prefer plain words over jargon, keep every answer short, and always name your sources "
+          "when you can. Never repeat the question back, and do not apologise for things you did not do.")
+PROMPT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
+PRIMER = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a colour."}]
+NEW = 6            # generated tokens per run
+
+
+@pytest.fixture(scope="module")
+def gguf():
+    return default_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def hf(gguf):
+    return kvdiff.load_model(str(gguf))           # the reference: the same GGUF, dequantized
+
+
+@pytest.fixture(scope="module")
+def target(gguf):
+    t = LlamaCppTarget(gguf, n_ctx=1024)
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def ids(hf):
+    _, tokenizer = hf
+    prompt, primer = render_prompt_ids(tokenizer, PROMPT), render_prompt_ids(tokenizer, PRIMER)
+    shared = next(i for i, (a, b) in enumerate(zip(prompt, primer)) if a != b)
+    assert len(prompt) >= 80 and shared >= 64
+    return prompt, primer, shared           # llama.cpp keeps the whole common prefix (no blocks)
+
+
+def _record(target, hf, path, prompt_ids):
+    model, tokenizer = hf
+    recorder = TraceRecorder.for_model(model, tokenizer, PROMPT, path, input_ids=prompt_ids, capture=target.points,
+                                       strategy="llama.cpp", max_new_tokens=NEW)
+    run = target.generate(prompt_ids, NEW, sink=recorder)
+    return recorder.finish(run.token_ids, run.text), run
+
+
+@pytest.fixture(scope="module")
+def cold_trace(target, hf, ids, tmp_path_factory):
+    target.reset_cache()
+    path, run = _record(target, hf, tmp_path_factory.mktemp("llamacpp-cold") / "cold.h5", ids[0])
+    assert run.cache_hit_tokens == 0
+    target.reset_cache()
+    return path
+
+
+def _warm(target, hf, ids, path, during_primer=None, after_primer=None):
+    """Reset, run the primer (optionally with a tap planted), optionally edit the cache, record the warm run."""
+    target.reset_cache()
+    if during_primer:
+        target.taps.append(during_primer)
+    try:
+        target.generate(ids[1], 1)
+    finally:
+        target.taps.clear()
+    if after_primer:
+        after_primer(target)
+    trace, run = _record(target, hf, path, ids[0])
+    target.reset_cache()
+    assert run.cache_hit_tokens == ids[2]
+    return trace
+
+
+def _cached_diagnoses(div, cached: int):
+    return [d for d in div.diagnoses if d.positions and d.positions[1] < cached]
+
+
+# -- clean runs ------------------------------------------------------------------------------------
+
+
+def test_cold_reset_and_warm_runs(target, ids):
+    prompt, primer, cached = ids
+    target.reset_cache()
+    first = target.generate(prompt, NEW)
+    target.reset_cache()
+    again = target.generate(prompt, NEW)
+    assert first.token_ids == again.token_ids and len(first.token_ids) == NEW
+    assert first.cache_hit_tokens == again.cache_hit_tokens == 0
+    target.generate(primer, 1)
+    warm = target.generate(prompt, NEW)
+    assert warm.token_ids == first.token_ids
+    assert warm.cache_hit_tokens == cached
+    assert warm.margins == pytest.approx(first.margins) and all(m >= 0 for m in warm.margins)
+    assert target.info.name == "llama.cpp" and target.info.version and target.info.checkpoint.suffix == ".gguf"
+    target.reset_cache()
+
+
+def test_traces_open_and_warm_matches_cold(target, hf, ids, cold_trace, tmp_path):
+    prompt, _, cached = ids
+    warm = _warm(target, hf, ids, tmp_path / "warm.h5")
+    with open_trace(cold_trace) as t:
+        assert list(t.positions) == list(range(len(prompt) + NEW - 1))
+        assert set(t.meta.points) == set(target.points) and t.meta.kv_only_positions.size == 0
+        assert not t.provenance.reused.any()
+        assert t.steps.position.tolist() == list(range(len(prompt) - 1, len(prompt) + NEW - 1))
+        logits = t.point(None, "logits")
+        assert logits.shape[0] == len(prompt) + NEW - 1
+        # the logits row of each step is the logits point's row at that position, and chose the token
+        np.testing.assert_array_equal(logits[t.steps.position].argmax(-1), t.steps.token_id)
+    with open_trace(warm) as t:
+        assert t.meta.kv_only_positions.tolist() == list(range(cached))
+        assert t.provenance.reused.tolist() == [True] * cached + [False] * (t.positions.size - cached)
+        assert t.provenance.chunk[0] == "cache" and t.provenance.chunk[cached] == "prompt"
+        assert t.provenance.encoded_position.tolist() == t.positions.tolist()
+        with open_trace(cold_trace) as c:       # llama.cpp's CPU kernels: the warm run is bitwise the cold one
+            for layer in list(t.meta.layers) + [None]:
+                for point in t.points_in(layer):
+                    rows = slice(0 if point in ("k", "v") else cached, None)     # cached k/v: read from the cache
+                    np.testing.assert_array_equal(t.point(layer, point)[rows], c.point(layer, point)[rows])
+    div = kvdiff.diff(cold_trace, warm)
+    assert div.tokens_identical and div.first_divergence is None and not div.diagnoses, div.diagnoses
+
+
+def test_the_same_prompt_again_is_served_whole_from_the_cache(target, hf, ids, cold_trace, tmp_path):
+    """kvdiff compare's default warm fill is the prompt itself (one token): llama-cpp-python then keeps
+    the whole prompt and samples the first token from the logits it kept, with no prompt forward.
+    Expected: a hit of every prompt token, all of them K/V-only rows read from the cache, and a warm
+    trace kvdiff finds no difference in."""
+    prompt = ids[0]
+    target.reset_cache()
+    target.generate(prompt, 1)
+    warm, run = _record(target, hf, tmp_path / "warm.h5", prompt)
+    target.reset_cache()
+    assert run.cache_hit_tokens == len(prompt)
+    with open_trace(warm) as t:
+        assert t.meta.kv_only_positions.tolist() == list(range(len(prompt)))
+        assert t.steps.position.tolist() == list(range(len(prompt) - 1, len(prompt) + NEW - 1))
+    div = kvdiff.diff(cold_trace, warm)
+    assert div.tokens_identical and div.first_divergence is None and not div.diagnoses, div.diagnoses
+
+
+def test_engine_tensors_line_up_with_the_reference(hf, ids, cold_trace, tmp_path):
+    """llama.cpp runs the quantized GGUF, the reference its dequantized weights: the rows differ by
+    quantization, but each point (q and k back in the checkpoint's head layout) must correlate with the
+    reference's at the same layer and position (measured: median cosine >= 0.998 everywhere); a wrong
+    layout or mapping would not."""
+    model, tokenizer = hf
+    ref = kvdiff.record(model, tokenizer, PROMPT, tmp_path / "ref.h5", max_new_tokens=NEW)
+    with open_trace(ref) as r, open_trace(cold_trace) as c:
+        n = len(ids[0])                     # the prompt's positions: the same tokens in both
+        for layer in (0, model.config.num_hidden_layers - 1):
+            for point in ("resid_pre", "attn_norm", "q", "k_pre_rope", "k", "v", "attn_out", "mlp_out", "resid_post"):
+                a = r.point(layer, point)[:n].reshape(n, -1).astype(np.float64)
+                b = c.point(layer, point)[:n].reshape(n, -1).astype(np.float64)
+                cos = (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+                assert np.median(cos) > 0.99, (layer, point, np.median(cos))     # 0.085 for k in the GGUF's layout
+
+
+# -- planted bugs: diff(cold, warm) must name them -------------------------------------------------
+
+
+def test_position_shift_of_cached_tokens(target, hf, ids, cold_trace, tmp_path):
+    """While the primer runs, a cb_eval tap re-rotates q and k of positions below `cached` at p + 5 in
+    every layer (relative positions, hence attention, unchanged; the cache holds keys rotated 5 too far).
+    Expected: position_mismatch over the cached positions 0..cached-1 (chunk "cache"), offset +5, and
+    no cache_content_mismatch (v is untouched)."""
+    cached = ids[2]
+    base = float(target.llm.metadata["llama.rope.freq_base"])
+    d = target.head_dim
+    inv = base ** (-np.arange(0, d, 2) / d)                  # (d/2,)
+    pre = {}
+
+    def shift(name, op, rows, positions):
+        if not name.startswith(("Qcur-", "Kcur-")):
+            return None
+        if op != "ROPE":
+            pre[name] = rows.copy()
+            return None
+        pos = np.asarray(positions)
+        keep = pos < cached
+        x = pre.pop(name).astype(np.float64).reshape(len(pos), -1, d // 2, 2)
+        angle = (pos[:, None] + 5) * inv[None, :]            # (T, d/2)
+        cos, sin = np.cos(angle)[:, None], np.sin(angle)[:, None]
+        out = np.stack([x[..., 0] * cos - x[..., 1] * sin, x[..., 0] * sin + x[..., 1] * cos], -1)
+        rows = rows.copy()
+        rows[keep] = out.reshape(len(pos), -1)[keep]
+        return rows
+
+    div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5", during_primer=shift))
+    found = _cached_diagnoses(div, cached)
+    assert [d.kind for d in found] == ["position_mismatch"], div.diagnoses
+    assert found[0].chunk == "cache" and found[0].positions == (0, cached - 1)
+    assert found[0].details["offset"] == 5
+
+
+def test_dropped_cached_row(target, hf, ids, cold_trace, tmp_path):
+    """After the primer, K and V of cached position 40 are zeroed in every layer of the engine's saved
+    sequence state, which is loaded back (a row never written). Expected: cache_content_mismatch at
+    exactly 40..40 (chunk "cache"), no source position (zeros match no row), and no other diagnosis
+    over the cached positions."""
+    def drop(target):
+        state = target.read_cache()
+        cell = int(np.flatnonzero(state.positions == 40)[0])
+        for k, v in zip(state.k, state.v):
+            k[cell] = 0
+            v[cell] = 0
+        target.write_cache(state)
+        again = target.read_cache()
+        assert not again.k[0][np.flatnonzero(again.positions == 40)[0]].any()
+
+    div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5", after_primer=drop))
+    found = _cached_diagnoses(div, ids[2])
+    assert [d.kind for d in found] == ["cache_content_mismatch"], div.diagnoses
+    assert found[0].chunk == "cache" and found[0].positions == (40, 40)
+    assert found[0].details["source_positions"] == [None]
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def test_llamacpp_failure_is_a_kvdiff_error_and_the_engine_survives(target, ids):
+    bad = ids[0][:10] + [target.llm.n_vocab() + 7]           # llama_decode refuses a token past the vocabulary
+    with pytest.raises(KvdiffError, match="llama.cpp failed: ") as info:
+        target.generate(bad, 2)
+    assert info.value.exit_code == 3
+    run = target.generate(ids[0], 2)
+    assert len(run.token_ids) == 2 and run.cache_hit_tokens == 0
+    target.reset_cache()
+
+
+def test_a_tap_error_stops_the_forward_and_is_raised(target, ids):
+    def boom(name, op, rows, positions):
+        if name == "ffn_out-3":
+            raise RuntimeError("planted failure")
+
+    target.taps.append(boom)
+    try:
+        with pytest.raises(KvdiffError, match="llama.cpp failed: .*planted failure"):
+            target.generate(ids[0], 2)
+    finally:
+        target.taps.clear()
+    assert len(target.generate(ids[0], 2).token_ids) == 2
+    target.reset_cache()
+
+
+def test_not_installed_is_an_input_error_with_the_install_command(monkeypatch, gguf):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(InputError, match=r'llama.cpp is not installed: CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install '
+                                         r"llama-cpp-python==0\.3\.36"):
+        LlamaCppTarget(gguf)
