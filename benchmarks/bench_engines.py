@@ -2,7 +2,7 @@
 (every probe point it gives, HDF5 trace closed) against the same request unprobed, on the same
 engine instance, as the median of alternated pairs.
 
-    python benchmarks/bench_engines.py [--engines transformers,vllm] [--tokens 600] [--new 32] [--pairs 5]
+    python benchmarks/bench_engines.py [--engines transformers,vllm,llama.cpp] [--tokens 600] [--new 32] [--pairs 5]
 
 Both runs of a pair are cold (the engine's cache dropped first). Engines that are not installed
 are skipped with their reason. Goal (issue #26): probed <= 1.5x unprobed.
@@ -71,7 +71,7 @@ def bench(name: str, model, tokenizer, messages, ids, new: int, pairs: int, fold
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", default="transformers,vllm")
+    parser.add_argument("--engines", default="transformers,vllm,llama.cpp")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=600)
     parser.add_argument("--new", type=int, default=32)

@@ -83,3 +83,22 @@ def test_diff_shows_no_text_from_a_tokenizer_the_traces_were_not_recorded_with(l
     result = CliRunner().invoke(app, ["diff", str(forged), str(local_run.candidate_trace)], env={"COLUMNS": "100"})
     assert result.exit_code == 1
     assert "'<|im_start|>'" not in result.stdout        # ids, not another tokenizer's text
+
+
+def test_the_readme_candidate_trace_recipe_is_bitwise_identical(tmp_path):
+    """record(numerics="exact") runs the batch-invariant numerics itself, as the README shows."""
+    import kvdiff
+    from kvdiff.engine import Engine
+    from kvdiff.probes.recorder import TraceRecorder
+
+    model, tokenizer = kvdiff.load_model("tiny-qwen3")
+    kvdiff.record(model, tokenizer, SEEDS, tmp_path / "ref.h5", max_new_tokens=4, numerics="exact")
+    engine = Engine(model, tokenizer, strategy="prefix", numerics="exact")
+    recorder = TraceRecorder.for_model(model, tokenizer, SEEDS, tmp_path / "cand.h5", strategy="prefix",
+                                       numerics="exact", max_new_tokens=4)
+    (out,) = engine.generate([SEEDS], max_new_tokens=4, sinks={0: recorder})
+    recorder.finish(out.token_ids, out.text, out.chunks)
+    div = kvdiff.diff(tmp_path / "ref.h5", tmp_path / "cand.h5")
+    assert div.tokens_identical and div.first_bit_difference is None
+    fast = kvdiff.record(model, tokenizer, SEEDS, tmp_path / "fast.h5", max_new_tokens=4)
+    assert kvdiff.diff(fast, tmp_path / "cand.h5").first_bit_difference is not None   # the default is fast

@@ -240,6 +240,29 @@ def test_dropped_cached_row(target, hf, ids, cold_trace, tmp_path):
     assert found[0].details["source_positions"] == [None]
 
 
+def test_stale_cached_rows(target, hf, ids, cold_trace, tmp_path):
+    """After the primer, the cache cells of positions 48..55 are overwritten with the K/V of
+    positions 8..15 in every layer (a stale entry: another position's rows). Expected before the
+    run: cache_content_mismatch over 48..55 naming source positions 8..15 where those rows are
+    unique in the reference, and a first operation that is a cache read at position 48."""
+    def stale(target):
+        state = target.read_cache()
+        cells = {int(p): i for i, p in enumerate(state.positions)}
+        for k, v in zip(state.k, state.v):
+            for offset in range(8):
+                k[cells[48 + offset]] = k[cells[8 + offset]]
+                v[cells[48 + offset]] = v[cells[8 + offset]]
+        target.write_cache(state)
+
+    div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5", after_primer=stale))
+    found = [d for d in _cached_diagnoses(div, ids[2]) if d.kind == "cache_content_mismatch"]
+    assert found and found[0].positions[0] == 48 and found[0].positions[1] <= 55, div.diagnoses
+    sources = found[0].details["source_positions"]
+    assert [s for s in sources if s is not None] and all(s is None or 0 <= s < 48 for s in sources)
+    report = div.report().to_json()
+    assert report["first_operation"]["position"] == 48 and report["first_operation"]["tensor"] in ("k", "v")
+
+
 # -- errors ----------------------------------------------------------------------------------------
 
 

@@ -183,9 +183,11 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def main_options(
-    verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="More logging; -v also shows tracebacks."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only errors."),
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, metavar="", show_default=False,
+                                help="More logging (-vv: debug); -v also shows tracebacks."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", metavar="", help="Only errors."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, metavar="",
+                                 help="Print the version."),
 ) -> None:
     """kvdiff compares a chunked / cached generation path against the plain one."""
     _state["verbose"] = verbose

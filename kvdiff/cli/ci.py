@@ -64,10 +64,16 @@ BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 BENCHMARK_SKIPPED = 77      # a benchmark's exit status when this machine cannot run it (it prints why)
 
 
+def available_benchmarks() -> dict[str, Path]:
+    """The benchmarks of the source checkout, by name (bench_engine.py -> engine)."""
+    return {p.stem.removeprefix("bench_"): p for p in sorted(BENCHMARKS_DIR.glob("bench_*.py"))}
+
+
 @app.command()
 @command
 def bench(
-    names: Optional[list[str]] = typer.Argument(None, help="Benchmarks to run (default: all), e.g. engine capture diff."),
+    names: Optional[list[str]] = typer.Argument(None, metavar="[NAME]...", help="Benchmarks to run (default: all): "
+                                                + (", ".join(available_benchmarks()) or "none in this install") + "."),
 ) -> None:
     """Run the project's benchmarks (benchmarks/bench_*.py in the source checkout) and print the figures.
 
@@ -77,7 +83,7 @@ def bench(
 
     if not BENCHMARKS_DIR.is_dir():
         raise InputError(f"no benchmarks folder at {BENCHMARKS_DIR}: run `kvdiff bench` from a source checkout")
-    available = {p.stem.removeprefix("bench_"): p for p in sorted(BENCHMARKS_DIR.glob("bench_*.py"))}
+    available = available_benchmarks()
     chosen = names or list(available)
     unknown = [n for n in chosen if n not in available]
     if unknown:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -91,10 +90,7 @@ def compare(
     from kvdiff.engine import Engine
     from kvdiff.engine.chunks import split_conversation
     from kvdiff.engine.loading import load_model
-    from kvdiff.engine.numerics import exact_numerics
     from kvdiff.probes.recorder import TraceRecorder
-    from kvdiff.reports.html import write_html
-    from kvdiff.reports.json_report import write_json_atomically
     from kvdiff.run.record import record
 
     if engine != "kvdiff":
@@ -130,12 +126,10 @@ def compare(
             engine.check_fits(warm_chunked, 1, "warm-up ")
         reference_path = out_dir / "reference.h5"
         candidate_path = out_dir / "candidate.h5"
-        numerics_ctx = exact_numerics(loaded) if numerics is Numerics.EXACT else nullcontext()
         step("recording the reference")
-        with numerics_ctx:
-            record(loaded, tokenizer, chunked.messages, reference_path, max_new_tokens=max_new_tokens,
-                   capture=capture, layers=layers, strategy="reference", numerics=str(numerics),
-                   fingerprint=engine.fingerprint)     # the weights' hash, once per compare
+        record(loaded, tokenizer, chunked.messages, reference_path, max_new_tokens=max_new_tokens,
+               capture=capture, layers=layers, strategy="reference", numerics=str(numerics),
+               fingerprint=engine.fingerprint)     # the weights' hash, once per compare
 
         if warm:
             step("filling the engine's cache (--warm)")
@@ -156,15 +150,24 @@ def compare(
         report = divergence.report(skipped_messages=[
             {"index": s.message_index, "role": s.role, "reason": s.reason} for s in chunked.skipped
         ])
-        report_json = out_dir / "report.json"
-        report_html = out_dir / "report.html"
-        write_json_atomically(report.to_json(), report_json)
-        write_html(report, report_html)
-        if json_path is not None:
-            write_json_atomically(report.to_json(), Path(json_path))
-        if html is not None:
-            write_html(report, Path(html))
+        report_json, report_html = write_reports(report, out_dir, json_path, html)
         return CompareResult(divergence, report, out_dir, reference_path, candidate_path, report_json, report_html)
+
+
+def write_reports(report: Report, out_dir: Path, json_path: Path | str | None,
+                  html: Path | str | None) -> tuple[Path, Path]:
+    """report.json and report.html into the run's folder, and the copies asked for; their paths."""
+    from kvdiff.reports.html import write_html
+    from kvdiff.reports.json_report import write_json_atomically
+
+    report_json, report_html = out_dir / "report.json", out_dir / "report.html"
+    write_json_atomically(report.to_json(), report_json)
+    write_html(report, report_html)
+    if json_path is not None:
+        write_json_atomically(report.to_json(), Path(json_path))
+    if html is not None:
+        write_html(report, Path(html))
+    return report_json, report_html
 
 
 def _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, html, json_path, model_cache,

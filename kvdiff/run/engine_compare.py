@@ -24,7 +24,7 @@ import numpy as np
 from kvdiff.analysis import Divergence, diff
 from kvdiff.conversation import Messages, render_prompt_ids, validate_messages
 from kvdiff.errors import KvdiffError
-from kvdiff.run.compare import CompareResult
+from kvdiff.run.compare import CompareResult, write_reports
 from kvdiff.run.folder import check_report_copies, claimed_out_dir, discarded_on_failure
 from kvdiff.run.options import RunOptions
 from kvdiff.targets.protocol import Target, TargetRun
@@ -47,8 +47,6 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
     equal the cold ones, 1 otherwise.
     """
     from kvdiff.engine.loading import load_model
-    from kvdiff.reports.html import write_html
-    from kvdiff.reports.json_report import write_json_atomically
     from kvdiff.run.record import record
 
     name = EngineName.parse(engine)
@@ -91,13 +89,7 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
             engine_vs_reference={"tokens_identical": against.tokens_identical,
                                  "first_divergence": _where(against),
                                  "flip": classify_flip(against, floor)})
-        report_json, report_html = out_dir / "report.json", out_dir / "report.html"
-        write_json_atomically(report.to_json(), report_json)
-        write_html(report, report_html)
-        if json_path is not None:
-            write_json_atomically(report.to_json(), Path(json_path))
-        if html is not None:
-            write_html(report, Path(html))
+        report_json, report_html = write_reports(report, out_dir, json_path, html)
         return CompareResult(main, report, out_dir, out_dir / "cold.h5", out_dir / "warm.h5", report_json,
                              report_html)
 

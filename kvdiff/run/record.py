@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 from typing import Iterable
 
 from kvdiff.conversation import validate_messages
+from kvdiff.engine.numerics import exact_numerics
 from kvdiff.engine.reference import reference_generate
+from kvdiff.options import Numerics
 from kvdiff.probes.hooks import attach_probes
 from kvdiff.probes.recorder import TraceRecorder
 from kvdiff.probes.spec import ProbeSpec
@@ -26,14 +29,18 @@ def record(model, tokenizer, messages: list[dict], path: str | os.PathLike, max_
     to probe points when the built-in spec for its architecture does not fit. `capture`,
     `layers` and `positions` select what is kept ('k,v', '0-3,29', ...); default everything.
     `fingerprint`: the model's `model_fingerprint` if the caller has it, else it is computed.
+    `numerics`: "fast" (the model's own kernels, the default) or "exact" (batch-invariant: the
+    numerics `kvdiff compare` uses by default, so a trace to diff against a compare run's
+    candidate is recorded with numerics="exact").
     """
     messages = validate_messages(messages)
+    exact = Numerics.parse(numerics) is Numerics.EXACT
     recorder = TraceRecorder.for_model(model, tokenizer, messages, path, strategy=strategy, numerics=numerics,
                                        capture=capture, layers=layers, positions=positions, spec=spec,
                                        compression=compression, fingerprint=fingerprint,
                                        max_new_tokens=max_new_tokens)
     try:
-        with attach_probes(model, recorder, spec) as probes:
+        with exact_numerics(model) if exact else nullcontext(), attach_probes(model, recorder, spec) as probes:
             out = reference_generate(model, tokenizer, messages, max_new_tokens, sink=probes)
         log.info("recorded %d prompt + %d generated tokens", len(out.input_ids), len(out.token_ids))
         return recorder.finish(out.token_ids, out.text)
