@@ -102,3 +102,18 @@ def test_the_readme_candidate_trace_recipe_is_bitwise_identical(tmp_path):
     assert div.tokens_identical and div.first_bit_difference is None
     fast = kvdiff.record(model, tokenizer, SEEDS, tmp_path / "fast.h5", max_new_tokens=4)
     assert kvdiff.diff(fast, tmp_path / "cand.h5").first_bit_difference is not None   # the default is fast
+
+
+@pytest.mark.parametrize("ratio, count", [(0.15, 5), (0.5, 15), (1.0, 29)])
+def test_blend_reports_which_positions_it_recomputed(tmp_path, ratio, count):
+    """The ratio counts every placed position (16 system + 13 user tokens = 29): ceil(ratio * 29)."""
+    result = compare(SEEDS, model="tiny-llama", strategy="blend", recompute_ratio=ratio, numerics="exact",
+                     max_new_tokens=3, out=tmp_path / "run")
+    recomputed = result.report.to_json()["recomputed"]
+    assert recomputed["placed"] == 29 and len(recomputed["positions"]) == count
+    assert all(0 <= p < 29 for p in recomputed["positions"])
+    if ratio == 1.0:
+        prefix = compare(SEEDS, model="tiny-llama", strategy="prefix", numerics="exact", max_new_tokens=3,
+                         out=tmp_path / "prefix")
+        assert result.report.to_json()["candidate"]["token_ids"] == prefix.report.to_json()["candidate"]["token_ids"]
+        assert result.report.tokens_identical

@@ -70,6 +70,15 @@ def _compare(ref: TraceReader, cand: TraceReader, tolerances: Mapping[str, Toler
     return compare(ref, cand, alignment, tols)
 
 
+def _recomputed(cand: TraceReader, chunks: ChunkLookup) -> dict | None:
+    """blend: the placed positions its selective recompute computed again, and of how many."""
+    if cand.meta.strategy != "blend":
+        return None
+    positions, placed = chunks.recomputed(int(cand.meta.input_ids.size))
+    return {"positions": positions, "placed": placed, "share": len(positions) / placed if placed else None,
+            "counted_over": "every position of every chunk placed from the cache (system prompt included)"}
+
+
 def _diff_open(ref: TraceReader, cand: TraceReader, baseline: TraceReader | None,
                tolerances: Mapping[str, Tolerance] | None, tokenizer) -> Divergence:
     if baseline is not None:
@@ -98,7 +107,7 @@ def _diff_open(ref: TraceReader, cand: TraceReader, baseline: TraceReader | None
                        "reference": [text(i) for i in ref.meta.generated_ids],
                        "candidate": [text(i) for i in cand.meta.generated_ids]},
         chunk_of={int(p): chunks.chunk_of(int(p)) for p in cmp.alignment.positions},
-        first_operation=first_operation(cmp, first_div or first_bit))
+        first_operation=first_operation(cmp, first_div or first_bit), recomputed=_recomputed(cand, chunks))
     if baseline is not None:
         base = _compare(ref, baseline, tolerances, text)
         base_chunks = ChunkLookup.of(baseline)

@@ -75,3 +75,17 @@ class ChunkLookup:
             return bool(self.provenance.reused[row])
         rec = self.record(position)
         return None if rec is None else rec.cache == "hit"
+
+    def recomputed(self, prompt_length: int) -> tuple[list[int], int]:
+        """Prompt positions of the chunks computed apart from the last one (placed: cached or
+        computed alone) that the last chunk's forward computed again (blend's selective
+        recompute), and how many placed positions there are; from provenance."""
+        if self.provenance is None or prompt_length < 1 or self._row(prompt_length - 1) is None:
+            return [], 0
+        prompt = self.positions < prompt_length
+        names = np.array(self.provenance.chunk, dtype=object)
+        last = self._row(prompt_length - 1)
+        final_forward = self.provenance.prefill_id[last]
+        placed = prompt & (names != names[last]) & (names != "")
+        again = placed & (self.provenance.prefill_id == final_forward) & ~np.asarray(self.provenance.reused, dtype=bool)
+        return [int(p) for p in self.positions[again]], int(placed.sum())

@@ -97,6 +97,7 @@ class Divergence:
     chunk_of: dict[int, str | None] = field(default_factory=dict)
     attribution: Attribution | None = None
     first_operation: Operation | None = None     # the operation that first breaks (analysis.operation)
+    recomputed: dict | None = None               # blend: which placed positions were computed again
 
     @property
     def comparable_until(self) -> int | None:
@@ -188,4 +189,5 @@ class Divergence:
             "final": {p: _heatmap(m, final=True) for p, m in cmp.final.items()},
             "metadata": {"reference": meta(self.reference), "candidate": meta(self.candidate)},
             "attribution": None if self.attribution is None else self.attribution.to_json(),
+            "recomputed": self.recomputed,
         }

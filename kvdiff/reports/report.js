@@ -167,7 +167,10 @@
   }
 
   function timeline() {
-    const box = document.getElementById("timeline");
+    const box = document.getElementById("timeline"), re = R.recomputed;
+    if (re && Array.isArray(re.positions)) box.parentNode.insertBefore(el("p", "",
+      "blend recomputed " + re.positions.length + " of " + fmt(re.placed) + " placed positions (" + fmt(re.share) +
+      "): " + (re.positions.join(", ") || "none") + "; the ratio counts " + fmt(re.counted_over)), box);
     chunks.forEach((c, i) => {
       const seg = el("div", "seg c" + (i % 6)), pos = c.positions || [0, 0];
       seg.style.flexGrow = String(pos[1] - pos[0] + 1);

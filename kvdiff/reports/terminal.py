@@ -41,6 +41,25 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def recomputed_line(recomputed: dict[str, Any]) -> str:
+    """blend: which placed positions it computed again, and what its ratio counted."""
+    positions = recomputed.get("positions") if isinstance(recomputed.get("positions"), list) else []
+    ranges = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in _runs([int(p) for p in positions]))
+    return (f"blend recomputed {len(positions)} of {recomputed.get('placed')} placed positions "
+            f"({_fmt(recomputed.get('share'))}): {ranges or 'none'}; the ratio counts "
+            f"{recomputed.get('counted_over', '?')}")
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], v)
+        else:
+            runs.append((v, v))
+    return runs
+
+
 class _Report:
     """Renders one view; `plain` drops text attributes (NO_COLOR)."""
 
@@ -242,3 +261,6 @@ def render_terminal(view: Report, console: Console, point: str | None = None) ->
     console.print(parts.diagnoses())
     if view.chunks:
         console.print(parts.chunk_table())
+    recomputed = view.section("recomputed")
+    if recomputed:
+        console.print(Text(printable(recomputed_line(recomputed))))
