@@ -4,8 +4,8 @@ Each case plants a bug in an engine under test (kvdiff's chunked engine, transfo
 batching, vLLM's CPU build), records the candidate trace, diffs it against the reference path and
 checks report.json against the expectation written in the case table before the case first ran:
 the first operation (operation, layer, position), the diagnoses that must be there and those the
-bug contradicts. A case kvdiff gets wrong is xfail(strict=True) with the claim it makes and what
-the data show (catalogue.KNOWN_WRONG), so it fails loudly once kvdiff is fixed.
+bug contradicts. catalogue.KNOWN_WRONG keeps what kvdiff used to claim wrongly in 17 cases (each
+now passes; docs/catalogue.md lists them as fixed); a case kvdiff gets wrong again fails.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from catalogue import CASES, KNOWN_WRONG, VLLM, Catalogue, evaluate, vllm_availa
 
 def _marks(case) -> list:
     marks = []
-    if case.id in KNOWN_WRONG:
-        marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_WRONG[case.id]))
     if case.engine == VLLM:
         marks.append(pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"))
     return marks

@@ -13,9 +13,11 @@ from kvdiff.analysis.align import align
 from kvdiff.analysis.attribution import attribute
 from kvdiff.analysis.chunks import ChunkLookup
 from kvdiff.analysis.compare import Comparison, compare
+from kvdiff.analysis.contradictions import consistent
 from kvdiff.analysis.diagnose_cache import diagnose_cache_content
 from kvdiff.analysis.diagnose_context import diagnose_missing_context, diagnose_missing_context_in_cache
 from kvdiff.analysis.diagnose_norms import diagnose_norms
+from kvdiff.analysis.diagnose_operation import diagnose_operation
 from kvdiff.analysis.diagnose_position import diagnose_position_mismatch
 from kvdiff.analysis.diagnose_tokens import diagnose_noise, diagnose_non_finite, diagnose_tokenization
 from kvdiff.analysis.diagnosis import DiagnosisInputs
@@ -91,8 +93,10 @@ def _diff_open(ref: TraceReader, cand: TraceReader, baseline: TraceReader | None
     inputs = DiagnosisInputs(ref, cand, cmp, chunks, text)
     diagnoses = (diagnose_tokenization(inputs) + diagnose_non_finite(inputs, first_non_finite(cmp, chunks))
                  + diagnose_cache_content(inputs) + diagnose_position_mismatch(inputs)
-                 + diagnose_missing_context(inputs) + diagnose_missing_context_in_cache(inputs) + diagnose_norms(inputs)
+                 + diagnose_missing_context(inputs) + diagnose_missing_context_in_cache(inputs)
+                 + diagnose_operation(inputs, first_div) + diagnose_norms(inputs)
                  + diagnose_noise(inputs, first_bit, first_div))
+    diagnoses = consistent(diagnoses)       # of two contradicting claims, the stronger (never both)
     diagnoses.sort(key=lambda d: d.positions[0] if d.positions else -1)
     td = cmp.alignment.first_token_divergence
     token_loc = None

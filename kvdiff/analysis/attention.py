@@ -2,29 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import numpy as np
 
 
-def _by_head(rows: np.ndarray, heads: int) -> np.ndarray:
-    """(n, kv_heads, d) rows as float64 (heads, n, d), each kv head repeated for its query heads."""
-    repeated = np.repeat(rows.astype(np.float64), heads // rows.shape[1], axis=1)
-    return np.ascontiguousarray(repeated.transpose(1, 0, 2))
-
-
-def _weights(q: np.ndarray, k: np.ndarray, positions: np.ndarray, query_rows: np.ndarray,
-             scale: float) -> Iterator[tuple[int, np.ndarray]]:
-    """Per query row: how many keys it sees (positions are increasing: those up to its own) and the
-    softmax weights (heads, seen keys) over them, in float64."""
-    kk = _by_head(k, q.shape[1])
-    seen = np.searchsorted(positions, positions[query_rows], side="right")
-    with np.errstate(invalid="ignore", over="ignore"):
-        for row, n in zip(query_rows, seen):
-            scores = np.matmul(kk[:, :n], q[row].astype(np.float64)[:, :, None])[..., 0] * scale
-            scores -= scores.max(axis=1, keepdims=True)
-            weights = np.exp(scores)
-            yield n, weights / weights.sum(axis=1, keepdims=True)
+def _grouped(q_row: np.ndarray, rows: np.ndarray, n: int, weights: np.ndarray | None = None) -> np.ndarray:
+    """Per head: q_row (heads, d) against rows[:n] (n, kv_heads, d) of its kv head, float64 (heads, n);
+    or, given `weights` (heads, n), the weighted sum of rows[:n] (heads, d). One kv group at a time,
+    so no copy of the rows repeated per head is made."""
+    heads, kv = q_row.shape[0], rows.shape[1]
+    per = heads // kv
+    out = np.empty((heads, n) if weights is None else (heads, rows.shape[2]))
+    for g in range(kv):
+        block = rows[:n, g, :].astype(np.float64, copy=False)
+        sel = slice(g * per, (g + 1) * per)
+        out[sel] = q_row[sel].astype(np.float64) @ block.T if weights is None else weights[sel] @ block
+    return out
 
 
 def span_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, query_rows: np.ndarray,
@@ -37,16 +29,20 @@ def span_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.nd
     q; each query attends causally to keys at positions <= its own. Softmax in float64; NaN for a
     query row whose scores hold NaN or Inf.
     """
-    vv = _by_head(v, q.shape[1])
     inside = (positions >= span[0]) & (positions <= span[1])
+    seen = np.searchsorted(positions, positions[query_rows], side="right")
     mass, shift = np.zeros(query_rows.size), np.ones(query_rows.size)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        for i, (n, weights) in enumerate(_weights(q, k, positions, query_rows, scale)):
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        for i, (row, n) in enumerate(zip(query_rows, seen)):
+            scores = _grouped(q[row], k, n) * scale
+            scores -= scores.max(axis=1, keepdims=True)
+            weights = np.exp(scores)
+            weights /= weights.sum(axis=1, keepdims=True)
             mass[i] = weights[:, inside[:n]].sum(axis=1).mean()
             kept = weights * ~inside[:n]
             if not kept.any():
                 continue
-            full = np.matmul(weights[:, None, :], vv[:, :n])
-            without = np.matmul((kept / kept.sum(axis=1, keepdims=True))[:, None, :], vv[:, :n])
+            full = _grouped(q[row], v, n, weights)
+            without = _grouped(q[row], v, n, kept / kept.sum(axis=1, keepdims=True))
             shift[i] = np.linalg.norm(without - full) / np.linalg.norm(full)
     return mass, shift

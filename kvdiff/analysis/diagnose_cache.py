@@ -1,8 +1,12 @@
-"""cache_content_mismatch: first-layer K or V differ before RoPE while their input matches.
+"""cache_content_mismatch: the first layer's K or V differ while their input matches.
 
 In the first layer, k_pre_rope and v are a function of the token's normed embedding alone; if
 that input matches and they do not, the candidate read K/V that belong elsewhere (a wrong slot
-or block, a stale entry). The rows are matched against every reference row to name the source.
+or block, a stale entry) or were computed or stored otherwise. Where K/V were read from a cache
+(no k_pre_rope recorded there), k is tested instead: with v matching, keys whose rotate_half
+pairs do not keep the reference's magnitudes are other content, not a rotation (keys.py). The
+rows are matched against every reference row to name the source, and against the reference's
+rows rounded to bfloat16 and float16 to name a rounding that explains them.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
+from kvdiff.analysis.keys import CONTENT, SCALED
 
 
 def _sources(ref: np.ndarray, cand: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -25,47 +30,110 @@ def _sources(ref: np.ndarray, cand: np.ndarray, positions: np.ndarray) -> tuple[
     return positions[best], np.where(np.isnan(rel), np.inf, rel)
 
 
-def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded to `dtype` (round to nearest even) and back."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if dtype == "float16":
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16).astype(np.float32)
+    bits = x.view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def rounding(ref: np.ndarray, cand: np.ndarray) -> tuple[str | None, float]:
+    """The dtype whose rounding of the reference's rows gives the candidate's: at least 99% of the
+    elements exactly and every other within one step of that dtype (the traces may differ by
+    float32 noise before the rounding, which moves a value across a rounding boundary), with the
+    share of elements equal."""
+    for dtype, mantissa in (("bfloat16", 7), ("float16", 10)):
+        rounded = round_to(ref, dtype)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            equal = float((rounded == cand).mean()) if cand.size else 0.0
+            step = np.exp2(np.floor(np.log2(np.maximum(np.abs(rounded), 1e-30))) - mantissa)
+            within = bool((np.abs(cand - rounded) <= step).all())
+        if equal >= 0.99 and within and (rounded != ref).any():
+            return dtype, equal
+    return None, 0.0
+
+
+def _bad_columns(inputs: DiagnosisInputs) -> tuple[np.ndarray, np.ndarray]:
+    """Columns with k_pre_rope or v divergent at the first layer with the same input, and columns read
+    from a cache whose k is not a rotation of the reference's content while v matches."""
     kp_bad, v_bad = inputs.divergent("k_pre_rope", 0), inputs.divergent("v", 0)
-    if kp_bad is None and v_bad is None:
-        return []
-    bad = (kp_bad if kp_bad is not None else False) | (v_bad if v_bad is not None else False)
     al = inputs.comparison.alignment
+    bad = np.zeros(al.positions.size, bool)
+    for b in (kp_bad, v_bad):
+        if b is not None:
+            bad |= b
     same_input = inputs.ok("attn_norm", 0)
     same_input = inputs.ok("resid_pre", 0) if same_input is None else same_input
     if same_input is not None:
         # Where the K/V were read from a cache no input was recorded; the tokens are the same at
         # every comparable position, and the first layer's input is the token's embedding.
-        bad = bad & (same_input | al.kv_only)
-    positions = al.positions
-    cached = np.array([inputs.chunks.cached(int(p)) is not False for p in positions], dtype=bool)
-    cols = np.flatnonzero(bad & cached & al.comparable)
+        bad &= same_input | al.kv_only
+    keys = inputs.keys
+    k_only = np.zeros_like(bad)
+    if keys is not None:
+        k_only[keys.cols[keys.cached & ((keys.kind == SCALED) | (keys.kind == CONTENT))]] = True
+    cached = np.array([inputs.chunks.cached(int(p)) is not False for p in al.positions], dtype=bool)
+    return np.flatnonzero((bad | k_only) & cached & al.comparable), k_only
+
+
+def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
+    cols, k_only = _bad_columns(inputs)
     if not cols.size:
         return []
-    layer = inputs.first_layer
-    point = "v" if v_bad is not None and v_bad[cols].any() else "k_pre_rope"
-    ref_rows, cand_rows = inputs.rows(layer, point)
-    src, dist = _sources(ref_rows, cand_rows[cols], positions)
+    al, layer, keys = inputs.comparison.alignment, inputs.first_layer, inputs.keys
+    positions = al.positions
     out = []
     for chunk, group in group_by_chunk(inputs, positions[cols]):
         sel = np.isin(positions[cols], group)
         gcols = cols[sel]
         lo, hi = int(group[0]), int(group[-1])
+        differing = [name for name in ("k_pre_rope", "v", "k") if inputs.divergent(name, 0) is not None
+                     and (inputs.divergent(name, 0)[gcols].any() if name != "k" else k_only[gcols].any())]
+        point = "v" if "v" in differing else differing[0]
+        ref_rows, cand_rows = inputs.rows(layer, point)
+        src, dist = _sources(ref_rows, cand_rows[gcols], positions)
         parts = []
-        for name in ("k_pre_rope", "v"):
-            if inputs.divergent(name, 0) is not None and inputs.divergent(name, 0)[gcols].any():
-                max_abs, rel = inputs.worst(name, 0, gcols)
-                parts.append(f"{name} differs (max_abs {fmt(max_abs)}, rel {fmt(rel)})")
+        for name in differing:
+            max_abs, rel = inputs.worst(name, 0, gcols)
+            parts.append(f"{name} differs (max_abs {fmt(max_abs)}, rel {fmt(rel)})")
         where = "whose K/V came from the cache" if any(inputs.chunks.cached(int(p)) for p in group) else \
             "(the trace does not say which positions were cached)"
         same = "the tokens are the same" if al.kv_only[gcols].all() else "the layer input matches"
         evidence = (f"layer {layer}, positions {span_text(lo, hi)} {where}: {' and '.join(parts)} although "
                     f"{same}, and before RoPE these depend on the token alone")
-        exact = dist[sel] <= 1e-6
-        moved = src[sel] != group
+        details: dict = {"layer": layer, "source_positions": [int(s) if d <= 1e-6 else None for s, d in zip(src, dist)],
+                         "points": differing, "rounding": None}
+        exact, moved = dist <= 1e-6, src != group
+        proof = f"{point} at {group.size} rows differs (rel up to {fmt(inputs.worst(point, 0, gcols)[1])}) with {same}"
         if (exact & moved).any():
-            pairs = ", ".join(f"{p}<-{s}" for p, s in zip(group[exact & moved][:6], src[sel][exact & moved][:6]))
+            pairs = ", ".join(f"{p}<-{s}" for p, s in zip(group[exact & moved][:6], src[exact & moved][:6]))
             evidence += f"; the candidate's {point} rows equal the reference's at other positions ({pairs}): a wrong slot or stale entry"
-        out.append(Diagnosis("cache_content_mismatch", chunk, (lo, hi), evidence, {
-            "layer": layer, "source_positions": [int(s) if d <= 1e-6 else None for s, d in zip(src[sel], dist[sel])]}))
+            proof += f"; {int((exact & moved).sum())} rows equal the reference's {point} at other positions exactly"
+        else:
+            dtype, share = rounding(ref_rows[gcols], cand_rows[gcols])
+            if dtype is not None:
+                details["rounding"] = dtype
+                evidence += (f"; the candidate's {point} rows are the reference's rounded to {dtype} ({100 * share:.1f}% "
+                             f"of the elements exactly, the rest within one {dtype} step): the cache stored them in {dtype}")
+                proof += f"; equal to the reference's rows rounded to {dtype} at {100 * share:.1f}% of the elements"
+        if "k" in differing and keys is not None:
+            ksel = np.isin(keys.cols, gcols)
+            scaled = keys.kind[ksel] == SCALED
+            if scaled.all() and keys.exact[ksel].all() and (keys.encoded[ksel] == positions[keys.cols[ksel]]).all():
+                factor = float(np.median(keys.factor[ksel]))
+                details["k_scale"] = factor
+                evidence += (f"; the cached keys are the reference's rotated to the expected positions and scaled by "
+                             f"{fmt(factor)} (every rotate_half pair), while v matches: their k projection (or k-norm) "
+                             f"differed when they were computed")
+            else:
+                evidence += ("; the cached keys' rotate_half pairs do not keep the reference's magnitudes, so no RoPE "
+                             "rotation makes them the reference's keys, while v matches: they were computed otherwise "
+                             "(k projection, k-norm)")
+            proof += (f"; k's pair magnitudes differ from the reference's k_pre_rope by up to "
+                      f"{fmt(float(keys.magnitude_rel[ksel].max()))} of the largest, beyond tolerance")
+        out.append(Diagnosis("cache_content_mismatch", chunk, (lo, hi), evidence, details, confidence=1.0, proof=proof))
     return out

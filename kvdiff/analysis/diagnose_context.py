@@ -1,4 +1,22 @@
-"""missing_context: q, k and v equal at a position but attn_out differs, so the attended set differs."""
+"""missing_context and attention_mismatch: the candidate's attention recomputed from its own q, k, v.
+
+At the first layer where attn_out breaks tolerance at positions the candidate computed, its
+attention is recomputed from its own recorded q, k and v (at positions it read from a cache, k
+and v are the rows attention read) under each hypothesis of `attention_fit`, and tested against
+the attn_out it recorded. The hypothesis that explains the rows (it leaves at most half of the
+change unexplained, and at most half of what the next-best one leaves) names the cause:
+
+- keys hidden (one span for every tested row, or each row's chunk alone): missing_context with
+  exactly those positions, down to a single row;
+- another softmax scale, or the next position visible: attention_mismatch with that explanation;
+- the reference's own causal attention: nothing (q, k or v differ, and explain attn_out).
+
+When none does but q, k and v match the reference where attention read them, the attention
+(mask, scale, softmax or o_proj) differs, shown by the tiers alone: attention_mismatch without an
+explanation. The rows are tested for all chunks at once, then chunk by chunk where one
+hypothesis does not explain them all. Positions read from a cache have no attn_out:
+`diagnose_missing_context_in_cache` reads their K/V a layer later.
+"""
 
 from __future__ import annotations
 
@@ -7,153 +25,178 @@ import logging
 import numpy as np
 
 from kvdiff.analysis.attention import span_attention
-from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
-from kvdiff.analysis.metrics import row_metrics
+from kvdiff.analysis.attention_fit import AttentionRows, AttentionTest
+from kvdiff.analysis.attention_verdict import Verdict, explain
+from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.rope import estimate_positions, rotate
-from kvdiff.analysis.tolerance import Tier
+from kvdiff.analysis.diagnose_cached_context import diagnose_missing_context_in_cache  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
-# Leaving a span out moves the attention output by `span_attention`'s shift of its norm; o_proj, which
-# the trace does not hold, scales that by far less than this. A change of attn_out this many times
-# smaller than the shift refutes the missing span (rounding, e.g. another dtype, explains it).
-_SHIFT_TO_CHANGE = 100.0
+_NOISE = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-2}     # relative rounding of recorded rows
 
 
-def _q_shift(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> np.ndarray:
-    """Per column: the RoPE shift that maps the reference q onto the candidate q, or -1<<62 if none does."""
-    none = np.full(cols.size, -(1 << 62), dtype=np.int64)
-    if inputs.thetas is None or not cols.size:
-        return none
-    ref_q, cand_q = (q[cols] for q in inputs.rows(layer, "q"))
-    horizon = int(inputs.comparison.alignment.positions.max()) + 1
-    shift, _ = estimate_positions(ref_q, cand_q, inputs.thetas, horizon, -horizon)
-    back = rotate(cand_q, -shift.astype(np.float64), inputs.thetas)
-    tol = inputs.comparison.tolerances.for_point("q")
-    ok = row_metrics(ref_q, back).tiers(tol) <= Tier.NOISE
-    return np.where(ok, shift, none)
+def _inputs_match(inputs: DiagnosisInputs, row: int, cols: np.ndarray) -> bool:
+    """q at `cols` and k, v at every comparable position up to the last of them within tolerance."""
+    q_ok, k_ok, v_ok = inputs.ok("q", row), inputs.ok("k", row), inputs.ok("v", row)
+    if q_ok is None or k_ok is None or v_ok is None:
+        return False
+    upto = np.arange(k_ok.size) <= cols.max()
+    comparable = inputs.comparison.alignment.comparable
+    return bool(q_ok[cols].all() and (k_ok | ~comparable)[upto].all() and (v_ok | ~comparable)[upto].all())
 
 
-def _content_ok(inputs: DiagnosisInputs, row: int) -> np.ndarray | None:
-    v_ok = inputs.ok("v", row)
-    k_ok = inputs.ok("k_pre_rope", row)
-    k_ok = inputs.ok("k", row) if k_ok is None else k_ok
-    return None if v_ok is None or k_ok is None else v_ok & k_ok
-
-
-def _flagged(inputs: DiagnosisInputs) -> tuple[int, np.ndarray, np.ndarray] | None:
-    """The first layer row with positions whose q/k/v match (q up to RoPE) and whose context K/V
-    match, but whose attn_out breaches tolerance; with those columns and their q shifts."""
-    cmp = inputs.comparison
-    comparable = cmp.alignment.comparable
-    for row, layer in enumerate(cmp.layers):
-        content, attn_bad, q_ok = _content_ok(inputs, row), inputs.divergent("attn_out", row), inputs.ok("q", row)
-        if content is None or attn_bad is None or q_ok is None:
+def _layer_rows(inputs: DiagnosisInputs) -> tuple[int, np.ndarray] | None:
+    """The first layer row with attn_out breaking tolerance at computed, comparable positions, and those columns."""
+    al = inputs.comparison.alignment
+    for row in range(len(inputs.comparison.layers)):
+        bad = inputs.divergent("attn_out", row)
+        if bad is None:
             return None
-        context_ok = np.logical_and.accumulate(content | ~comparable)
-        cols = np.flatnonzero(attn_bad & content & context_ok & comparable)
-        if not cols.size:
-            continue
-        shift = np.zeros(cols.size, dtype=np.int64)
-        rotated = ~q_ok[cols]
-        shift[rotated] = _q_shift(inputs, layer, cols[rotated])
-        keep = shift > -(1 << 62)
-        if keep.any():
-            return row, cols[keep], shift[keep]
+        cols = np.flatnonzero(bad & al.computed & al.comparable)
+        if cols.size:
+            return row, cols
     return None
 
 
-def _run_start(attn_bad: np.ndarray, col: int) -> int:
-    """First column of the run of attn_out-divergent columns that ends at or passes `col`."""
-    while col > 0 and attn_bad[col - 1]:
-        col -= 1
-    return col
+def _test(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> list[tuple[AttentionTest, str]] | None:
+    """The attention test over `cols` (and, where the candidate's q and k at a row are rotated by
+    different offsets from the reference's, the same with q rotated into its keys' frame), or None
+    when the keys are not all recorded (positions 0..last)."""
+    positions = inputs.comparison.alignment.positions
+    last = int(cols.max())
+    if not {"q", "k", "v"} <= set(inputs.comparison.points) or \
+            not np.array_equal(positions[:last + 1], np.arange(last + 1)):
+        return None
+    scale = inputs.reference.meta.dims.attn_scale        # the model's: a candidate declaring another is tested
+    rows = {p: inputs.rows(layer, p) for p in ("q", "k", "v", "attn_out")}
+    ref, cand = (AttentionRows(*(rows[p][i] for p in ("q", "k", "v", "attn_out")), scale) for i in (0, 1))
+    noise = max(_NOISE.get(t.meta.dtype, 1e-2) for t in (inputs.reference, inputs.candidate))
+    test = AttentionTest.build(ref, cand, cols, noise)
+    if test is None:
+        return None
+    tests = [(test, "")]
+    delta = _frame_shift(inputs, rows, test.rows)
+    if delta is not None:
+        q = cand.q.copy()
+        q[test.rows] = rotate(q[test.rows], delta.astype(np.float64), inputs.thetas)
+        moved = AttentionRows(q, cand.k, cand.v, cand.out, scale)
+        shifts = ", ".join(f"{int(d):+d}" for d in np.unique(delta[delta != 0]))
+        tests.append((AttentionTest(ref, moved, test.rows, test.fit),
+                      f" (with q rotated {shifts} positions to its keys' RoPE offset)"))
+    return tests
+
+
+def _frame_shift(inputs: DiagnosisInputs, rows: dict, cols: np.ndarray) -> np.ndarray | None:
+    """Per column, the rotation (in positions) taking the candidate's q into its own k's frame, where
+    both are exact rotations of the reference's and the offsets differ at some column; else None."""
+    if inputs.thetas is None:
+        return None
+    horizon = int(inputs.comparison.alignment.positions.max()) + 1
+    found = []
+    for point in ("q", "k"):
+        ref, cand = rows[point]
+        shift, quality = estimate_positions(ref[cols], cand[cols], inputs.thetas, horizon, -horizon, batch=8)
+        found.append((shift, quality >= 1 - 1e-4))
+    (dq, okq), (dk, okk) = found
+    delta = np.where(okq & okk, dk - dq, 0)
+    return delta if delta.any() else None
+
+
+def _boundary_note(verdict: Verdict) -> str:
+    b = verdict.boundary
+    if b is None or b.residual >= 2 * verdict.best.residual:
+        return ""
+    return (f"; hiding {span_text(*b.hypothesis.hidden)} instead leaves {fmt(b.residual)}: the span's ends are less "
+            f"certain than the span")
+
+
+def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict | None, chunk: str | None,
+          proved: bool, data_start: int) -> Diagnosis | None:
+    cmp = inputs.comparison
+    layer, positions = cmp.layers[row], cmp.alignment.positions
+    lo, hi = int(positions[cols[0]]), int(positions[cols[-1]])
+    _, attn_rel = inputs.worst("attn_out", row, cols)
+    h = None if verdict is None or not verdict.decisive else verdict.best.hypothesis
+    if h is not None and h.name == "standard":
+        return None
+    spans = runs(positions[cols])
+    where = f"layer {layer}, positions {', '.join(span_text(a, b) for a, b in spans)}"
+    fit = {} if verdict is None else verdict.fields()
+    # rows between the runs match the reference: the claim is not theirs
+    only = {"rows": [list(r) for r in spans]} if len(spans) > 1 else {}
+    fit = {**only, **fit}
+    if h is not None and h.name in ("hidden", "chunk alone"):
+        start = inputs.chunks.span(lo)
+        unattended = h.hidden if h.name == "hidden" else (int(positions[0]), (start[0] if start else lo) - 1)
+        if unattended[1] < unattended[0]:
+            return None
+        ref_q, ref_k, ref_v = (inputs.rows(layer, p)[0] for p in ("q", "k", "v"))
+        tested = verdict.test.rows[np.isin(verdict.test.rows, cols)]
+        mass, _ = span_attention(ref_q, ref_k, ref_v, positions, tested if tested.size else cols[:1], unattended,
+                                 inputs.reference.meta.dims.attn_scale)
+        u = span_text(*unattended)
+        noun, verb = ("position", "was") if unattended[0] == unattended[1] else ("positions", "were")
+        evidence = (f"{where}: attn_out differs (rel {fmt(attn_rel)}) and is the candidate's own q, k and v attended "
+                    f"without {noun} {u}: {noun} {u} {verb} not attended (that explanation leaves "
+                    f"{fmt(verdict.best.residual)} of the change unexplained, the next best "
+                    f"{'none' if verdict.rival is None else fmt(verdict.rival.residual)}{_boundary_note(verdict)}); "
+                    f"the reference puts "
+                    f"{fmt(100 * float(mass.mean()))}% of its attention mass on them (mean over heads and positions; "
+                    f"min {fmt(100 * float(mass.min()))}%)")
+        if data_start > int(positions[0]):
+            evidence += f"; attn_out matches up to position {data_start - 1} and differs from {data_start} on"
+        return Diagnosis("missing_context", chunk, (lo, hi), evidence, {
+            "unattended": list(unattended), "layer": layer, "reference_attention_mass": float(mass.mean()),
+            "reference_attention_mass_min": float(mass.min()), **fit}, confidence=verdict.confidence,
+            proof=verdict.proof())
+    if h is None and not proved:
+        return None
+    same = "q, k and v match the reference where attention read them" if proved else \
+        "recomputed from the candidate's own q, k and v"
+    details: dict = {"layer": layer, "explanation": None, "inputs_match": proved, **(fit if h is not None else only)}
+    if h is not None:
+        details["explanation"] = h.name
+        if h.name == "scale":
+            details["scale_factor"] = h.scale
+        found = f": {h.text} explains it (leaves {fmt(verdict.best.residual)} of the change unexplained)"
+    else:
+        found = ("; no tested explanation (hidden keys, another scale, the next key visible) accounts for it"
+                 if verdict is not None else "")
+    evidence = (f"{where}: {same}, but attn_out differs (rel {fmt(attn_rel)}): the attention itself (mask, scale, "
+                f"softmax or o_proj) differs{found}")
+    if h is not None:
+        return Diagnosis("attention_mismatch", chunk, (lo, hi), evidence, details, confidence=verdict.confidence,
+                         proof=verdict.proof())
+    proof = (f"q at {cols.size} rows and k, v at every earlier position within tolerance, attn_out divergent there "
+             f"(rel up to {fmt(attn_rel)})") + ("" if verdict is None else f"; {verdict.proof()}")
+    return Diagnosis("attention_mismatch", chunk, (lo, hi), evidence, details, confidence=1.0, proof=proof)
 
 
 def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
-    found = _flagged(inputs)
+    """missing_context and attention_mismatch at the first layer whose computed attn_out differs."""
+    found = _layer_rows(inputs)
     if found is None:
         return []
-    row, cols, shifts = found
-    cmp = inputs.comparison
-    layer, positions = cmp.layers[row], cmp.alignment.positions
-    ref_q, ref_k = inputs.rows(layer, "q")[0], inputs.rows(layer, "k")[0]
-    out = []
-    for chunk, group in group_by_chunk(inputs, positions[cols]):
-        in_group = np.isin(positions[cols], group)
-        gcols = cols[in_group]
-        data_start = int(positions[_run_start(inputs.divergent("attn_out", row), int(gcols[0]))])
-        span = inputs.chunks.span(int(group[0]))
-        start = span[0] if span is not None else data_start
-        if start <= int(positions[0]):
-            continue
-        unattended = (int(positions[0]), start - 1)
-        scale = inputs.reference.meta.dims.attn_scale
-        mass, shift = span_attention(ref_q, ref_k, inputs.rows(layer, "v")[0], positions, gcols, unattended, scale)
-        ref_out, cand_out = (rows[gcols].astype(np.float64) for rows in inputs.rows(layer, "attn_out"))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            change = np.linalg.norm(cand_out - ref_out, axis=1) / np.linalg.norm(ref_out, axis=1)
-        if change.mean() * _SHIFT_TO_CHANGE < shift.mean():
-            log.debug("attn_out at %s changed by %.3g of its norm, but leaving %s out would move it by %.3g: "
-                      "not a missing context", span_text(int(group[0]), int(group[-1])), change.mean(),
-                      span_text(*unattended), shift.mean())
-            continue
-        _, attn_rel = inputs.worst("attn_out", row, gcols)
-        lo, hi = int(group[0]), int(group[-1])
-        qnote = "" if not shifts[in_group].any() else f" (after undoing a RoPE shift of {int(shifts[in_group][0]):+d})"
-        source = f"the candidate's chunk {chunk!r} starts at {start}" if span is not None else \
-            f"attn_out matches up to position {data_start - 1} and differs from {data_start} on"
-        evidence = (f"layer {layer}, positions {span_text(lo, hi)}: q{qnote}, k and v match the reference, and so do "
-                    f"K/V at every earlier position, but attn_out differs (rel {fmt(attn_rel)}); {source}, so positions "
-                    f"{span_text(*unattended)} were not attended; the reference puts {fmt(100 * float(mass.mean()))}% "
-                    f"of its attention mass on them (mean over heads and positions; min {fmt(100 * float(mass.min()))}%)")
-        if span is not None and data_start != start:
-            evidence += f"; attn_out itself first differs at position {data_start}"
-        out.append(Diagnosis("missing_context", chunk, (lo, hi), evidence, {
-            "unattended": list(unattended), "layer": layer,
-            "reference_attention_mass": float(mass.mean()), "reference_attention_mass_min": float(mass.min())}))
-    return out
-
-
-def diagnose_missing_context_in_cache(inputs: DiagnosisInputs) -> list[Diagnosis]:
-    """missing_context of K/V the candidate read from its cache: they match the reference at one
-    recorded layer and differ at the next while every earlier position's K/V still match, so the
-    hidden states they were computed from (which attend to the context) differ. Their attn_out
-    was never recorded: the rule above cannot see them."""
-    cmp = inputs.comparison
-    al = cmp.alignment
-    cached = al.kv_only & al.comparable
-    if not cached.any() or len(cmp.layers) < 2 or not {"q", "k", "v"} <= set(cmp.points):
-        return []
-    for row in range(1, len(cmp.layers)):
-        before_ok = inputs.ok("k", row - 1) & inputs.ok("v", row - 1)
-        now_bad = inputs.divergent("k", row) | inputs.divergent("v", row)
-        context_ok = np.logical_and.accumulate(before_ok | ~al.comparable)
-        cols = np.flatnonzero(now_bad & before_ok & context_ok & cached)
-        if cols.size:
-            break
-    else:
-        return []
-    before, layer, positions = cmp.layers[row - 1], cmp.layers[row], al.positions
-    ref_q, ref_k, ref_v = (inputs.rows(before, point)[0] for point in ("q", "k", "v"))
+    row, cols = found
+    layer, positions = inputs.comparison.layers[row], inputs.comparison.alignment.positions
+    bad = inputs.divergent("attn_out", row)
+    try:
+        tests = _test(inputs, layer, cols)
+        overall = None if tests is None else explain(tests, inputs)
+    except np.linalg.LinAlgError as exc:       # degenerate rows (no fit): the tiers alone may still prove
+        log.debug("attention test at layer %s skipped: %s", layer, exc)
+        tests = overall = None
     out = []
     for chunk, group in group_by_chunk(inputs, positions[cols]):
         gcols = cols[np.isin(positions[cols], group)]
-        span = inputs.chunks.span(int(group[0]))
-        if span is None or span[0] <= int(positions[0]):
-            continue
-        unattended = (int(positions[0]), span[0] - 1)
-        mass, _ = span_attention(ref_q, ref_k, ref_v, positions, gcols, unattended, inputs.reference.meta.dims.attn_scale)
-        _, k_rel = inputs.worst("k", row, gcols)
-        _, v_rel = inputs.worst("v", row, gcols)
-        lo, hi = int(group[0]), int(group[-1])
-        evidence = (f"positions {span_text(lo, hi)}, read from the cache: their k and v match the reference at layer "
-                    f"{before}, and so do K/V at every earlier position, but differ at layer {layer} (k rel "
-                    f"{fmt(k_rel)}, v rel {fmt(v_rel)}), so the cached chunk {chunk!r} was computed without the "
-                    f"reference's context at positions {span_text(*unattended)} (alone, or after other content); "
-                    f"at layer {before} the reference puts {fmt(100 * float(mass.mean()))}% of these positions' "
-                    f"attention mass there (mean over heads and positions; min {fmt(100 * float(mass.min()))}%)")
-        out.append(Diagnosis("missing_context", chunk, (lo, hi), evidence, {
-            "unattended": list(unattended), "layer": layer, "cached": True,
-            "reference_attention_mass": float(mass.mean()), "reference_attention_mass_min": float(mass.min())}))
+        verdict = overall
+        if tests is not None and not overall.decisive and gcols.size < cols.size:
+            verdict = explain([(t.on(gcols), note) for t, note in tests], inputs)
+        start = int(gcols[0])
+        while start > 0 and bad[start - 1]:
+            start -= 1
+        diagnosis = _emit(inputs, row, gcols, verdict, chunk, _inputs_match(inputs, row, gcols), int(positions[start]))
+        if diagnosis is not None:
+            out.append(diagnosis)
     return out

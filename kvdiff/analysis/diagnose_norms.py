@@ -80,7 +80,15 @@ def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
     evidence = "; ".join(parts) + f". Verdict: differences come from the {'norm itself' if source == 'norm' else 'inputs'}."
     if span:
         evidence = f"positions {span_text(*span)}: " + evidence
-    return [Diagnosis("norm_consistency", chunk, span, evidence, {
+    if bad_cand is not None or bad_ref is not None:
+        who, (c, col) = ("candidate", bad_cand) if bad_cand is not None else ("reference", bad_ref)
+        proof = f"the {who}'s {_where(c)} at position {int(positions[col])} does not match w * x / sqrt(mean(x^2) + eps)"
+    elif source == "norm":
+        proof = f"{n_differ - explained} of {n_differ} differing norm statistics have inputs within tolerance"
+    else:
+        proof = (f"{from_inputs} of {n_differ} differing norm statistics have a divergent input"
+                 + (f", {from_rounding} an input within tolerance with the same weight and eps" if from_rounding else ""))
+    return [Diagnosis("norm_consistency", chunk, span, evidence, confidence=1.0, proof=proof, details={
         "source": source, "stat_differences": n_differ, "explained_by_inputs": from_inputs,
         "explained_by_input_rounding": from_rounding,
         "candidate_inconsistent": None if bad_cand is None else {"layer": bad_cand[0].layer, "norm": bad_cand[0].norm,

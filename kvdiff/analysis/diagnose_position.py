@@ -1,4 +1,17 @@
-"""position_mismatch: keys equal before RoPE but not after, so RoPE used other positions."""
+"""position_mismatch and rope_mismatch: the first layer's keys hold the reference's content, rotated.
+
+Of the first-layer keys that differ while their content before RoPE matches (keys.py):
+- rotations that fit integer positions exactly, every one of them, at other positions than
+  expected: position_mismatch, with the offset;
+- rotations that fit no integer position as well as rounding allows (some of them): RoPE's
+  frequencies differ: rope_mismatch, with the candidate's frequencies measured at the expected
+  positions and what they fit (a linear scaling factor, another base). A claim of integer positions
+  is then never made: with other frequencies, an integer fit is a coincidence (scaling 2 rotates
+  even positions p exactly as p/2);
+- rotations with every pair magnitude times one factor, at positions the candidate computed:
+  rope_mismatch (RoPE's cos/sin scaled). Read from a cache, scaled or other content is
+  cache_content_mismatch's (diagnose_cache).
+"""
 
 from __future__ import annotations
 
@@ -7,76 +20,131 @@ import logging
 import numpy as np
 
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
-from kvdiff.analysis.rope import estimate_positions
+from kvdiff.analysis.keys import CONTENT, ROTATION, SCALED, KeyRows, measure_frequencies
 
 log = logging.getLogger(__name__)
 
 
-def _encoded(inputs: DiagnosisInputs, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Encoded position and fit quality of the candidate's first-layer keys at columns `cols`
-    (where the candidate read its K/V from a cache, the reference's k_pre_rope stands in)."""
-    if inputs.thetas is None:
-        return None
-    ref_pre, cand_pre = inputs.rows(inputs.first_layer, "k_pre_rope")
-    k = inputs.rows(inputs.first_layer, "k")[1]
-    k_pre = np.where(inputs.comparison.alignment.kv_only[cols, None, None], ref_pre[cols], cand_pre[cols])
-    horizon = 2 * int(inputs.comparison.alignment.positions.max()) + 64
-    return estimate_positions(k_pre, k[cols], inputs.thetas, horizon)
+def _same(inputs: DiagnosisInputs, keys: KeyRows, gcols: np.ndarray) -> str:
+    if keys.cached[np.isin(keys.cols, gcols)].all():
+        v_abs, _ = inputs.worst("v", 0, gcols)
+        return (f"read from the cache, v matches the reference (max_abs {fmt(v_abs)}) and k's rotate_half pairs have "
+                f"the reference's magnitudes, so the cache holds these tokens' keys,")
+    kp_abs, _ = inputs.worst("k_pre_rope", 0, gcols)
+    return f"k_pre_rope matches the reference (max_abs {fmt(kp_abs)})"
 
 
-def diagnose_position_mismatch(inputs: DiagnosisInputs) -> list[Diagnosis]:
-    """One diagnosis per candidate chunk whose first-layer k_pre_rope matches but k does not, unless
-    the keys' rotation angles fit the expected positions exactly (then RoPE's arithmetic differs,
-    e.g. its precision, not the positions it used)."""
-    kp_ok, k_bad, v_ok = inputs.ok("k_pre_rope", 0), inputs.divergent("k", 0), inputs.ok("v", 0)
-    if kp_ok is None or k_bad is None:
-        return []
-    al = inputs.comparison.alignment
-    positions = al.positions
-    # Read from a cache, K/V have no k_pre_rope row; a matching first-layer v (a function of the
-    # token alone) shows the cache holds these tokens' keys, whose content k_pre_rope would show.
-    cached_content = al.kv_only & (v_ok if v_ok is not None else False)
-    cols = np.flatnonzero((kp_ok | cached_content) & k_bad)
-    if not cols.size:
-        return []
-    fit = _encoded(inputs, cols)
-    layer = inputs.first_layer
+def _positions(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
+    positions, layer = inputs.comparison.alignment.positions, inputs.first_layer
+    offsets = keys.encoded - positions[keys.cols]
+    moved = offsets != 0
     out = []
-    for chunk, group in group_by_chunk(inputs, positions[cols]):
-        gcols = cols[np.isin(positions[cols], group)]
-        _, k_rel = inputs.worst("k", 0, gcols)
+    for chunk, group in group_by_chunk(inputs, positions[keys.cols[moved]]):
+        sel = moved & np.isin(positions[keys.cols], group)
+        gcols, enc, quality = keys.cols[sel], keys.encoded[sel], keys.quality[sel]
         lo, hi = int(group[0]), int(group[-1])
-        if al.kv_only[gcols].all():
-            v_abs, _ = inputs.worst("v", 0, gcols)
-            same = (f"read from the cache, v matches the reference (max_abs {fmt(v_abs)}), so the cache holds "
-                    f"these tokens' keys,")
-        else:
-            kp_abs, _ = inputs.worst("k_pre_rope", 0, gcols)
-            same = f"k_pre_rope matches the reference (max_abs {fmt(kp_abs)})"
-        evidence = (f"layer {layer}, positions {span_text(lo, hi)}: {same} while k after RoPE differs "
-                    f"(rel {fmt(k_rel)}), so the keys hold the same content rotated to other positions")
-        details: dict = {"expected_positions": [lo, hi], "layer": layer}
-        if fit is not None:
-            enc, quality = fit[0][np.isin(positions[cols], group)], fit[1][np.isin(positions[cols], group)]
-            offsets = enc - group
-            if not offsets.any():
-                log.debug("k differs after RoPE at %s, but rotated to the expected positions: not a position "
-                          "mismatch", span_text(lo, hi))
-                continue
-            values, counts = np.unique(offsets, return_counts=True)
-            offset = int(values[counts.argmax()])
-            details.update(offset=offset, encoded_positions=[int(enc.min()), int(enc.max())],
-                           fit_quality=float(quality.min()))
-            evidence += (f"; the rotation angles fit encoded positions {span_text(int(enc[0]), int(enc[-1]))} "
-                         f"(fit quality {fmt(float(quality.min()))}), expected {span_text(lo, hi)}: offset {offset:+d}")
-            if values.size > 1:
-                evidence += f" ({values.size} different offsets, {int(counts.max())} of {group.size} positions at {offset:+d})"
-        else:
-            details["offset"] = None
-            evidence += "; RoPE frequencies could not be measured (the reference needs two consecutive positions)"
+        values, counts = np.unique(offsets[sel], return_counts=True)
+        offset = int(values[counts.argmax()])
+        _, k_rel = inputs.worst("k", 0, gcols)
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)}: {_same(inputs, keys, gcols)} while k after RoPE "
+                    f"differs (rel {fmt(k_rel)}), so the keys hold the same content rotated to other positions; the "
+                    f"rotation angles fit encoded positions {span_text(int(enc[0]), int(enc[-1]))} (fit quality "
+                    f"{fmt(float(quality.min()))}), expected {span_text(lo, hi)}: offset {offset:+d}")
+        if values.size > 1:
+            evidence += f" ({values.size} different offsets, {int(counts.max())} of {group.size} positions at {offset:+d})"
+        details: dict = {"offset": offset, "encoded_positions": [int(enc.min()), int(enc.max())],
+                         "expected_positions": [lo, hi], "fit_quality": float(quality.min()), "layer": layer}
         reported = [inputs.chunks.encoded_position(int(p)) for p in group]
         if all(r is not None for r in reported):
             details["provenance_encoded_positions"] = [min(reported), max(reported)]
             evidence += f"; the candidate's provenance says it encoded them at {span_text(reported[0], reported[-1])}"
-        out.append(Diagnosis("position_mismatch", chunk, (lo, hi), evidence, details))
+        proof = (f"k = k_pre_rope rotated to integer positions at all {group.size} rows (pair magnitudes equal, "
+                 f"fit quality >= {fmt(float(quality.min()))}; exact from {fmt(keys.threshold)}), every rotation of "
+                 f"the first layer fitting one")
+        out.append(Diagnosis("position_mismatch", chunk, (lo, hi), evidence, details,
+                             confidence=float(quality.min()), proof=proof))
+    return out
+
+
+def _frequencies(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
+    """The rotations fit no integer positions: RoPE's frequencies, measured at the expected positions."""
+    positions, layer = inputs.comparison.alignment.positions, inputs.first_layer
+    ref_pre, cand_k = inputs.rows(layer, "k_pre_rope")[0], inputs.rows(layer, "k")[1]
+    freq = measure_frequencies(ref_pre[keys.cols], cand_k[keys.cols], positions[keys.cols], inputs.thetas)
+    inexact = int((~keys.exact).sum())
+    found, details = "", {"layer": layer, "fit_quality": float(keys.quality.min())}
+    if freq is not None:
+        ratio = freq.candidate / freq.reference
+        details.update(frequency_ratio=[float(ratio.min()), float(ratio.max())], frequency_fit=freq.quality)
+        if freq.scaling is not None:
+            details["scaling_factor"] = freq.scaling
+            found = (f"; the candidate's rotation rates, measured at the expected positions, are the reference's "
+                     f"divided by {fmt(freq.scaling)} at every frequency: positions scaled by 1/{fmt(freq.scaling)} "
+                     f"(linear RoPE scaling {fmt(freq.scaling)})")
+        elif freq.candidate_base is not None:
+            details.update(base=freq.candidate_base, reference_base=freq.reference_base)
+            found = (f"; the candidate's rotation rates, measured at the expected positions, fit RoPE base "
+                     f"{fmt(freq.candidate_base)} (the reference's: {fmt(freq.reference_base)})")
+        else:
+            found = (f"; the candidate's rotation rates, measured at the expected positions, are the reference's "
+                     f"times {fmt(float(ratio.min()))}-{fmt(float(ratio.max()))} (no single base or scaling fits)")
+    proof = (f"k = k_pre_rope rotated (pair magnitudes equal) at {keys.cols.size} rows, but {inexact} of them fit no "
+             f"integer position with the reference's frequencies (best fit quality {fmt(float(keys.quality.min()))}, "
+             f"exact from {fmt(keys.threshold)})"
+             + ("" if freq is None else f"; the measured frequencies explain the rotations with fit quality {fmt(freq.quality)}"))
+    out = []
+    for chunk, group in group_by_chunk(inputs, positions[keys.cols]):
+        gcols = keys.cols[np.isin(positions[keys.cols], group)]
+        lo, hi = int(group[0]), int(group[-1])
+        _, k_rel = inputs.worst("k", 0, gcols)
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)}: {_same(inputs, keys, gcols)} while k after RoPE "
+                    f"differs (rel {fmt(k_rel)}): the same content rotated otherwise, and no integer position fits "
+                    f"the rotation (fit quality {fmt(float(keys.quality.min()))}): RoPE's frequencies differ, not "
+                    f"the positions{found}")
+        confidence = 1.0 - float(keys.quality.min()) if freq is None else freq.quality
+        out.append(Diagnosis("rope_mismatch", chunk, (lo, hi), evidence, dict(details, expected_positions=[lo, hi]),
+                             confidence=min(max(confidence, 0.0), 1.0), proof=proof))
+    return out
+
+
+def _scaled(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
+    """Computed rows whose k pairs are k_pre_rope's times one factor: RoPE's cos and sin scaled."""
+    positions, layer = inputs.comparison.alignment.positions, inputs.first_layer
+    out = []
+    for chunk, group in group_by_chunk(inputs, positions[keys.cols]):
+        sel = np.isin(positions[keys.cols], group)
+        factor, quality = keys.factor[sel], keys.quality[sel]
+        lo, hi = int(group[0]), int(group[-1])
+        where = "at the expected positions" if (keys.encoded[sel] == group).all() and keys.exact[sel].all() else \
+            "at other angles too"
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)}: k_pre_rope matches the reference while every "
+                    f"rotate_half pair of k has the reference's magnitude times {fmt(float(np.median(factor)))}, "
+                    f"rotated {where}: RoPE scales its cos and sin (attention scaling), or k after it")
+        proof = (f"k's pair magnitudes / k_pre_rope's: {fmt(float(factor.min()))}-{fmt(float(factor.max()))} at "
+                 f"{group.size} rows, residual <= {fmt(float(keys.magnitude_rel[sel].max()))} of the largest")
+        out.append(Diagnosis("rope_mismatch", chunk, (lo, hi), evidence, {
+            "layer": layer, "magnitude_factor": float(np.median(factor)), "expected_positions": [lo, hi],
+            "fit_quality": float(quality.min())}, confidence=1.0, proof=proof))
+    return out
+
+
+def diagnose_position_mismatch(inputs: DiagnosisInputs) -> list[Diagnosis]:
+    """position_mismatch and rope_mismatch of the first layer's keys (see the module docstring)."""
+    keys = inputs.keys
+    if keys is None or not keys.cols.size:
+        return []
+    if inputs.thetas is None:
+        log.debug("k differs after RoPE, but RoPE frequencies could not be measured (the reference needs two "
+                  "consecutive positions)")
+        return []
+    rotations = keys.where(keys.kind == ROTATION)
+    out = []
+    if rotations.cols.size:
+        out += _positions(inputs, rotations) if rotations.exact.all() else _frequencies(inputs, rotations)
+    scaled = keys.where((keys.kind == SCALED) & ~keys.cached)
+    if scaled.cols.size:
+        out += _scaled(inputs, scaled)
+    other = keys.where((keys.kind == CONTENT) & ~keys.cached)
+    if other.cols.size:
+        log.debug("k differs from a rotation of k_pre_rope at %d computed rows", other.cols.size)
     return out

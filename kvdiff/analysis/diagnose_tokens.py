@@ -23,7 +23,9 @@ def diagnose_tokenization(inputs: DiagnosisInputs) -> list[Diagnosis]:
                 f"every position from {i} on has different inputs and is not compared")
     return [Diagnosis("tokenization_mismatch", inputs.chunks.chunk_of(i), (i, max(i, last)), evidence, {
         "reference_token": inputs.token_text(int(a[i])) if i < a.size else None,
-        "candidate_token": inputs.token_text(int(b[i])) if i < b.size else None})]
+        "candidate_token": inputs.token_text(int(b[i])) if i < b.size else None}, confidence=1.0,
+        proof=f"input id at position {i}: {int(a[i]) if i < a.size else 'none'} (reference) vs "
+              f"{int(b[i]) if i < b.size else 'none'} (candidate)")]
 
 
 def _near_tie(inputs: DiagnosisInputs, first_divergence: Location | None) -> Diagnosis | None:
@@ -45,7 +47,9 @@ def _near_tie(inputs: DiagnosisInputs, first_divergence: Location | None) -> Dia
                 f"{'n/a' if td.candidate_margin is None else fmt(td.candidate_margin)} (candidate) are within "
                 f"{fmt(threshold)}, twice the logits tolerance{diff}; every earlier tensor is within tolerance")
     return Diagnosis("numerical_noise", inputs.chunks.chunk_of(td.position), (td.position, td.position), evidence,
-                     {"step": td.step, "near_tie_threshold": threshold})
+                     {"step": td.step, "near_tie_threshold": threshold}, confidence=1.0,
+                     proof=f"no tensor breaks tolerance before the flip; smallest top-1/top-2 margin "
+                           f"{fmt(min(margins))} <= {fmt(threshold)}")
 
 
 def diagnose_noise(inputs: DiagnosisInputs, first_bit: Location | None, first_divergence: Location | None) -> list[Diagnosis]:
@@ -65,7 +69,8 @@ def diagnose_noise(inputs: DiagnosisInputs, first_bit: Location | None, first_di
                 f"{first_bit.position} {first_bit.tensor}; largest rel {fmt(float(worst.rel[r, c]))} at {where} "
                 f"position {int(worst.positions[c])} {worst.point}")
     return [Diagnosis("numerical_noise", first_bit.chunk, (first_bit.position, int(inputs.comparison.alignment.positions[-1])),
-                      evidence, {})]
+                      evidence, {}, confidence=1.0,
+                      proof=f"{compared} of {compared} compared rows within tolerance, tokens identical")]
 
 
 def diagnose_non_finite(inputs: DiagnosisInputs, first: Location | None) -> list[Diagnosis]:
@@ -77,4 +82,6 @@ def diagnose_non_finite(inputs: DiagnosisInputs, first: Location | None) -> list
     where = "final" if first.layer is None else f"layer {first.layer}"
     evidence = f"NaN or Inf first appears at {where} position {first.position} {first.tensor} in the {' and '.join(who)}"
     return [Diagnosis("non_finite", first.chunk, (first.position, first.position), evidence,
-                      {"layer": first.layer, "tensor": first.tensor, "traces": who})]
+                      {"layer": first.layer, "tensor": first.tensor, "traces": who}, confidence=1.0,
+                      proof=f"a non-finite value in the {' and '.join(who)}'s {first.tensor} row at {where} position "
+                            f"{first.position}")]

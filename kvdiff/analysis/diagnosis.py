@@ -10,34 +10,46 @@ import numpy as np
 
 from kvdiff.analysis.chunks import ChunkLookup
 from kvdiff.analysis.compare import Comparison, PointMap
+from kvdiff.analysis.keys import KeyRows, key_rows
 from kvdiff.analysis.rope import estimate_thetas
 from kvdiff.analysis.tolerance import Tier
 from kvdiff.trace import TraceReader
 
-KINDS = ("tokenization_mismatch", "position_mismatch", "missing_context", "cache_content_mismatch",
-         "norm_consistency", "numerical_noise", "non_finite")
+KINDS = ("tokenization_mismatch", "position_mismatch", "rope_mismatch", "missing_context", "attention_mismatch",
+         "cache_content_mismatch", "operation_mismatch", "norm_consistency", "numerical_noise", "non_finite")
 
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """One finding: what, where (chunk, first and last global position), and why, in words and numbers."""
+    """One finding: what, where (chunk, first and last global position), and why, in words and numbers.
+
+    Every claim is checked against the tensors: `proof` is the measurement it rests on, in one
+    sentence with its numbers, and `confidence` in [0, 1] how strongly that measurement carries
+    it (1: shown exactly, e.g. equal inputs and a differing output; a fitted explanation: the share
+    of the difference it explains, discounted by how close the next-best explanation comes)."""
 
     kind: str
     chunk: str | None
     positions: tuple[int, int] | None
     evidence: str
     details: dict[str, Any] = field(default_factory=dict)   # kind-specific fields (offset, unattended, ...)
+    confidence: float | None = None
+    proof: str | None = None
 
     def to_json(self) -> dict:
         out = {"kind": self.kind, "chunk": self.chunk,
                "positions": list(self.positions) if self.positions else None, "evidence": self.evidence}
         out.update(self.details)
+        if self.confidence is not None:
+            out["confidence"] = round(float(self.confidence), 3)
+        if self.proof is not None:
+            out["proof"] = self.proof
         return out
 
 
 # Which diagnosis a report leads with when several are made: causes before their consequences.
-PRIORITY = ("tokenization_mismatch", "non_finite", "position_mismatch", "cache_content_mismatch",
-            "missing_context", "norm_consistency", "numerical_noise")
+PRIORITY = ("tokenization_mismatch", "non_finite", "position_mismatch", "rope_mismatch", "cache_content_mismatch",
+            "missing_context", "attention_mismatch", "operation_mismatch", "norm_consistency", "numerical_noise")
 
 
 def top_diagnosis(diagnoses: list[Diagnosis]) -> Diagnosis | None:
@@ -80,6 +92,22 @@ class DiagnosisInputs:
         k_pre, k = self.rows(self.first_layer, "k_pre_rope")[0], self.rows(self.first_layer, "k")[0]
         return estimate_thetas(k_pre, k, self.comparison.alignment.positions)
 
+    @functools.cached_property
+    def keys(self) -> KeyRows | None:
+        """First-layer columns whose k breaks tolerance while the content before RoPE is the
+        reference's (k_pre_rope within tolerance) or, read from a cache, whose v matches (the
+        magnitudes then tell whether k holds the same content), classified (see keys.py)."""
+        layer, al = self.first_layer, self.comparison.alignment
+        k_bad, v_ok, kp_ok = self.divergent("k", 0), self.ok("v", 0), self.ok("k_pre_rope", 0)
+        if layer is None or k_bad is None or kp_ok is None or not al.positions.size:
+            return None
+        cached = al.kv_only & (v_ok if v_ok is not None else False)
+        cols = np.flatnonzero((kp_ok & al.computed | cached) & k_bad & al.comparable)
+        tol = self.comparison.tolerances.for_point("k")
+        horizon = 2 * int(al.positions.max()) + 64
+        return key_rows(self.rows(layer, "k_pre_rope")[0], self.rows(layer, "k")[1], cols, al.kv_only[cols],
+                        self.thetas, horizon, tol.atol, tol.rtol, (self.reference.meta.dtype, self.candidate.meta.dtype))
+
     def ok(self, point: str, row: int) -> np.ndarray | None:
         """Bool per aligned position: `point` at layer row `row` is bitwise or noise (None if not recorded)."""
         pmap = self.comparison.points.get(point)
@@ -116,3 +144,14 @@ def span_text(first: int, last: int) -> str:
 def fmt(x: float) -> str:
     """A number for evidence text: 3 significant digits."""
     return f"{x:.3g}"
+
+
+def runs(positions: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted positions as [(first, last)] runs of consecutive positions."""
+    out: list[tuple[int, int]] = []
+    for p in positions.tolist():
+        if out and p == out[-1][1] + 1:
+            out[-1] = (out[-1][0], p)
+        else:
+            out.append((p, p))
+    return out

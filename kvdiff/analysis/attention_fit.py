@@ -1,0 +1,260 @@
+"""Attention hypotheses tested on what the traces recorded (issue #27).
+
+A hypothesis says how the candidate computed its attention from its own recorded q, k and v:
+the reference's causal softmax, with some keys hidden, with another softmax scale, with the next
+key visible too. It predicts the candidate's attention output before o_proj; the trace holds
+o_proj's output (`attn_out`) only, and not o_proj. o_proj is linear and the same in both traces
+(the same weights), so the reference's rows (its causal attention recomputed from its own q, k, v,
+against the attn_out it recorded) determine it on the span of their attention outputs: where they
+span the whole space (a prompt at least heads x head_dim long) the test is exact. Where they do
+not, the candidate's other rows under the same hypothesis fit the rest, and each tested row is
+predicted from all the others (leave-one-out, so a row never vouches for itself). A hypothesis is
+scored by the share of the candidate's change (its attn_out minus the reference's) the prediction
+leaves unexplained: `residual` 0 explains the rows exactly, 1 explains nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+# Rows tested per hypothesis, and reference rows fitted beyond heads x head_dim: bounds the work on
+# long prompts (the fit needs no more; every tested row is a full softmax over its keys).
+MAX_ROWS = 32
+EXTRA_FIT_ROWS = 16
+# Keys (and span ends) tried as hidden ones: every earlier key up to this many, else a chosen set.
+ALL_KEYS_UP_TO = 96
+# Rows a first pass ranks every hypothesis on; the best few are then scored on all tested rows.
+QUICK_ROWS = 8
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One way the candidate may have attended: `visible(test_row, n_keys) -> bool (n_keys,)` over
+    key rows 0..n_keys-1 (n_keys = its own row + 2 where a next key exists), and a scale factor."""
+
+    name: str                                  # "standard", "hidden", "scale", "next key", "chunk alone"
+    text: str                                  # in words, for the evidence
+    visible: Callable[[int, int], np.ndarray]
+    scale: float = 1.0
+    hidden: tuple[int, int] | None = None      # the hidden key span, where one span for every row
+
+
+@dataclass
+class Score:
+    hypothesis: Hypothesis
+    residual: float                            # ||unexplained|| / ||change|| over the tested rows
+    median: float                              # the same per row, median
+
+
+@dataclass
+class AttentionRows:
+    """One trace's rows of one layer at increasing positions 0..n-1 (row i = position i)."""
+
+    q: np.ndarray                              # (n, heads, d); rows it did not compute are never read
+    k: np.ndarray                              # (n, kv_heads, d)
+    v: np.ndarray
+    out: np.ndarray                            # (n, hidden) attn_out
+    scale: float
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        return self.q.shape[1], self.k.shape[1], self.q.shape[2]
+
+    def raw_scores(self, row: int, n_keys: int) -> np.ndarray:
+        """q k^T of `row` against key rows 0..n_keys-1, per head, unscaled, float64 (heads, n_keys).
+        One kv group at a time, from the float32 rows: no copy of the keys (memory stays flat)."""
+        heads, kv, d = self.dims
+        per = heads // kv
+        out = np.empty((heads, n_keys))
+        for g in range(kv):
+            q = self.q[row, g * per:(g + 1) * per].astype(np.float64)
+            out[g * per:(g + 1) * per] = q @ self.k[:n_keys, g, :].T.astype(np.float64, copy=False)
+        return out
+
+    def attend(self, row: int, raw: np.ndarray, visible: np.ndarray, scale: float) -> np.ndarray:
+        """Softmax over the visible keys, times v: the attention output before o_proj, (heads * d,)."""
+        heads, kv, d = self.dims
+        per, n = heads // kv, raw.shape[1]
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            s = np.where(visible[None, :], raw * (self.scale * scale), -np.inf)
+            s -= s.max(axis=1, keepdims=True)
+            w = np.exp(s)
+            w /= w.sum(axis=1, keepdims=True)
+            z = np.empty((heads, d))
+            for g in range(kv):
+                z[g * per:(g + 1) * per] = w[g * per:(g + 1) * per] @ self.v[:n, g, :].astype(np.float64, copy=False)
+        return z.reshape(heads * d)
+
+
+class OProjFit:
+    """o_proj as the reference's rows determine it: exact on the span of their attention outputs,
+    and on the rest fitted, per hypothesis, from the candidate's other tested rows."""
+
+    def __init__(self, z: np.ndarray, out: np.ndarray, noise: float):
+        u, s, vt = np.linalg.svd(z, full_matrices=False)
+        keep = s > s[0] * noise if s.size and s[0] > 0 else np.zeros(s.size, bool)
+        self.basis = vt[keep].T                                                 # (D, r)
+        self.w = self.basis @ ((u[:, keep].T @ out) / s[keep][:, None])          # (D, hidden): z @ w = prediction
+        self.rank, self.dim, self.rows = int(keep.sum()), z.shape[1], z.shape[0]
+
+    @property
+    def exact(self) -> bool:
+        return self.rank == self.dim
+
+    def unexplained(self, z: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Per tested row, attn_out minus its prediction from the reference's rows and the other
+        tested rows (leave-one-out ridge on the part the reference's rows do not span)."""
+        y = out - z @ self.w
+        if self.exact:
+            return y
+        x = z - (z @ self.basis) @ self.basis.T
+        gram = x @ x.T
+        ridge = 1e-9 * max(float(np.trace(gram)) / max(len(z), 1), 1e-300)
+        inv = np.linalg.inv(gram + ridge * np.eye(len(z)))
+        return (inv @ y) / np.diag(inv)[:, None]
+
+
+@dataclass
+class AttentionTest:
+    """Hypotheses scored on the candidate's `rows` (row indices = positions)."""
+
+    ref: AttentionRows
+    cand: AttentionRows
+    rows: np.ndarray                            # tested candidate rows (computed there, attn_out differs)
+    fit: OProjFit
+    raw: dict = field(default_factory=dict, repr=False)   # row -> q k^T (float32), shared by `on`
+
+    @classmethod
+    def build(cls, ref: AttentionRows, cand: AttentionRows, rows: np.ndarray, noise: float) -> "AttentionTest | None":
+        heads, _, d = ref.dims
+        n = ref.q.shape[0]
+        fit_rows = np.arange(min(n, heads * d + EXTRA_FIT_ROWS))    # the earliest: the fewest keys to attend
+        causal = lambda r: np.ones(r + 1, bool)
+        z = np.stack([ref.attend(r, ref.raw_scores(r, r + 1), causal(r), 1.0) for r in fit_rows])
+        out = ref.out[fit_rows].astype(np.float64)
+        finite = np.isfinite(z).all(axis=1) & np.isfinite(out).all(axis=1)      # NaN is non_finite's finding
+        if not finite.any():
+            return None
+        return cls(ref, cand, cap_rows(rows), OProjFit(z[finite], out[finite], noise))
+
+    def on(self, rows: np.ndarray, most: int = MAX_ROWS) -> "AttentionTest":
+        """The same test (o_proj fit, q k^T computed so far) on other candidate rows (at most `most`)."""
+        return AttentionTest(self.ref, self.cand, cap_rows(rows, most), self.fit, self.raw)
+
+    def scores(self, row: int) -> np.ndarray:
+        if row not in self.raw:
+            self.raw[row] = self.cand.raw_scores(row, self.n_keys(row)).astype(np.float32)
+        return self.raw[row].astype(np.float64)
+
+    def n_keys(self, row: int) -> int:
+        return min(row + 2, self.cand.k.shape[0])
+
+    def predict(self, h: Hypothesis) -> np.ndarray:
+        """The hypothesis's attention output before o_proj at every tested row."""
+        return np.stack([self.cand.attend(r, self.scores(r), h.visible(r, self.n_keys(r)), h.scale)
+                         for r in self.rows])
+
+    def score(self, h: Hypothesis) -> Score:
+        z = self.predict(h)
+        out = self.cand.out[self.rows].astype(np.float64)
+        change = np.linalg.norm(out - self.ref.out[self.rows].astype(np.float64), axis=1)
+        if not np.isfinite(z).all():
+            return Score(h, np.inf, np.inf)
+        err = np.linalg.norm(self.fit.unexplained(z, out), axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return Score(h, float(np.sqrt((err ** 2).sum() / (change ** 2).sum())), float(np.median(err / change)))
+
+
+def cap_rows(rows: np.ndarray, most: int = MAX_ROWS) -> np.ndarray:
+    """At most `most` of `rows`: the first half of them, and the rest spread over the others."""
+    if rows.size <= most:
+        return rows
+    rest = rows[np.linspace(most // 2, rows.size - 1, most - most // 2).astype(int)]
+    return np.unique(np.concatenate([rows[:most // 2], rest]))
+
+
+def causal(row: int, n: int) -> np.ndarray:
+    return np.arange(n) <= row
+
+
+def hidden_keys(lo: int, hi: int) -> Callable[[int, int], np.ndarray]:
+    return lambda row, n: causal(row, n) & ~((np.arange(n) >= lo) & (np.arange(n) <= hi))
+
+
+def span_text(lo: int, hi: int) -> str:
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
+def key_candidates(first: int, extra: list[int]) -> list[int]:
+    """Keys before the first tested row that may be hidden: all of them for short prompts; else the
+    ones next to it, the first, chunk boundaries (`extra`) and 24 spread over the rest."""
+    if first <= ALL_KEYS_UP_TO:
+        return list(range(first))
+    spread = np.linspace(0, first - 1, 24).round().astype(int).tolist()
+    picked = {0, first - 1, first - 2, first - 3, *spread, *(e for e in extra if 0 <= e < first)}
+    return sorted(picked)
+
+
+def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], int | None],
+               same_forward: Callable[[int, int], bool]) -> list[Hypothesis]:
+    """Every hypothesis but the scale family: the reference's attention, hidden keys (one key, spans
+    ending before the first tested row, spans from 0), each row's chunk alone, the next key visible."""
+    out = [Hypothesis("standard", "every earlier position attended, as the reference does", causal)]
+    keys = key_candidates(first, boundaries)
+    spans = {(j, j) for j in keys} | {(a, first - 1) for a in keys} | {(0, b) for b in keys}
+    for lo, hi in sorted(spans):
+        out.append(Hypothesis("hidden", f"positions {span_text(lo, hi)} not attended", hidden_keys(lo, hi),
+                              hidden=(lo, hi)))
+
+    def alone(row: int, n: int) -> np.ndarray:
+        start = chunk_start(row)
+        return causal(row, n) & (np.arange(n) >= (start if start is not None else 0))
+
+    out.append(Hypothesis("chunk alone", "each row attending only its own chunk", alone))
+
+    def next_key(row: int, n: int) -> np.ndarray:
+        vis = causal(row, n)
+        if n > row + 1 and same_forward(row, row + 1):
+            vis[row + 1] = True
+        return vis
+
+    out.append(Hypothesis("next key", "each row also attending the next position (computed in the same forward)",
+                          next_key))
+    return out
+
+
+def fit_scale(test: AttentionTest, lo: float = 0.25, hi: float = 4.0) -> Score:
+    """The softmax scale factor that explains the rows best: a grid on a few rows brackets it,
+    golden-section search on all of them refines it."""
+    make = lambda s: Hypothesis("scale", f"softmax scale x{s:.4g}", causal, scale=float(s))
+    grid = np.geomspace(lo, hi, 25)
+    quick = test.on(test.rows, QUICK_ROWS)
+    i = int(np.argmin([quick.score(make(s)).residual for s in grid]))
+    a, b = np.log(grid[max(i - 1, 0)]), np.log(grid[min(i + 1, grid.size - 1)])
+    g = (np.sqrt(5) - 1) / 2
+    c, d = b - g * (b - a), a + g * (b - a)
+    sc, sd = test.score(make(np.exp(c))), test.score(make(np.exp(d)))
+    for _ in range(14):
+        if sc.residual < sd.residual:
+            b, d, sd = d, c, sc
+            c = b - g * (b - a)
+            sc = test.score(make(np.exp(c)))
+        else:
+            a, c, sc = c, d, sd
+            d = a + g * (b - a)
+            sd = test.score(make(np.exp(d)))
+    return min(sc, sd, key=lambda s: s.residual)
+
+
+def finalists(test: AttentionTest, family: list[Hypothesis], keep: int = 6) -> list[Hypothesis]:
+    """The hypotheses worth scoring on every tested row: the `keep` best on a few rows, and always the
+    reference's attention and each chunk alone (the comparisons a verdict names)."""
+    if test.rows.size <= QUICK_ROWS or len(family) <= keep:
+        return family
+    quick = test.on(test.rows, QUICK_ROWS)
+    ranked = sorted(range(len(family)), key=lambda i: quick.score(family[i]).residual)[:keep]
+    chosen = set(ranked) | {i for i, h in enumerate(family) if h.name in ("standard", "chunk alone")}
+    return [family[i] for i in sorted(chosen)]

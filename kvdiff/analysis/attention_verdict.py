@@ -1,0 +1,123 @@
+"""Which attention hypothesis explains the candidate's rows: scored, compared, and how strongly.
+
+A hypothesis explains the tested rows when it leaves at most EXPLAINS of the change in attn_out
+unexplained and at most MARGIN of what its rival (the best other explanation) leaves; against a
+span of hidden keys that overlaps its own (the same span with other ends, which the data separate by
+the keys at the ends only) at most NESTED_MARGIN, or just less where its span is exactly the
+positions before the rows' chunk (the chunk table says so too). Equal residuals (one prediction)
+are one explanation: the simplest is named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from kvdiff.analysis.attention_fit import AttentionTest, Score, finalists, fit_scale, hypotheses
+from kvdiff.analysis.contradictions import EXPLAINS
+from kvdiff.analysis.diagnosis import DiagnosisInputs, fmt
+
+# an explanation leaves at most EXPLAINS of the change in attn_out unexplained (contradictions.py refutes more)
+MARGIN = 0.5        # and at most this share of what the next-best explanation leaves,
+NESTED_MARGIN = 0.8  # or, where that one hides an overlapping span (one key more or less at an end), this
+_PREFER = ("standard", "hidden", "scale", "next key", "chunk alone")
+
+
+def _nested(a: Score, b: Score) -> bool:
+    """Both hide one span of keys and the spans overlap: the data separate them by the keys at their ends only."""
+    x, y = a.hypothesis.hidden, b.hypothesis.hidden
+    return x is not None and y is not None and x[0] <= y[1] and y[0] <= x[1]
+
+
+@dataclass
+class Verdict:
+    best: Score
+    standard: Score
+    test: AttentionTest
+    others: list                # every other explanation, best first
+    aligned: bool               # the best hides exactly the positions before its rows' chunk (the chunk table's)
+
+    @property
+    def rival(self) -> Score | None:
+        """The best other explanation that is not the best's span with other ends."""
+        return next((o for o in self.others if not _nested(self.best, o)), None)
+
+    @property
+    def boundary(self) -> Score | None:
+        """The best overlapping span, where the best hides a span."""
+        return next((o for o in self.others if _nested(self.best, o)), None)
+
+    @property
+    def decisive(self) -> bool:
+        rival, boundary = self.rival, self.boundary
+        return (self.best.residual <= EXPLAINS and (rival is None or self.best.residual <= MARGIN * rival.residual)
+                and (boundary is None or self.best.residual <= (1.0 if self.aligned else NESTED_MARGIN) * boundary.residual))
+
+    @property
+    def confidence(self) -> float:
+        """The share of the change explained, times how far the best stands from its rival."""
+        share, rival = 1.0 - self.best.residual, self.rival
+        if rival is not None and np.isfinite(rival.residual) and rival.residual > 0:
+            share *= 1.0 - self.best.residual / rival.residual
+        return float(min(max(share, 0.0), 1.0))
+
+    def fields(self) -> dict:
+        rival, boundary = self.rival, self.boundary
+        out = {"fit_residual": self.best.residual, "next_best": None if rival is None else rival.hypothesis.text,
+               "next_best_residual": None if rival is None else rival.residual}
+        if boundary is not None and boundary.residual < 2 * self.best.residual:
+            out.update(boundary_alternative=list(boundary.hypothesis.hidden), boundary_residual=boundary.residual)
+        return out
+
+    def proof(self) -> str:
+        fit = self.test.fit
+        o_proj = (f"o_proj (not recorded) determined by the reference's {fit.rows} rows, which span all {fit.dim} "
+                  f"dimensions of its input" if fit.exact else
+                  f"o_proj (not recorded) fitted: the reference's {fit.rows} rows span {fit.rank} of its {fit.dim} "
+                  f"input dimensions, the rest from the other tested rows, each row predicted from the others")
+        rest = "".join(f"; {label}, {o.hypothesis.text}: {fmt(o.residual)}" for label, o in
+                       (("next best", self.rival), ("best overlapping span", self.boundary)) if o is not None)
+        if self.best.hypothesis.name != "standard" and self.standard not in (self.rival, self.boundary):
+            rest += f"; every earlier position attended: {fmt(self.standard.residual)}"
+        return (f"the candidate's attention recomputed from its own q, k and v at {self.test.rows.size} rows: "
+                f"{self.best.hypothesis.text} leaves {fmt(self.best.residual)} of the change in attn_out unexplained "
+                f"(median per row {fmt(self.best.median)}){rest}; {o_proj}")
+
+
+def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> Verdict:
+    """Score every hypothesis on each variant of the test (q as recorded; q rotated to its keys'
+    frame), and pick the one that explains the rows best."""
+    positions = inputs.comparison.alignment.positions
+    first = int(positions[tests[0][0].rows[0]])
+    starts = sorted({s[0] for s in (inputs.chunks.span(int(p)) for p in positions) if s is not None})
+    prov, cand_pos = inputs.chunks.provenance, inputs.chunks.positions
+
+    def chunk_start(col: int) -> int | None:
+        span = inputs.chunks.span(int(positions[col]))
+        return None if span is None else int(np.searchsorted(positions, span[0]))
+
+    def same_forward(a: int, b: int) -> bool:
+        pa, pb = int(positions[a]), int(positions[b])
+        if prov is not None:
+            ia, ib = np.searchsorted(cand_pos, pa), np.searchsorted(cand_pos, pb)
+            if ib < cand_pos.size and prov.prefill_id[ia] >= 0 and prov.prefill_id[ib] >= 0:
+                return bool(prov.prefill_id[ia] == prov.prefill_id[ib])
+        return inputs.chunks.chunk_of(pa) == inputs.chunks.chunk_of(pb)
+
+    family = hypotheses(first, starts + [s - 1 for s in starts], chunk_start, same_forward)
+    scores, owner = [], {}
+    for test, note in tests:
+        found = [test.score(replace(h, text=h.text + note)) for h in finalists(test, family)]
+        scale = fit_scale(test)
+        if abs(np.log(scale.hypothesis.scale)) >= 0.01:
+            found.append(Score(replace(scale.hypothesis, text=scale.hypothesis.text + note), scale.residual,
+                               scale.median))
+        owner.update({id(f): test for f in found})
+        scores += found
+    ordered = sorted(scores, key=lambda s: s.residual)
+    ties = [s for s in ordered if np.isclose(s.residual, ordered[0].residual, rtol=1e-9, atol=0)]
+    best = min(ties, key=lambda s: _PREFER.index(s.hypothesis.name))
+    others = [s for s in ordered if s not in ties]
+    aligned = any(s.hypothesis.name == "chunk alone" for s in ties) and best.hypothesis.name == "hidden"
+    return Verdict(best, scores[0], owner[id(best)], others, aligned)

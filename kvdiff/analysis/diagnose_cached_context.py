@@ -1,0 +1,111 @@
+"""missing_context of K/V the candidate read from its cache (no attn_out recorded there).
+
+They match the reference at one recorded layer and differ at the next while every earlier
+position's K/V still match, so the hidden states they were computed from (which attend to the
+context) differ. "Match" is up to RoPE: keys rotated to other positions (a position_mismatch of
+the first layer, the same offset at later layers) hold the same content, and v, which RoPE does
+not touch, decides. The claim that the chunk was computed without the positions before it is
+tested where the data allow: a chunk whose first token is the conversation's first token, computed
+alone, holds at every layer the reference's v of position 0 at its first row (a row that attends
+only itself does not depend on its position).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvdiff.analysis.attention import span_attention
+from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
+from kvdiff.analysis.keys import ROTATION
+from kvdiff.analysis.metrics import row_metrics
+from kvdiff.analysis.rope import rotate
+from kvdiff.analysis.tolerance import Tier
+
+
+def _k_ok(inputs: DiagnosisInputs, row: int) -> np.ndarray:
+    """k within tolerance, or (positions whose first-layer keys are an exact rotation to other
+    positions) the reference's k rotated by that offset."""
+    ok = inputs.ok("k", row).copy()
+    keys, layer = inputs.keys, inputs.comparison.layers[row]
+    if keys is None or inputs.thetas is None:
+        return ok
+    rotated = (keys.kind == ROTATION) & keys.exact
+    cols = keys.cols[rotated]
+    if not cols.size:
+        return ok
+    offsets = (keys.encoded[rotated] - inputs.comparison.alignment.positions[cols]).astype(np.float64)
+    ref_k, cand_k = inputs.rows(layer, "k")
+    moved = rotate(ref_k[cols], offsets, inputs.thetas)
+    ok[cols] |= row_metrics(moved, cand_k[cols]).tiers(inputs.comparison.tolerances.for_point("k")) <= Tier.NOISE
+    return ok
+
+
+def _first_row(inputs: DiagnosisInputs, row: int, start: int) -> tuple[bool, float] | None:
+    """(the chunk's first row holds the reference's v of position 0 at this layer, its rel), where the
+    chunk starts with the conversation's first token and that row was read from the cache."""
+    al = inputs.comparison.alignment
+    ids = inputs.reference.meta.input_ids
+    col = np.searchsorted(al.positions, start)
+    if col >= al.positions.size or al.positions[col] != start or al.positions[0] != 0 or not al.kv_only[col] \
+            or start >= ids.size or ids[start] != ids[0]:
+        return None
+    ref_v, cand_v = inputs.rows(inputs.comparison.layers[row], "v")
+    metrics = row_metrics(ref_v[:1], cand_v[col:col + 1])
+    return bool(metrics.tiers(inputs.comparison.tolerances.for_point("v"))[0] <= Tier.NOISE), float(metrics.rel[0])
+
+
+def diagnose_missing_context_in_cache(inputs: DiagnosisInputs) -> list[Diagnosis]:
+    cmp = inputs.comparison
+    al = cmp.alignment
+    cached = al.kv_only & al.comparable
+    if not cached.any() or len(cmp.layers) < 2 or not {"q", "k", "v"} <= set(cmp.points):
+        return []
+    for row in range(1, len(cmp.layers)):
+        k_before, k_now = _k_ok(inputs, row - 1), _k_ok(inputs, row)
+        before_ok = k_before & inputs.ok("v", row - 1)
+        now_bad = inputs.divergent("v", row) | (inputs.divergent("k", row) & ~k_now)
+        context_ok = np.logical_and.accumulate(before_ok | ~al.comparable)
+        cols = np.flatnonzero(now_bad & before_ok & context_ok & cached)
+        if cols.size:
+            break
+    else:
+        return []
+    before, layer, positions = cmp.layers[row - 1], cmp.layers[row], al.positions
+    ref_q, ref_k, ref_v = (inputs.rows(before, point)[0] for point in ("q", "k", "v"))
+    out = []
+    for chunk, group in group_by_chunk(inputs, positions[cols]):
+        gcols = cols[np.isin(positions[cols], group)]
+        span = inputs.chunks.span(int(group[0]))
+        if span is None or span[0] <= int(positions[0]):
+            continue
+        unattended = (int(positions[0]), span[0] - 1)
+        mass, _ = span_attention(ref_q, ref_k, ref_v, positions, gcols, unattended, inputs.reference.meta.dims.attn_scale)
+        _, k_rel = inputs.worst("k", row, gcols)
+        _, v_rel = inputs.worst("v", row, gcols)
+        lo, hi = int(group[0]), int(group[-1])
+        evidence = (f"positions {span_text(lo, hi)}, read from the cache: their k and v match the reference at layer "
+                    f"{before} (k up to RoPE), and so do K/V at every earlier position, but differ at layer "
+                    f"{layer} (k rel {fmt(k_rel)}, v rel {fmt(v_rel)}), so the cached chunk {chunk!r} was computed "
+                    f"without the reference's context at positions {span_text(*unattended)} (alone, or after other "
+                    f"content); at layer {before} the reference puts {fmt(100 * float(mass.mean()))}% of these "
+                    f"positions' attention mass there (mean over heads and positions; min {fmt(100 * float(mass.min()))}%)")
+        proof = (f"v at layer {before} within tolerance at positions 0-{hi}, v or k at layer {layer} divergent at "
+                 f"{gcols.size} rows read from the cache (v rel up to {fmt(v_rel)})")
+        confidence = 0.5
+        first = _first_row(inputs, row, span[0])
+        if first is not None:
+            same, rel = first
+            confidence = 1.0 if same else 0.25
+            note = (f"its first row, position {span[0]} (the conversation's first token again), holds at layer {layer} "
+                    f"the reference's v of position 0 (rel {fmt(rel)}): it attended only itself, as a chunk computed "
+                    f"alone does" if same else
+                    f"its first row, position {span[0]} (the conversation's first token again), does not hold the "
+                    f"reference's v of position 0 at layer {layer} (rel {fmt(rel)}): not computed alone, but after "
+                    f"other content")
+            evidence += "; " + note
+            proof += "; " + note
+        out.append(Diagnosis("missing_context", chunk, (lo, hi), evidence, {
+            "unattended": list(unattended), "layer": layer, "cached": True,
+            "reference_attention_mass": float(mass.mean()), "reference_attention_mass_min": float(mass.min())},
+            confidence=confidence, proof=proof))
+    return out

@@ -1,0 +1,80 @@
+"""operation_mismatch: the operation that first breaks differs wherever its inputs match.
+
+`first_operation` names the operation at the first tolerance breach and proves it there (every
+input within tolerance where it read them). Here the same operation is checked at every compared
+position it computed: where its inputs match the reference and its output does not, the operation
+itself differs there (a projection changed, a q/k-norm skipped, a residual add dropped). The
+counts are the proof: at how many of the positions with matching inputs the output breaks.
+
+Operations with a rule of their own are left to it: attention (attention_mismatch,
+missing_context), RoPE (position_mismatch, rope_mismatch), K/V read from a cache
+(cache_content_mismatch) and the norms (norm_consistency).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, runs, span_text
+from kvdiff.analysis.operation import first_operation
+from kvdiff.analysis.search import Location
+from kvdiff.analysis.tolerance import Tier
+
+_OWN_RULE = ("attention (", "RoPE", "K read from", "V read from", "attention norm", "MLP norm", "final norm", "between ")
+
+
+def _tiers(inputs: DiagnosisInputs, point: str, layer: int | None) -> np.ndarray | None:
+    """Tier per aligned position of `point` at `layer` (None: a final point), or None if not compared."""
+    cmp = inputs.comparison
+    pmap = cmp.final.get(point) if layer is None else cmp.points.get(point)
+    if pmap is None or layer not in pmap.layers:
+        return None
+    return pmap.tier[pmap.layers.index(layer)]
+
+
+def _finite(inputs: DiagnosisInputs, point: str, layer: int | None) -> np.ndarray:
+    cmp = inputs.comparison
+    pmap = cmp.final[point] if layer is None else cmp.points[point]
+    row = pmap.layers.index(layer)
+    return pmap.ref_finite[row] & pmap.cand_finite[row]
+
+
+def diagnose_operation(inputs: DiagnosisInputs, where: Location | None) -> list[Diagnosis]:
+    """One operation_mismatch for the operation at the first tolerance breach, when its inputs are
+    proved to match there and no other rule owns it."""
+    op = first_operation(inputs.comparison, where)
+    if op is None or not op.proved or op.name.startswith(_OWN_RULE):
+        return []
+    al = inputs.comparison.alignment
+    out_tier = _tiers(inputs, op.tensor, op.layer)
+    if out_tier is None:
+        return []
+    matching = al.comparable & al.computed
+    for check in op.inputs:
+        tier = _tiers(inputs, check.point, check.layer)
+        if tier is None:
+            return []
+        matching &= (tier == Tier.BITWISE) | (tier == Tier.NOISE)
+    broken = matching & (out_tier == Tier.DIVERGENT) & _finite(inputs, op.tensor, op.layer)
+    if not broken.any():
+        return []
+    positions = al.positions[broken]
+    n, m = int(broken.sum()), int(matching.sum())
+    lo, hi = int(positions[0]), int(positions[-1])
+    cols = np.flatnonzero(broken)
+    pmap = inputs.comparison.final[op.tensor] if op.layer is None else inputs.comparison.points[op.tensor]
+    row = pmap.layers.index(op.layer)
+    rel = float(np.nanmax(pmap.rel[row, cols]))
+    ins = ", ".join(f"{c.point}" + ("" if c.layer is None else f"@{c.layer}") for c in op.inputs) or "none"
+    where_text = "final" if op.layer is None else f"layer {op.layer}"
+    spans = ", ".join(span_text(a, b) for a, b in runs(positions)[:4]) + ("..." if len(runs(positions)) > 4 else "")
+    every = "every one" if n == m else f"{n} of them"
+    evidence = (f"{where_text}: {op.name} breaks where its inputs ({ins}) match the reference: of the {m} compared "
+                f"positions with matching inputs, its output {op.tensor} differs at {every} (positions {spans}; rel up "
+                f"to {fmt(rel)}): the operation itself differs"
+                + ("" if n == m else ", not at every position"))
+    proof = (f"{op.tensor} divergent at {n} of {m} positions where {ins} are within tolerance")
+    return [Diagnosis("operation_mismatch", inputs.chunks.chunk_of(lo), (lo, hi), evidence, {
+        "operation": op.name, "layer": op.layer, "tensor": op.tensor, "positions_broken": n,
+        "positions_inputs_match": m}, confidence=n / m, proof=proof)]
+

@@ -1,0 +1,220 @@
+"""Diagnoses proved from the data (issue #27), on traces of the synthetic decoder with planted faults.
+
+Each fault is one the planted-bug catalogue found kvdiff wrong about, planted where the answer is
+known: a single key hidden from attention, another softmax scale, the next key visible, another
+RoPE base or linear scaling, a chunk encoded at an offset, a cache holding bfloat16-rounded values.
+Every diagnosis must carry its proof and a confidence, and no report may hold two claims that
+contradict each other or one its own measurement refutes.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import kvdiff
+from kvdiff.analysis.api import _compare
+from kvdiff.analysis.chunks import ChunkLookup
+from kvdiff.analysis.contradictions import consistent, contradictions
+from kvdiff.analysis.diagnose_cache import round_to
+from kvdiff.analysis.diagnose_operation import diagnose_operation
+from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs
+from kvdiff.analysis.search import first_tolerance_breach
+from kvdiff.trace import ChunkRecord, open_trace
+from synthetic import Faults, SyntheticModel, rms_norm, rope, write_trace
+
+PROMPT = list(range(3, 31))        # system 0-15, user 16-27, as in the seeds
+STEPS = 5
+USER = range(16, 28)
+CHUNKS = [ChunkRecord("system", (0, 15), "s", "hit", (0, 15)), ChunkRecord("user", (16, 27), "u", "miss", (16, 27))]
+
+
+@dataclass
+class AttentionFaults(Faults):
+    """Faults of the attention itself: keys hidden from queries, another scale, the next key visible."""
+
+    hidden: dict[int, tuple[int, int]] = field(default_factory=dict)   # first query -> (lo, hi) hidden from it on
+    scale: float = 1.0
+    next_key: bool = False
+
+
+class AttentionModel(SyntheticModel):
+    """The synthetic decoder with the attention faults above too (its forward, with the mask and the scale as
+    switches; no norm_eps or jitter)."""
+
+    def forward(self, ids: list[int], faults: Faults) -> dict:
+        T, d, H, KV = len(ids), self.head_dim, self.heads, self.kv_heads
+        pos = torch.arange(T)
+        enc = torch.tensor([faults.encoded.get(p, p) for p in range(T)])
+        start = torch.tensor([faults.context_start.get(p, 0) for p in range(T)])
+        allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= start[:, None])
+        src = torch.tensor([faults.stale.get(p, p) for p in range(T)])
+        if isinstance(faults, AttentionFaults):
+            for first, (lo, hi) in faults.hidden.items():
+                allowed &= ~((pos[:, None] >= first) & (pos[None, :] >= lo) & (pos[None, :] <= hi))
+            if faults.next_key:
+                allowed |= pos[None, :] == pos[:, None] + 1
+        scale = self.attn_scale * (faults.scale if isinstance(faults, AttentionFaults) else 1.0)
+        out: dict = {"layers": [], "norms": []}
+        x = self.embed[torch.tensor(ids)]
+        for L in self.weights:
+            c = {"resid_pre": x}
+            h = c["attn_norm"] = rms_norm(x, L["n1"], self.eps)
+            q = rope((h @ L["wq"].T).view(T, H, d), enc, self.base)
+            k0 = (h @ L["wk"].T).view(T, KV, d)[src]
+            v = (h @ L["wv"].T).view(T, KV, d)[src]
+            k = rope(k0, enc, self.base)
+            c.update(q=q, k_pre_rope=k0, k=k, v=v)
+            kk, vv = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
+            scores = torch.einsum("thd,shd->hts", q, kk) * scale
+            p = scores.masked_fill(~allowed[None], float("-inf")).softmax(-1)
+            a = c["attn_out"] = torch.einsum("hts,shd->thd", p, vv).reshape(T, H * d) @ L["wo"].T
+            x = c["resid_mid"] = x + a
+            h2 = c["mlp_norm"] = rms_norm(x, L["n2"], self.eps)
+            m = c["mlp_out"] = torch.nn.functional.silu(h2 @ L["up"].T) @ L["down"].T
+            x = c["resid_post"] = x + m
+            out["layers"].append(c)
+            out["norms"].append({"attn_norm": (c["resid_pre"], c["attn_norm"]), "mlp_norm": (c["resid_mid"], h2)})
+        fn = rms_norm(x, self.final_w, self.eps)
+        out["final"] = {"final_norm": fn, "logits": fn @ self.lm_head.T}
+        out["final_norm_io"] = (x, fn)
+        return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    return AttentionModel(layers=3, seed=1)
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory, model):
+    root = tmp_path_factory.mktemp("proofs")
+    plain = SyntheticModel(layers=3, seed=1)          # the same weights, with norm_eps and jitter
+    runs = {
+        "reference": (model, Faults(), None),
+        "row": (model, AttentionFaults(hidden={16: (15, 15)}), CHUNKS),         # the boundary row dropped
+        "late": (model, AttentionFaults(hidden={16: (0, 15)}), None),           # context missing, no chunk table
+        "scale": (model, AttentionFaults(scale=1.25), CHUNKS),
+        "next": (model, AttentionFaults(next_key=True), CHUNKS),
+        "offset": (model, Faults(encoded={p: p + 5 for p in USER}), CHUNKS),
+        "local": (model, Faults(encoded={p: p - 16 for p in USER}, context_start={p: 16 for p in USER}), CHUNKS),
+        "scaling": (model, Faults(encoded={p: p / 2 for p in range(64)}), CHUNKS),
+        "base": (AttentionModel(layers=3, seed=1, rope_base=20000.0), Faults(), CHUNKS),
+        "stale": (model, Faults(stale={8: 2, 9: 3}), CHUNKS),
+        # tests/test_analysis.py's faults too, for the checks every report must pass
+        "global": (model, Faults(context_start={p: 16 for p in USER}), CHUNKS),
+        "norm": (plain, Faults(norm_eps={1: 10.0}), CHUNKS),
+        "noise": (plain, Faults(jitter=1e-7), CHUNKS),
+        "nan": (plain, Faults(norm_eps={1: -1e9}), CHUNKS),
+    }
+    return {name: write_trace(m, root / f"{name}.h5", PROMPT, STEPS, strategy="reference" if name == "reference"
+                              else "prefix", faults=faults, chunks=chunks) for name, (m, faults, chunks) in runs.items()}
+
+
+def diagnoses(traces, name: str, kind: str | None = None) -> list[dict]:
+    report = kvdiff.diff(traces["reference"], traces[name]).to_json()
+    return [d for d in report["diagnoses"] if kind is None or d["kind"] == kind]
+
+
+def test_a_single_dropped_row_is_named_alone_not_the_span_before_the_chunk(traces):
+    (mc,) = diagnoses(traces, "row", "missing_context")
+    assert mc["unattended"] == [15, 15] and mc["positions"][0] == 16 and mc["chunk"] == "user"
+    assert mc["fit_residual"] < 1e-3 and mc["confidence"] > 0.99          # o_proj determined: a proof
+    assert "determined by the reference's" in mc["proof"] and "position 15 was not attended" in mc["evidence"]
+    assert not diagnoses(traces, "row", "position_mismatch")
+
+
+def test_missing_context_without_a_chunk_table_names_the_span_the_data_show(traces):
+    (mc,) = diagnoses(traces, "late", "missing_context")
+    assert mc["unattended"] == [0, 15] and mc["chunk"] is None and "differs from 16 on" in mc["evidence"]
+
+
+def test_another_softmax_scale_is_an_attention_mismatch_with_the_fitted_factor(traces):
+    found = diagnoses(traces, "scale")
+    assert "missing_context" not in {d["kind"] for d in found}
+    am = [d for d in found if d["kind"] == "attention_mismatch"]
+    assert am and all(d["explanation"] == "scale" and d["scale_factor"] == pytest.approx(1.25, rel=1e-3) for d in am)
+    assert am[0]["inputs_match"] and am[0]["positions"][0] == 1
+
+
+def test_the_next_key_visible_is_an_attention_mismatch_not_a_missing_context(traces):
+    found = diagnoses(traces, "next")
+    assert "missing_context" not in {d["kind"] for d in found}
+    am = [d for d in found if d["kind"] == "attention_mismatch"]
+    assert am and am[0]["explanation"] == "next key" and am[0]["positions"][0] == 0
+
+
+def test_a_chunk_encoded_at_an_offset_is_a_position_mismatch_and_its_context_was_attended(traces):
+    found = diagnoses(traces, "offset")
+    (pm,) = [d for d in found if d["kind"] == "position_mismatch"]
+    assert pm["offset"] == 5 and pm["positions"] == [16, 27] and pm["confidence"] == 1.0
+    assert not {"missing_context", "attention_mismatch", "rope_mismatch"} & {d["kind"] for d in found}
+
+
+def test_a_chunk_computed_alone_at_local_positions_is_both(traces):
+    kinds = {d["kind"]: d for d in diagnoses(traces, "local")}
+    assert kinds["position_mismatch"]["offset"] == -16 and kinds["missing_context"]["unattended"] == [0, 15]
+
+
+@pytest.mark.parametrize("name,field,value", [("scaling", "scaling_factor", 2.0), ("base", "base", 20000.0)])
+def test_other_rope_frequencies_are_a_rope_mismatch_never_a_position_mismatch(traces, name, field, value):
+    found = diagnoses(traces, name)
+    assert not {"position_mismatch", "missing_context", "cache_content_mismatch"} & {d["kind"] for d in found}
+    rm = [d for d in found if d["kind"] == "rope_mismatch"]
+    assert rm and rm[0][field] == pytest.approx(value, rel=1e-3) and rm[0]["fit_quality"] < 0.99
+
+
+def test_values_rounded_through_bfloat16_in_a_cache_are_named_by_their_rounding(traces, tmp_path):
+    cand = tmp_path / "bf16.h5"
+    cand.write_bytes(traces["offset"].read_bytes())
+    with h5py.File(traces["reference"], "r") as ref, h5py.File(cand, "r+") as f:
+        f["layers/0/v"][:16] = round_to(ref["layers/0/v"][:16], "bfloat16")
+        f["layers/0/k"][:16] = ref["layers/0/k"][:16]
+    (cc,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"]
+             if d["kind"] == "cache_content_mismatch"]
+    assert cc["rounding"] == "bfloat16" and cc["positions"] == [0, 15] and cc["points"] == ["v"]
+    assert "wrong slot or stale entry" not in cc["evidence"] and "rounded to bfloat16" in cc["proof"]
+
+
+def test_a_changed_projection_is_an_operation_mismatch_at_every_position(traces, tmp_path):
+    cand = tmp_path / "mlp.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        f["layers/1/mlp_out"][:] = f["layers/1/mlp_out"][:] * np.float32(1.01)
+    with open_trace(traces["reference"]) as ref, open_trace(cand) as c:
+        cmp = _compare(ref, c, None, str)
+        chunks = ChunkLookup.of(c)
+        (op,) = diagnose_operation(DiagnosisInputs(ref, c, cmp, chunks, str), first_tolerance_breach(cmp, chunks))
+    assert op.kind == "operation_mismatch" and op.details["operation"] == "MLP" and op.details["layer"] == 1
+    assert op.details["positions_broken"] == op.details["positions_inputs_match"] and op.confidence == 1.0
+
+
+def test_the_strongest_of_two_contradicting_claims_is_kept():
+    pm = Diagnosis("position_mismatch", "user", (16, 27), "", {"offset": 5, "layer": 0, "fit_quality": 1.0}, 1.0, "p")
+    rm = Diagnosis("rope_mismatch", "user", (20, 27), "", {"layer": 0}, 0.4, "r")
+    other = Diagnosis("norm_consistency", "user", (16, 30), "", {"source": "inputs"}, 1.0, "n")
+    assert contradictions([pm.to_json(), rm.to_json()]) and not contradictions([pm.to_json(), other.to_json()])
+    assert consistent([rm, pm, other]) == [pm, other]
+
+
+def test_every_diagnosis_carries_a_proof_and_no_report_contradicts_itself(traces):
+    from kvdiff.analysis.report import Report
+    from kvdiff.reports import render_terminal
+    from rich.console import Console
+
+    for name in traces:
+        report = kvdiff.diff(traces["reference"], traces[name]).to_json()
+        assert not contradictions(report["diagnoses"]), (name, report["diagnoses"])
+        for d in report["diagnoses"]:
+            assert 0 <= d["confidence"] <= 1 and d["proof"], (name, d)
+        if report["diagnoses"]:
+            console = Console(width=160, record=True, file=io.StringIO())
+            render_terminal(Report.from_json(report), console)
+            text = console.export_text()
+            assert "confidence=" in text and "proof=" in text
