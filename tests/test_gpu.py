@@ -118,7 +118,7 @@ def test_gpu_fingerprint_is_stable_and_sees_a_one_ulp_change():
 def test_gpu_weight_hash_kernel_matches_the_torch_form(monkeypatch):
     """The Triton hash against the torch form, for every word size, sizes that do not fill the
     last block, an empty tensor and more than 2**31 words (64-bit indices)."""
-    from kvdiff.trace import hash_kernel, model_meta
+    from kvdiff.trace import fingerprint as model_meta, hash_kernel
 
     assert hash_kernel.available
     gen = torch.Generator(device="cuda").manual_seed(0)
