@@ -64,3 +64,15 @@ def check_recompute_ratio(ratio: float) -> float:
     if not 0.0 <= value <= 1.0:
         raise InputError(f"recompute_ratio must be in [0, 1], got {ratio!r}")
     return value
+
+
+class TraceMode(_Choice):
+    """digest: a hash and statistics of every row, full rows only around the first divergence
+    (a zoom run); full: every row of every selected point."""
+
+    DIGEST = "digest"
+    FULL = "full"
+
+    @classmethod
+    def _what(cls) -> str:
+        return "trace mode"

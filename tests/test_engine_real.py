@@ -92,7 +92,7 @@ def test_exact_prefix_is_bitwise_identical(default_model):
     out = eng.generate([conv], max_new_tokens=3, sinks={0: sink})[0]
     assert out.chunks[0].cache == "hit" and out.chunks[0].positions[1] + 1 >= 1000
     ids = render_prompt_ids(tok, conv)
-    with exact_numerics(model):
+    with exact_numerics(model), torch.no_grad():
         cache = DynamicCache(config=model.config)
         ref = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, output_hidden_states=True)
     allpos = list(range(len(ids)))

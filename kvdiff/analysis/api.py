@@ -16,6 +16,7 @@ from kvdiff.analysis.compare import Comparison, compare
 from kvdiff.analysis.contradictions import consistent
 from kvdiff.analysis.diagnose_cache import diagnose_cache_content
 from kvdiff.analysis.diagnose_context import diagnose_missing_context, diagnose_missing_context_in_cache
+from kvdiff.analysis.diagnose_experts import diagnose_expert_flip
 from kvdiff.analysis.diagnose_norms import diagnose_norms
 from kvdiff.analysis.diagnose_operation import diagnose_operation
 from kvdiff.analysis.diagnose_position import diagnose_position_mismatch
@@ -23,8 +24,9 @@ from kvdiff.analysis.diagnose_tokens import diagnose_noise, diagnose_non_finite,
 from kvdiff.analysis.diagnosis import DiagnosisInputs
 from kvdiff.analysis.divergence import Divergence, recorded_with_different
 from kvdiff.analysis.operation import first_operation
-from kvdiff.analysis.search import first_bit_difference, first_non_finite, first_tolerance_breach, location
-from kvdiff.analysis.tolerance import Tolerance, Tolerances
+from kvdiff.analysis.digests import digest_comparison, with_window
+from kvdiff.analysis.search import all_maps, first_bit_difference, first_non_finite, first_tolerance_breach, location
+from kvdiff.analysis.tolerance import Tier, Tolerance, Tolerances
 from kvdiff.errors import InputError
 from kvdiff.trace import TraceReader, open_trace
 
@@ -42,7 +44,8 @@ def _token_text(tokenizer) -> Callable[[int], str]:
 def _check_same_model(ref: TraceReader, cand: TraceReader) -> None:
     """Refuse traces of differently shaped models; warn when the weights or the tokenizers differ
     (`recorded_with_different`), since every difference may then come from them."""
-    for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
+    for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "num_experts",
+                 "experts_per_token"):
         a, b = getattr(ref.meta.dims, name), getattr(cand.meta.dims, name)
         if a != b:
             raise InputError(f"{cand.path} and {ref.path} come from different models ({name} {b} vs {a}): "
@@ -65,11 +68,21 @@ def _check_baseline(baseline: TraceReader, cand: TraceReader) -> None:
 
 
 def _compare(ref: TraceReader, cand: TraceReader, tolerances: Mapping[str, Tolerance] | None,
-             text: Callable[[int], str]) -> Comparison:
+             text: Callable[[int], str]) -> tuple[Comparison, Comparison]:
+    """(the comparison of the traces' full rows, of every row): the same for full traces; for
+    digest traces, the zoom window's rows, and every row's digest with the window written over."""
     _check_same_model(ref, cand)
-    alignment = align(ref.meta, cand.meta, ref.positions, cand.positions, ref.steps, cand.steps, text)
+    if ref.meta.trace_mode != cand.meta.trace_mode:
+        raise InputError(f"{ref.path} is a {ref.meta.trace_mode} trace and {cand.path} a {cand.meta.trace_mode} "
+                         "one: diff two traces of the same trace mode")
+    steps = ref.steps, cand.steps
+    alignment = align(ref.meta, cand.meta, ref.positions, cand.positions, *steps, text)
     tols = Tolerances.for_dtypes(ref.meta.dtype, cand.meta.dtype, overrides=tolerances)
-    return compare(ref, cand, alignment, tols)
+    rows = compare(ref, cand, alignment, tols)
+    if ref.meta.trace_mode == "full":
+        return rows, rows
+    whole = align(ref.meta, cand.meta, ref.digest_positions, cand.digest_positions, *steps, text)
+    return rows, with_window(digest_comparison(ref, cand, whole, tols), rows)
 
 
 def _recomputed(cand: TraceReader, chunks: ChunkLookup) -> dict | None:
@@ -86,34 +99,38 @@ def _diff_open(ref: TraceReader, cand: TraceReader, baseline: TraceReader | None
     if baseline is not None:
         _check_baseline(baseline, cand)
     text = _token_text(tokenizer)
-    cmp = _compare(ref, cand, tolerances, text)
+    cmp, whole = _compare(ref, cand, tolerances, text)
     chunks = ChunkLookup.of(cand)
-    first_bit = first_bit_difference(cmp, chunks)
-    first_div = first_tolerance_breach(cmp, chunks)
+    first_bit = first_bit_difference(whole, chunks)
+    first_div = first_tolerance_breach(whole, chunks)
+    window_div = first_tolerance_breach(cmp, chunks)     # the rows the diagnoses read: the zoom window's
+    # a bit difference of unknown size (outside a zoom window) may breach: numerical noise is not proved
+    unsized = any((m.tier == Tier.DIFFERENT).any() for m in all_maps(whole))
     inputs = DiagnosisInputs(ref, cand, cmp, chunks, text)
     diagnoses = (diagnose_tokenization(inputs) + diagnose_non_finite(inputs, first_non_finite(cmp, chunks))
                  + diagnose_cache_content(inputs) + diagnose_position_mismatch(inputs)
                  + diagnose_missing_context(inputs) + diagnose_missing_context_in_cache(inputs)
-                 + diagnose_operation(inputs, first_div) + diagnose_norms(inputs)
-                 + diagnose_noise(inputs, first_bit, first_div))
+                 + diagnose_expert_flip(inputs) + diagnose_operation(inputs, window_div) + diagnose_norms(inputs)
+                 + ([] if unsized else diagnose_noise(inputs, first_bit, first_div)))
     diagnoses = consistent(diagnoses)       # of two contradicting claims, the stronger (never both)
     diagnoses.sort(key=lambda d: d.positions[0] if d.positions else -1)
-    td = cmp.alignment.first_token_divergence
+    td = whole.alignment.first_token_divergence
     token_loc = None
-    if td is not None and "logits" in cmp.final:
-        col = np.flatnonzero(cmp.alignment.positions == td.position)
-        token_loc = location(cmp, chunks, cmp.final["logits"], 0, int(col[0])) if col.size else None
+    if td is not None and "logits" in whole.final:
+        col = np.flatnonzero(whole.alignment.positions == td.position)
+        token_loc = location(whole, chunks, whole.final["logits"], 0, int(col[0])) if col.size else None
     div = Divergence(
-        reference=ref.meta, candidate=cand.meta, comparison=cmp, tokens_identical=cmp.alignment.tokens_identical,
+        reference=ref.meta, candidate=cand.meta, comparison=whole, tokens_identical=whole.alignment.tokens_identical,
         first_bit_difference=first_bit, first_divergence=first_div, first_token_divergence=td,
         first_token_location=token_loc, diagnoses=diagnoses, chunks=list(cand.meta.chunks),
         token_strings={"prompt": [text(i) for i in ref.meta.input_ids],
                        "reference": [text(i) for i in ref.meta.generated_ids],
                        "candidate": [text(i) for i in cand.meta.generated_ids]},
-        chunk_of={int(p): chunks.chunk_of(int(p)) for p in cmp.alignment.positions},
-        first_operation=first_operation(cmp, first_div or first_bit), recomputed=_recomputed(cand, chunks))
+        chunk_of={int(p): chunks.chunk_of(int(p)) for p in whole.alignment.positions},
+        first_operation=first_operation(cmp, window_div or first_bit_difference(cmp, chunks)),
+        recomputed=_recomputed(cand, chunks))
     if baseline is not None:
-        base = _compare(ref, baseline, tolerances, text)
+        base = _compare(ref, baseline, tolerances, text)[1]
         base_chunks = ChunkLookup.of(baseline)
         threshold, cand_loc = ("tolerance breach", first_div) if first_div is not None else ("bit difference", first_bit)
         base_bit = first_bit_difference(base, base_chunks)
@@ -121,7 +138,7 @@ def _diff_open(ref: TraceReader, cand: TraceReader, baseline: TraceReader | None
         div.attribution = attribute(cand_loc, div.tokens_identical, base_loc, base_bit,
                                     base.alignment.tokens_identical, len(cmp.layers), threshold)
     log.info("diff: tokens %s, first divergence %s, %d diagnoses, %.1f MB compared",
-             "identical" if div.tokens_identical else "differ", first_div, len(diagnoses), cmp.bytes_compared / 1e6)
+             "identical" if div.tokens_identical else "differ", first_div, len(diagnoses), whole.bytes_compared / 1e6)
     return div
 
 

@@ -18,7 +18,7 @@ from kvdiff.analysis.align import Alignment
 from kvdiff.analysis.metrics import RowMetrics, row_metrics
 from kvdiff.analysis.norms import NormCheck, NormChecker
 from kvdiff.analysis.tolerance import NOT_COMPARED, Tier, Tolerances
-from kvdiff.trace.points import FINAL_POINTS, LAYER_POINTS, READ_POINTS
+from kvdiff.trace.points import FINAL_POINTS, KNOWN_LAYER_POINTS, READ_POINTS
 from kvdiff.trace import TraceReader
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ def _compare_final(ref: TraceReader, cand: TraceReader, out: Comparison, block_b
 def compare(ref: TraceReader, cand: TraceReader, alignment: Alignment, tolerances: Tolerances) -> Comparison:
     """Stream both traces layer by layer, in row blocks, and fill the point maps and norm checks."""
     layers = [i for i in ref.meta.layers if i in set(cand.meta.layers)]
-    shared = [p for p in LAYER_POINTS if p in ref.meta.points and p in cand.meta.points] if layers else []
+    shared = [p for p in KNOWN_LAYER_POINTS if p in ref.meta.points and p in cand.meta.points] if layers else []
     layers = layers if shared else []          # a trace of final points only holds no layer groups
     pos = alignment.positions
     out = Comparison(alignment, tolerances, layers,

@@ -6,7 +6,8 @@ other content (cache_content_mismatch); keys left out (missing_context) against 
 otherwise (attention_mismatch); two different offsets, unattended spans or explanations for the
 same rows; everything within tolerance (numerical_noise) against any divergence. A claim
 contradicts its own proof when the measurement it carries refutes it (an explanation that leaves
-more of the difference than it may, a rotation that fits no integer position). Works on
+more of the difference than it may, a rotation that fits no integer position, an expert flip whose
+logits moved too little to swap an expert or whose expert sets are the same). Works on
 report.json's diagnosis objects; `consistent` keeps, of each contradicting pair, the claim with the
 higher confidence.
 """
@@ -20,7 +21,7 @@ from kvdiff.analysis.diagnosis import PRIORITY, Diagnosis
 EXPLAINS = 0.5      # diagnose_context's bound on the share an explanation may leave unexplained
 
 DIVERGENCES = ("position_mismatch", "rope_mismatch", "missing_context", "attention_mismatch", "cache_content_mismatch",
-               "operation_mismatch", "non_finite")
+               "operation_mismatch", "expert_flip", "non_finite")
 _EXCLUSIVE = {frozenset(p) for p in (("position_mismatch", "rope_mismatch"),
                                      ("position_mismatch", "cache_content_mismatch"),
                                      ("rope_mismatch", "cache_content_mismatch"),
@@ -65,6 +66,13 @@ def refuted(d: dict) -> str | None:
         return f"its explanation leaves {d['fit_residual']:.3g} of the difference unexplained"
     if d.get("kind") == "position_mismatch" and (d.get("fit_quality") is None or d["fit_quality"] < 0.99):
         return f"its rotation fits the positions it names with quality {d.get('fit_quality')} only"
+    if d.get("kind") == "expert_flip":
+        if sorted(d.get("reference_experts") or ()) == sorted(d.get("candidate_experts") or ()):
+            return "its two runs chose the same set of experts"
+        if 2 * d.get("router_logit_change", 0.0) < d.get("router_margin", 0.0):
+            # swapping expert a out for b needs l_a - l_b >= margin closed by |change a| + |change b|
+            return (f"its router logits moved by {d.get('router_logit_change'):.3g}, too little to close a margin "
+                    f"of {d.get('router_margin'):.3g}")
     if d.get("proof") is None or d.get("confidence") is None:
         return "it carries no proof or confidence"
     if not 0 <= d["confidence"] <= 1:

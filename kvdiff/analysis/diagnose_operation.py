@@ -8,7 +8,7 @@ counts are the proof: at how many of the positions with matching inputs the outp
 
 Operations with a rule of their own are left to it: attention (attention_mismatch,
 missing_context), RoPE (position_mismatch, rope_mismatch), K/V read from a cache
-(cache_content_mismatch) and the norms (norm_consistency).
+(cache_content_mismatch), the norms (norm_consistency) and the choice of experts (expert_flip).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from kvdiff.analysis.operation import first_operation
 from kvdiff.analysis.search import Location
 from kvdiff.analysis.tolerance import Tier
 
-_OWN_RULE = ("attention (", "RoPE", "K read from", "V read from", "attention norm", "MLP norm", "final norm", "between ")
+_OWN_RULE = ("attention (", "RoPE", "K read from", "V read from", "attention norm", "MLP norm", "final norm", "between ",
+             "top-k expert choice")
 
 
 def _tiers(inputs: DiagnosisInputs, point: str, layer: int | None) -> np.ndarray | None:

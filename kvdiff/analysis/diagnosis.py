@@ -16,7 +16,8 @@ from kvdiff.analysis.tolerance import Tier
 from kvdiff.trace import TraceReader
 
 KINDS = ("tokenization_mismatch", "position_mismatch", "rope_mismatch", "missing_context", "attention_mismatch",
-         "cache_content_mismatch", "operation_mismatch", "norm_consistency", "numerical_noise", "non_finite")
+         "cache_content_mismatch", "expert_flip", "operation_mismatch", "norm_consistency", "numerical_noise",
+         "non_finite")
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,9 @@ class Diagnosis:
 
 
 # Which diagnosis a report leads with when several are made: causes before their consequences.
-PRIORITY = ("tokenization_mismatch", "non_finite", "position_mismatch", "rope_mismatch", "cache_content_mismatch",
-            "missing_context", "attention_mismatch", "operation_mismatch", "norm_consistency", "numerical_noise")
+PRIORITY = ("nondeterministic", "tokenization_mismatch", "non_finite", "position_mismatch", "rope_mismatch", "cache_content_mismatch",
+            "missing_context", "attention_mismatch", "expert_flip", "operation_mismatch", "norm_consistency",
+            "numerical_noise")
 
 
 def top_diagnosis(diagnoses: list[Diagnosis]) -> Diagnosis | None:

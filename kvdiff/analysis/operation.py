@@ -31,6 +31,8 @@ OPERATIONS: dict[str, tuple[str, tuple[tuple[str, int], ...]]] = {
     "attn_out": ("attention (softmax(q k^T) v, o_proj)", (("q", 0), ("k", 0), ("v", 0))),
     "resid_mid": ("residual add after attention", (("resid_pre", 0), ("attn_out", 0))),
     "mlp_norm": ("MLP norm", (("resid_mid", 0),)),
+    "router_logits": ("router", (("mlp_norm", 0),)),
+    "experts": ("top-k expert choice", (("router_logits", 0),)),
     "mlp_out": ("MLP", (("mlp_norm", 0),)),
     "resid_post": ("residual add after the MLP", (("resid_mid", 0), ("mlp_out", 0))),
     "final_norm": ("final norm", (("resid_post", 0),)),

@@ -71,7 +71,8 @@ def first_where(comparison: Comparison, chunks: ChunkLookup,
 
 
 def first_bit_difference(comparison: Comparison, chunks: ChunkLookup) -> Location | None:
-    return first_where(comparison, chunks, lambda m: (m.tier == Tier.NOISE) | (m.tier == Tier.DIVERGENT))
+    return first_where(comparison, chunks, lambda m: (m.tier == Tier.NOISE) | (m.tier == Tier.DIVERGENT)
+                       | (m.tier == Tier.DIFFERENT))
 
 
 def first_tolerance_breach(comparison: Comparison, chunks: ChunkLookup) -> Location | None:

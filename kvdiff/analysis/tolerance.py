@@ -22,7 +22,7 @@ from enum import IntEnum
 from typing import Mapping
 
 from kvdiff.errors import InputError
-from kvdiff.trace.points import ALL_POINTS
+from kvdiff.trace.points import KNOWN_POINTS
 
 
 class Tier(IntEnum):
@@ -32,6 +32,7 @@ class Tier(IntEnum):
     NOISE = 1
     DIVERGENT = 2
     INCOMPARABLE = 3
+    DIFFERENT = 4       # digest traces, outside the zoom window: the bits differ, by how much is not known
 
     @property
     def label(self) -> str:
@@ -60,16 +61,20 @@ DTYPE_DEFAULTS: dict[str, Tolerance] = {
     "float16": Tolerance(atol=1e-5, rtol=1e-3),
 }
 
+# Points holding ids, not measurements: any difference is another choice (an expert id of 100 next to
+# 101 would pass a bfloat16 rtol).
+EXACT_POINTS: dict[str, Tolerance] = {"experts": Tolerance(atol=0.0, rtol=0.0)}
+
 
 @dataclass(frozen=True)
 class Tolerances:
-    """The tolerance for each probe point: a dtype default and per-point overrides."""
+    """The tolerance for each probe point: a dtype default (exact for `EXACT_POINTS`) and per-point overrides."""
 
     default: Tolerance
     per_point: Mapping[str, Tolerance]
 
     def for_point(self, point: str) -> Tolerance:
-        return self.per_point.get(point, self.default)
+        return self.per_point.get(point, EXACT_POINTS.get(point, self.default))
 
     @classmethod
     def for_dtypes(cls, *dtypes: str, overrides: Mapping[str, Tolerance] | None = None) -> "Tolerances":
@@ -77,8 +82,8 @@ class Tolerances:
         known = [DTYPE_DEFAULTS[d] for d in dtypes if d in DTYPE_DEFAULTS] or [DTYPE_DEFAULTS["float32"]]
         default = max(known, key=lambda t: (t.rtol, t.atol))
         for point in overrides or {}:
-            if point not in ALL_POINTS:
-                raise InputError(f"unknown probe point {point!r} in tolerances; use one of {', '.join(ALL_POINTS)}")
+            if point not in KNOWN_POINTS:
+                raise InputError(f"unknown probe point {point!r} in tolerances; use one of {', '.join(KNOWN_POINTS)}")
         return cls(default=default, per_point=dict(overrides or {}))
 
 
@@ -96,6 +101,6 @@ def parse_tolerance(spec: str) -> tuple[str, Tolerance]:
     except ValueError:
         raise InputError(f"bad tolerance {spec!r}; write POINT=ATOL[,RTOL] with finite numbers >= 0, "
                          "e.g. logits=1e-4,1e-3") from None
-    if point not in ALL_POINTS:
-        raise InputError(f"unknown probe point {point!r} in tolerance {spec!r}; use one of {', '.join(ALL_POINTS)}")
+    if point not in KNOWN_POINTS:
+        raise InputError(f"unknown probe point {point!r} in tolerance {spec!r}; use one of {', '.join(KNOWN_POINTS)}")
     return point, Tolerance(atol, rtol)

@@ -9,8 +9,9 @@ from typing import Optional
 import typer
 
 from kvdiff.cli.options import (
-    DEFAULT_MODEL, DEFAULT_NUMERICS, DEFAULT_RATIO, DEFAULT_STRATEGY, Device, DeviceMap, DType, MessagesFile, Model,
-    NumericsOption, Point, Prompt, RecomputeRatio, StrategyOption, System,
+    DEFAULT_MODEL, DEFAULT_NUMERICS, DEFAULT_RATIO, DEFAULT_STRATEGY, DEFAULT_TRACE_MODE, Device, DeviceMap, DType,
+    MessagesFile, Model, NumericsOption, Point, Prompt, RecomputeRatio, StrategyOption, System, TraceModeOption,
+    ZoomLayers, ZoomPositions,
 )
 from kvdiff.cli.app import app, check_point, command, console, echo, for_humans, progress, show_report
 from kvdiff.errors import InputError
@@ -62,7 +63,11 @@ def compare(
     device: Device = "cpu",
     device_map: DeviceMap = None,
     capture: Optional[str] = typer.Option(None, "--capture", help="Probe points to record, comma-separated (default all)."),
-    layers: Optional[str] = typer.Option(None, "--layers", help="Layers to record, e.g. 0-3,29 (default all)."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="--trace-mode full: layers to record, e.g. "
+                                         "0-3,29 (default all)."),
+    trace_mode: TraceModeOption = DEFAULT_TRACE_MODE,
+    zoom_layers: ZoomLayers = 2,
+    zoom_positions: ZoomPositions = 64,
     warm: bool = typer.Option(False, "--warm", help="Run the conversation through the engine once first, so the "
                               "compared run reads its chunks from the cache."),
     warm_with: Optional[Path] = typer.Option(None, "--warm-with", help="A JSON file of messages the engine runs "
@@ -91,7 +96,7 @@ def compare(
             conversation, model=model, strategy=strategy, numerics=numerics, recompute_ratio=recompute_ratio,
             chunk_size=chunk_size, max_new_tokens=max_new_tokens, dtype=dtype, device=device, device_map=device_map,
             capture=capture, layers=layers, warm=warm_up, out=out, html=html, json_path=json_out, progress=step,
-            engine=engine,
+            engine=engine, trace_mode=trace_mode, zoom_layers=zoom_layers, zoom_positions=zoom_positions,
         )
     log.info("artefacts in %s", result.out_dir)
     if for_humans(html, json_out):

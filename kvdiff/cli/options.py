@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvdiff.options import DEFAULT_RECOMPUTE_RATIO, Numerics, Strategy
+from kvdiff.options import DEFAULT_RECOMPUTE_RATIO, Numerics, Strategy, TraceMode
 
 Prompt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="The user message.")]
 System = Annotated[Optional[str], typer.Option("--system", "-s", help="An optional system message.")]
@@ -23,8 +23,15 @@ NumericsOption = Annotated[str, typer.Option(
 RecomputeRatio = Annotated[float, typer.Option(
     "--recompute-ratio", help="blend: share of each reused chunk's tokens recomputed with full context.")]
 Point = Annotated[Optional[str], typer.Option("--point", help="Probe point of the terminal heatmap.")]
+TraceModeOption = Annotated[str, typer.Option(
+    "--trace-mode", help="digest (a hash of every row, then full rows around the first difference) or full.")]
+ZoomLayers = Annotated[int, typer.Option("--zoom-layers", help="digest: layers recorded in full from the first "
+                                         "that differs.")]
+ZoomPositions = Annotated[int, typer.Option("--zoom-positions", help="digest: positions recorded in full from the "
+                                            "first that differs (from 0 when it is early).")]
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_STRATEGY = Strategy.PREFIX.value
 DEFAULT_NUMERICS = Numerics.EXACT.value
 DEFAULT_RATIO = DEFAULT_RECOMPUTE_RATIO
+DEFAULT_TRACE_MODE = TraceMode.DIGEST.value

@@ -3,7 +3,8 @@
 The engine runs embedding, norms, projections, MLP and rotary of the transformers model
 itself; only attention, positions, KV cache and scheduling are its own. An adapter knows
 where each module lives and the few per-family differences (Qwen2 q/k/v bias is inside the
-projections; Qwen3 normalises q and k per head before RoPE).
+projections; Qwen3 normalises q and k per head before RoPE; Qwen3-MoE routes each token to
+experts in place of the MLP).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class LayerModules:
     post_attention_layernorm: nn.Module
     mlp: nn.Module
     device: torch.device          # where the layer's weights are (layers may span GPUs)
+    router: nn.Module | None = None    # a mixture-of-experts layer: h -> (router logits, top-k weights, top-k ids)
+    experts: nn.Module | None = None   # (h, top-k ids, top-k weights) -> the experts' weighted sum
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -105,12 +108,26 @@ class Qwen3Adapter(Adapter):
         return layer.q_norm(q), layer.k_norm(k), v
 
 
-ADAPTERS: dict[str, type[Adapter]] = {family: cls for cls in (Adapter, Qwen3Adapter) for family in cls.families}
+class Qwen3MoeAdapter(Qwen3Adapter):
+    """Qwen3-MoE: Qwen3 attention; a sparse layer's MLP is a router and experts (the model's
+    Qwen3MoeTopKRouter and Qwen3MoeExperts), a dense one (`mlp_only_layers`) a plain MLP."""
+
+    families = ("qwen3_moe",)
+
+    def _layer(self, layer: nn.Module) -> LayerModules:
+        modules = super()._layer(layer)
+        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts"):
+            modules.router, modules.experts = layer.mlp.gate, layer.mlp.experts
+        return modules
+
+
+ADAPTERS: dict[str, type[Adapter]] = {family: cls for cls in (Adapter, Qwen3Adapter, Qwen3MoeAdapter)
+                                      for family in cls.families}
 
 
 def sliding_window(config) -> int | None:
     window = getattr(config, "sliding_window", None)
-    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+    if config.model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(config, "use_sliding_window", False):
         return None
     if window is not None and window < config.max_position_embeddings:
         return int(window)

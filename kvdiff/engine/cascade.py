@@ -9,10 +9,14 @@ and merges as the identity.
 
 Groups whose first key segment is the same shared chunk attend to it together (one partial
 attention over the chunk's pages for all their rows); each group attends to the rest of its
-keys alone, padded into one batch; the two partial states are merged by log-sum-exp. Every
-index the layers need (padding, key slots, masks, shared rows) is built once per forward, so
-a layer costs a fixed handful of kernels whatever the number of groups: decoding 32 requests
-runs as fast per layer as decoding one.
+keys with groups of similar size, padded into one batch (a bucket); the two partial states are
+merged by log-sum-exp. Buckets bound the padding: a bucket's padded score cells (groups x its
+longest group's rows x its most keys) are at most twice its groups' own, or PAD_SLACK cells,
+so one long prompt among short ones is not padded into every short one (which cost 12 x 1,177
+x 1,177 scores per layer, 9 GB, in a mixed prefill of the test suite). Groups of one size form
+one bucket. Every index the layers need (padding, key slots, masks, shared rows) is built once
+per forward, so a layer costs a fixed handful of kernels per bucket whatever the number of
+groups: 32 requests of one shape run as one batch.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import torch.nn.functional as F
 from kvdiff.engine.kv_cache import BlockPool
 
 NEG_INF = float("-inf")
+SCORE_BUDGET = 1 << 24   # score elements one partial-attention block holds (64 MiB in float32)
+PAD_SLACK = 1 << 16      # padded score cells (rows x keys) a bucket may hold whatever its own
 
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
@@ -33,12 +39,25 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible
 
     q (B, T, H, D); k, v (B, L, KVH, D); visible (B, T, L) bool or None (all visible).
     Returns o (B, T, H, D) float32 and lse (B, T, H) float32; rows that see no key get (0, -inf).
+    Query rows are taken in blocks of at most SCORE_BUDGET score elements.
     """
+    B, T, H, D = q.shape
+    L = k.shape[1]
+    if L == 0:
+        return q.new_zeros((B, T, H, D), dtype=torch.float32), q.new_full((B, T, H), NEG_INF, dtype=torch.float32)
+    block = max(1, SCORE_BUDGET // (B * H * L))
+    if T <= block:
+        return _partial_block(q, k, v, visible, scale)
+    parts = [_partial_block(q[:, t:t + block], k, v, None if visible is None else visible[:, t:t + block], scale)
+             for t in range(0, T, block)]
+    return torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 1)
+
+
+def _partial_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, H, D = q.shape
     L, KVH = k.shape[1], k.shape[2]
     groups = H // KVH
-    if L == 0:
-        return q.new_zeros((B, T, H, D), dtype=torch.float32), q.new_full((B, T, H), NEG_INF, dtype=torch.float32)
     qf = q.float().view(B, T, KVH, groups, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, groups * T, D)
     kf = k.float().permute(0, 2, 3, 1)                     # (B, KVH, D, L)
     vf = v.float().permute(0, 2, 1, 3)                     # (B, KVH, L, D)
@@ -79,92 +98,166 @@ def single_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     return out.transpose(1, 2)
 
 
+def plan_buckets(rows: list[int], keys: list[int]) -> list[list[int]]:
+    """Group indices in buckets of similar size, each in forward order: a bucket's padded cells
+    (members x most rows x most keys) stay within twice its members' own cells or PAD_SLACK."""
+    order = sorted(range(len(rows)), key=lambda i: (rows[i] * keys[i], rows[i]))
+    buckets: list[list[int]] = []
+    members: list[int] = []
+    width = most_keys = own = 0
+    for i in order:
+        w, lk, o = max(width, rows[i]), max(most_keys, keys[i]), own + rows[i] * keys[i]
+        if members and (len(members) + 1) * w * lk > max(2 * o, PAD_SLACK):
+            buckets.append(sorted(members))
+            members, w, lk, o = [], rows[i], keys[i], rows[i] * keys[i]
+        members.append(i)
+        width, most_keys, own = w, lk, o
+    buckets.append(sorted(members))
+    return buckets
+
+
 @dataclass
 class SharedPart:
     """Rows of the groups that share one first segment, and that segment's keys."""
 
     slots: torch.Tensor           # (S,) the shared segment's slots
     q_rows: torch.Tensor          # (R,) rows of q (in forward order) of the member groups
-    padded_rows: torch.Tensor     # (R,) the same rows in the padded (G * Tmax) layout
     visible: torch.Tensor         # (1, R, S) bool
 
 
 @dataclass
-class CascadePlan:
-    """Padding and key layout of one forward's groups; `attend` runs one layer with it."""
+class Bucket:
+    """Groups of similar size padded into one batch: each attends to its own (non-shared) keys."""
 
     groups: int
-    width: int                    # Tmax: rows of the longest group
-    padded_rows: torch.Tensor     # (N,) where each q row goes in the padded (G * Tmax) layout
-    slots: torch.Tensor           # (G, Lrest) slots of each group's own (non-shared) keys, 0-padded
+    width: int                    # Tmax: rows of the bucket's longest group
+    rows: torch.Tensor | None     # (n,) its rows of q in forward order; None: every row of the forward
+    padded_rows: torch.Tensor     # (n,) where each of those rows goes in the padded (G * Tmax) layout
+    slots: torch.Tensor           # (G, Lrest) slots of each group's own keys, 0-padded
     visible: torch.Tensor | None  # (G, Tmax, Lrest) bool; None: every row sees all its keys, none padded
+    unpadded: bool                # every group has Tmax rows: the padded layout is the rows' own
+    shares: bool                  # its groups share a first segment: attend gives partial states
+
+    @classmethod
+    def build(cls, members: list[int], spans: list[slice], keys: list, device: torch.device,
+              whole: bool) -> "Bucket":
+        """The bucket of groups `members`; `whole`: they are every group of the forward."""
+        lengths = [spans[i].stop - spans[i].start for i in members]
+        width = max(lengths)
+        rest = [(keys[i].slots[keys[i].shared_len:], keys[i].visible[:, keys[i].shared_len:]) for i in members]
+        lrest = max(1, max(int(sl.shape[0]) for sl, _ in rest))
+        unmasked = all(keys[i].sees_all and sl.shape[0] == lrest for i, (sl, _) in zip(members, rest))
+        if len(members) == 1 and lrest == rest[0][0].shape[0]:
+            slots = rest[0][0].view(1, lrest)
+        else:
+            slots = torch.zeros((len(members), lrest), dtype=torch.long, device=device)
+            for j, (sl, _) in enumerate(rest):
+                slots[j, : sl.shape[0]] = sl
+        visible = None
+        if not unmasked:
+            visible = torch.zeros((len(members), width, lrest), dtype=torch.bool, device=device)
+            for j, (T, (sl, vi)) in enumerate(zip(lengths, rest)):
+                visible[j, :T, : sl.shape[0]] = vi
+        padded = torch.cat([torch.arange(T, device=device) + j * width for j, T in enumerate(lengths)])
+        rows = None if whole else torch.cat([torch.arange(spans[i].start, spans[i].stop, device=device)
+                                             for i in members])
+        return cls(len(members), width, rows, padded, slots, visible, all(T == width for T in lengths),
+                   any(keys[i].shared for i in members))
+
+    def to(self, device: torch.device) -> "Bucket":
+        """The bucket on another device."""
+        return Bucket(self.groups, self.width, None if self.rows is None else self.rows.to(device),
+                      self.padded_rows.to(device), self.slots.to(device),
+                      None if self.visible is None else self.visible.to(device), self.unpadded, self.shares)
+
+    def _inputs(self, pool: BlockPool, layer: int, q: torch.Tensor):
+        G, W, (_, H, D) = self.groups, self.width, q.shape
+        x = q if self.rows is None else q.index_select(0, self.rows)
+        if self.unpadded:
+            qp = x.view(G, W, H, D)
+        else:
+            qp = x.new_zeros((G * W, H, D)).index_copy_(0, self.padded_rows, x).view(G, W, H, D)
+        k, v = pool.read(layer, self.slots.view(-1))
+        return qp, k.view(G, -1, *k.shape[1:]), v.view(G, -1, *v.shape[1:])
+
+    def _unpad(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(self.groups * self.width, *t.shape[2:])
+        return t if self.unpadded else t.index_select(0, self.padded_rows)
+
+    def single(self, pool: BlockPool, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention output of the bucket's rows (n, H, D), in q's dtype."""
+        qp, k, v = self._inputs(pool, layer, q)
+        return self._unpad(single_attention(qp, k, v, self.visible, scale))
+
+    def partial(self, pool: BlockPool, layer: int, q: torch.Tensor,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial state (o (n, H, D), lse (n, H)) of the bucket's rows over their own keys."""
+        qp, k, v = self._inputs(pool, layer, q)
+        o, lse = partial_attention(qp, k, v, self.visible, scale)
+        return self._unpad(o), self._unpad(lse)
+
+
+@dataclass
+class CascadePlan:
+    """Buckets and shared segments of one forward's groups; `attend` runs one layer with it."""
+
+    buckets: list[Bucket]
     shared: list[SharedPart]
-    unpadded: bool = False        # every group has Tmax rows: the padded layout is q's own
 
     @classmethod
     def build(cls, spans: list[slice], keys: list, device: torch.device) -> "CascadePlan":
         """`keys[i]` (runner._Keys) has slots, visible, shared and shared_len for group i."""
-        G = len(spans)
-        lengths = [s.stop - s.start for s in spans]
-        width = max(lengths)
-        rest = [(kk.slots[kk.shared_len:], kk.visible[:, kk.shared_len:]) for kk in keys]
-        lrest = max(1, max(int(r[0].shape[0]) for r in rest))
-        unmasked = all(kk.sees_all and kk.slots.shape[0] - kk.shared_len == lrest for kk in keys)
-        if G == 1 and lrest == rest[0][0].shape[0]:
-            slots = rest[0][0].view(1, lrest)
-        else:
-            slots = torch.zeros((G, lrest), dtype=torch.long, device=device)
-            for i, (sl, _) in enumerate(rest):
-                slots[i, : sl.shape[0]] = sl
-        visible = None
-        if not unmasked:
-            visible = torch.zeros((G, width, lrest), dtype=torch.bool, device=device)
-            for i, (T, (sl, vi)) in enumerate(zip(lengths, rest)):
-                visible[i, :T, : sl.shape[0]] = vi
-        padded = torch.cat([torch.arange(T, device=device) + i * width for i, T in enumerate(lengths)])
+        rows = [s.stop - s.start for s in spans]
+        own_keys = [max(1, int(kk.slots.shape[0]) - kk.shared_len) for kk in keys]
+        members = []     # groups with a shared segment need partial states, the others only SDPA's output
+        for shares in (True, False):
+            part = [i for i, kk in enumerate(keys) if bool(kk.shared) == shares]
+            if part:
+                buckets = plan_buckets([rows[i] for i in part], [own_keys[i] for i in part])
+                members += [[part[j] for j in m] for m in buckets]
+        buckets = [Bucket.build(m, spans, keys, device, whole=len(members) == 1) for m in members]
         shared = []
         for key in dict.fromkeys(kk.shared for kk in keys if kk.shared):
-            members = [i for i, kk in enumerate(keys) if kk.shared == key]
-            first = keys[members[0]]
+            group = [i for i, kk in enumerate(keys) if kk.shared == key]
+            first = keys[group[0]]
             shared.append(SharedPart(
                 slots=first.slots[: first.shared_len].to(device),
-                q_rows=torch.cat([torch.arange(spans[i].start, spans[i].stop, device=device) for i in members]),
-                padded_rows=torch.cat([padded[spans[i]] for i in members]),
-                visible=torch.cat([keys[i].visible[:, : first.shared_len] for i in members]).unsqueeze(0).to(device),
+                q_rows=torch.cat([torch.arange(spans[i].start, spans[i].stop, device=device) for i in group]),
+                visible=torch.cat([keys[i].visible[:, : first.shared_len] for i in group]).unsqueeze(0).to(device),
             ))
-        return cls(G, width, padded, slots, visible, shared,
-                   unpadded=all(T == width for T in lengths))
+        return cls(buckets, shared)
 
     def to(self, device: torch.device) -> "CascadePlan":
         """The plan on another device (a model split across GPUs)."""
-        if self.slots.device == device:
+        if self.buckets[0].slots.device == device:
             return self
-        return CascadePlan(self.groups, self.width, self.padded_rows.to(device), self.slots.to(device),
-                           None if self.visible is None else self.visible.to(device),
-                           [SharedPart(p.slots.to(device), p.q_rows.to(device), p.padded_rows.to(device),
-                                       p.visible.to(device)) for p in self.shared], self.unpadded)
+        return CascadePlan([b.to(device) for b in self.buckets],
+                           [SharedPart(p.slots.to(device), p.q_rows.to(device), p.visible.to(device))
+                            for p in self.shared])
 
     def attend(self, pool: BlockPool, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention output (N, H, D) in q's dtype for the forward's rows q (N, H, D)."""
-        N, H, D = q.shape
-        G, W = self.groups, self.width
-        if self.unpadded:
-            qp = q.view(G, W, H, D)
+        if self.buckets[0].rows is None:      # one bucket holds every group
+            if not self.buckets[0].shares:
+                return self.buckets[0].single(pool, layer, q, scale)
+            o, lse = self.buckets[0].partial(pool, layer, q, scale)
         else:
-            qp = q.new_zeros((G * W, H, D)).index_copy_(0, self.padded_rows, q).view(G, W, H, D)
-        k, v = pool.read(layer, self.slots.view(-1))
-        k, v = k.view(G, -1, *k.shape[1:]), v.view(G, -1, *v.shape[1:])
-        if not self.shared:
-            o = single_attention(qp, k, v, self.visible, scale).reshape(G * W, H, D)
-            return o if self.unpadded else o.index_select(0, self.padded_rows)
-        o, lse = partial_attention(qp, k, v, self.visible, scale)
-        o, lse = o.reshape(G * W, H, D), lse.reshape(G * W, H)
+            N, H, D = q.shape
+            o = q.new_empty((N, H, D), dtype=torch.float32)
+            lse = q.new_empty((N, H), dtype=torch.float32)     # read only at the shared parts' rows
+            for b in self.buckets:
+                if b.shares:
+                    ob, lb = b.partial(pool, layer, q, scale)
+                    o.index_copy_(0, b.rows, ob)
+                    lse.index_copy_(0, b.rows, lb)
+                else:
+                    o.index_copy_(0, b.rows, b.single(pool, layer, q, scale).float())
         for part in self.shared:
             ks, vs = pool.read(layer, part.slots)
             qs = q.index_select(0, part.q_rows).unsqueeze(0)
             os_, lses = partial_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), part.visible, scale)
-            rows = part.padded_rows
+            rows = part.q_rows
             merged, merged_lse = merge_states(o.index_select(0, rows), lse.index_select(0, rows), os_[0], lses[0])
             o.index_copy_(0, rows, merged)
             lse.index_copy_(0, rows, merged_lse)
-        return o.index_select(0, self.padded_rows).to(q.dtype)
+        return o.to(q.dtype)

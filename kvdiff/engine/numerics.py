@@ -16,6 +16,8 @@ Two pieces, shared by the engine and, through `exact_numerics(model)`, by the re
   a Triton kernel does the same walk (kvdiff/engine/gpu_kernels.py).
 - RMSNorm on CUDA: torch's row reduction picks its strategy from the row count, so exact
   numerics run every RMSNorm module through a one-row-per-program Triton kernel.
+- Mixture-of-experts layers: the router's linear and every expert's matmuls row-invariant
+  (kvdiff/engine/exact_moe.py).
 """
 
 from __future__ import annotations
@@ -197,9 +199,12 @@ def _rms_norm_forward(module: nn.Module):
 
 
 def _patched_forwards(model: nn.Module) -> list[tuple[nn.Module, object]]:
-    """(module, exact forward) for every module exact numerics replace: all nn.Linear, and on
-    CUDA every RMSNorm (transformers' Llama/Mistral/Qwen2/Qwen3 norms share one formula)."""
-    out: list[tuple[nn.Module, object]] = []
+    """(module, exact forward) for every module exact numerics replace: all nn.Linear, on CUDA
+    every RMSNorm (transformers' Llama/Mistral/Qwen2/Qwen3 norms share one formula), and the
+    routers and experts of a mixture of experts."""
+    from kvdiff.engine.exact_moe import moe_forwards
+
+    out: list[tuple[nn.Module, object]] = moe_forwards(model)
     for m in model.modules():
         if isinstance(m, nn.Linear):
             out.append((m, _linear_forward(m)))

@@ -159,13 +159,22 @@ class ModelRunner:
             h = layer.post_attention_layernorm(x)
             probes.capture("mlp_norm", i, h)
             probes.norm("mlp_norm", i, x, h)
-            m = layer.mlp(h)
+            m = layer.mlp(h) if layer.router is None else self._experts(i, layer, h, probes)
             probes.capture("mlp_out", i, m)
             x = x + m
             probes.capture("resid_post", i, x)
         logits = self._final(x, groups, spans, probes) if num_layers is None else [None] * len(groups)
         probes.end()
         return logits
+
+    @staticmethod
+    def _experts(i: int, layer, h: torch.Tensor, probes: "_Probes") -> torch.Tensor:
+        """A mixture-of-experts layer: the router chooses each row's experts, the experts mix."""
+        router_logits, weights, chosen = layer.router(h)
+        probes.capture("router_logits", i, router_logits)
+        if probes.active and probes.wants("experts", i):
+            probes.capture("experts", i, chosen.float())
+        return layer.experts(h, chosen, weights)
 
     def _final(self, x: torch.Tensor, groups: list[RowGroup], spans: list[slice], probes: "_Probes"):
         rows: set[int] = set()

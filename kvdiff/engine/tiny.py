@@ -17,6 +17,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -43,6 +44,7 @@ TINY_FAMILIES: dict[str, type[PretrainedConfig]] = {
     "tiny-mistral": MistralConfig,
     "tiny-qwen2": Qwen2Config,
     "tiny-qwen3": Qwen3Config,
+    "tiny-qwen3-moe": Qwen3MoeConfig,
 }
 
 SEED = 1234
@@ -97,8 +99,11 @@ def tiny_config(name: str, num_layers: int = 3) -> PretrainedConfig:
         pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
     )
     cls = TINY_FAMILIES[name]
-    if cls is Qwen3Config:
+    if cls in (Qwen3Config, Qwen3MoeConfig):
         common["head_dim"] = 16
+    if cls is Qwen3MoeConfig:      # every layer sparse: 8 experts of width 32, 2 chosen per token
+        common.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[])
     if cls is MistralConfig:
         common["sliding_window"] = None
     return cls(**common)

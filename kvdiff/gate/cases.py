@@ -25,6 +25,9 @@ _OPTION_TYPES: dict[str, type | tuple[type, ...]] = {
     "device": str,
     "capture": str,
     "layers": str,
+    "trace_mode": str,
+    "zoom_layers": int,
+    "zoom_positions": int,
     "warm": bool,
     "engine": str,
 }

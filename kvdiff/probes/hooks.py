@@ -58,7 +58,8 @@ class ModelProbes:
                 hook = self._input_hook(rule.point, layer)
                 self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
             else:
-                hook = self._output_hook(rule.point, layer, with_norm=rule.kind == "norm")
+                hook = self._output_hook(rule.point, layer, with_norm=rule.kind == "norm", index=rule.index,
+                                         flat=rule.flat)
                 self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         log.debug("attached %d probe hooks to %s", len(self._handles), type(self.model).__name__)
         unmatched = [f"{r.pattern!r} ({r.point})" for r, n in matched.items() if n == 0]
@@ -112,9 +113,14 @@ class ModelProbes:
 
         return hook
 
-    def _output_hook(self, point: str, layer: int | None, with_norm: bool) -> Callable:
+    def _output_hook(self, point: str, layer: int | None, with_norm: bool, index: int = 0,
+                     flat: bool = False) -> Callable:
         def hook(module, args, kwargs, output):
-            out = output[0] if isinstance(output, tuple) else output
+            out = output[index] if isinstance(output, tuple) else output
+            if flat:        # (T, ...) rows of the forward's one sequence
+                out = out.unsqueeze(0)
+            if not out.is_floating_point():
+                out = out.float()
             positions = self._at(out, point)
             self.sink.capture(point, layer, out, positions)
             if with_norm:

@@ -19,7 +19,19 @@ def model_dims(model: torch.nn.Module) -> ModelDims:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     scales = [m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")]
     return ModelDims(c.num_hidden_layers, heads, getattr(c, "num_key_value_heads", None) or heads, head_dim,
-                     c.hidden_size, c.vocab_size, float(scales[0]) if scales else head_dim ** -0.5)
+                     c.hidden_size, c.vocab_size, float(scales[0]) if scales else head_dim ** -0.5,
+                     *experts_shape(model))
+
+
+def experts_shape(model: torch.nn.Module) -> tuple[int, int]:
+    """(experts per layer, experts chosen per token) of a model whose every layer routes to
+    experts; (0, 0) for a dense model or one mixing dense layers in (its router points are not
+    recorded). Routers are the modules with `num_experts`, `top_k` and a weight."""
+    routers = [m for m in model.modules()
+               if hasattr(m, "num_experts") and hasattr(m, "top_k") and isinstance(getattr(m, "weight", None), torch.Tensor)]
+    if len(routers) != model.config.num_hidden_layers:
+        return 0, 0
+    return int(routers[0].num_experts), int(routers[0].top_k)
 
 
 def norm_modules(model: torch.nn.Module, spec: ProbeSpec) -> dict[tuple[int | None, str], torch.nn.Module]:

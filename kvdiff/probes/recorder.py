@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvdiff.conversation import render_prompt_ids
+from kvdiff.probes.digests import DigestTaker
 from kvdiff.probes.model_meta import build_meta, model_dims, norm_eps, norm_modules
 from kvdiff.trace.points import FINAL_NORMS, LAYER_NORMS, READ_POINTS
 from kvdiff.probes.selection import Selection
@@ -33,9 +34,10 @@ class _Target:
     """Where the captures of one (point, layer) go: the dataset (or norm statistics group) and row shape."""
 
     key: tuple[str, int | None]
-    name: str
+    name: str | None              # None: outside a digest trace's window, so digested only
     shape: tuple[int, ...]
     size: int
+    digest: bool = False          # a digest trace: the rows are digested (every row of every point)
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,17 @@ class TraceRecorder:
     A decode step hands over hundreds of captures; this keeps the work per capture to a few appends.
     """
 
-    def __init__(self, writer: TraceWriter, dims: ModelDims, selection: Selection, top_k: int = 5):
+    def __init__(self, writer: TraceWriter, dims: ModelDims, selection: Selection, top_k: int = 5,
+                 digested: Selection | None = None):
+        """`selection`: the rows written in full. `digested`: in a digest trace, the rows digested
+        (every position of its points and layers); `selection` is then its zoom window."""
         self.writer = writer
         self.dims = dims
         self.selection = selection
         self.top_k = top_k
+        self.digested = digested
+        self._declared = digested or selection              # what must fire in every forward
+        self._digests = DigestTaker(writer) if digested is not None else None
         self._positions: list[int] | None = None
         self._reads_only = False
         self._read_positions: set[int] = set()         # recorded in reads-only brackets (cache rows)
@@ -86,27 +94,37 @@ class TraceRecorder:
                   capture: str | Iterable[str] | None = None, layers: str | Iterable[int] | None = None,
                   positions: str | Iterable[int] | None = None, spec: ProbeSpec | None = None,
                   compression: str | None = None, top_k: int = 5,
-                  fingerprint: str | None = None, max_new_tokens: int | None = None) -> "TraceRecorder":
+                  fingerprint: str | None = None, max_new_tokens: int | None = None,
+                  trace_mode: str = "full") -> "TraceRecorder":
         """A recorder writing a trace of `model` (any path: reference, engine) to `path`.
 
         `input_ids` default to the conversation rendered with the chat template. Norm weights and
         epsilons are found with `spec` (default: the architecture's built-in spec).
         `max_new_tokens`, if known, sizes a short trace's file to its rows (`TraceWriter`).
+        `trace_mode` "digest": every row of the `capture` points of every layer is digested, and
+        `layers` x `positions` is the zoom window of full rows (default: none).
         """
         dims = model_dims(model)
-        selection = Selection.parse(dims.num_layers, capture, layers, positions)
+        digested = None
+        if trace_mode == "digest":
+            digested = Selection.parse(dims.num_layers, capture, None, None, dims.points())
+            selection = digested.window(layers, positions)
+        else:
+            selection = Selection.parse(dims.num_layers, capture, layers, positions, dims.points())
         ids = list(input_ids) if input_ids is not None else render_prompt_ids(tokenizer, messages)
         meta = build_meta(model, tokenizer, messages, ids, selection, strategy, numerics, fingerprint)
+        if digested is not None:
+            meta.trace_mode, meta.digest_points, meta.digest_layers = trace_mode, digested.points, digested.layers
         writer = TraceWriter(path, meta, compression=compression,
                              max_positions=None if max_new_tokens is None else len(ids) + max_new_tokens)
         for (layer, norm), module in norm_modules(model, spec or default_spec(model)).items():
             writer.write_norm_weight(layer, norm, module.weight, norm_eps(module))
-        return cls(writer, dims, selection, top_k)
+        return cls(writer, dims, selection, top_k, digested)
 
     # -- ProbeSink ---------------------------------------------------------------------------
 
     def wants(self, point: str, layer: int | None) -> bool:
-        return self.selection.wants(point, layer)
+        return self._declared.wants(point, layer)
 
     def begin_forward(self, positions: Sequence[int], reads_only: bool = False) -> None:
         if self._positions is not None:
@@ -114,7 +132,7 @@ class TraceRecorder:
         self._positions = [int(p) for p in positions]
         self._reads_only = reads_only
         self._kept_for = None
-        kept, _ = self._kept(positions)
+        kept = self._kept(positions)[0] if self._digests is None else np.asarray(positions, dtype=np.int64)
         (self._read_positions if reads_only else self._computed_positions).update(kept.tolist())
         self._fired = []
         self._logging = positions if self._repeats(positions, reads_only) else None
@@ -124,7 +142,7 @@ class TraceRecorder:
         one-position forward's layout: one position, kept by the selection, and captures that
         stay the same tensors to the end of the forward (no autograd, not in inference mode)."""
         repeat = self._repeat
-        if repeat is None or len(positions) != 1 or repeat.reads_only != reads_only:
+        if repeat is None or len(positions) != 1 or repeat.reads_only != reads_only or self._digests is not None:
             return False
         if torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return False
@@ -151,13 +169,16 @@ class TraceRecorder:
         """Where captures of (point, layer) go, or None when they are not selected; kept in
         `_targets`, which the capture methods read first."""
         key = (point, layer)
-        if not self.selection.wants(point.removeprefix("stats:"), layer):
+        name = point.removeprefix("stats:")
+        full = self.selection.wants(name, layer)
+        digest = self.digested is not None and self.digested.wants(name, layer)
+        if not (full or digest):
             target = None
         elif point.startswith("stats:"):
-            target = _Target(key, f"{point_group(layer)}/norm_stats/{point[6:]}", (), 0)
+            target = _Target(key, f"{point_group(layer)}/norm_stats/{point[6:]}" if full else None, (), 0)
         else:
             shape = self.dims.point_shape(point)
-            target = _Target(key, f"{point_group(layer)}/{point}", shape, math.prod(shape))
+            target = _Target(key, f"{point_group(layer)}/{point}" if full else None, shape, math.prod(shape), digest)
         self._targets[key] = target
         return target
 
@@ -182,7 +203,13 @@ class TraceRecorder:
         if rows.numel() != len(positions) * target.size:
             raise ProbeIntegrityError(f"probe {point!r} of layer {layer}: rows of shape {tuple(rows.shape)} "
                                       f"do not hold {len(positions)} positions of shape {target.shape}")
+        if target.digest:
+            self._digests.take(point, layer, rows, np.asarray(positions, dtype=np.int64))
+            if target.name is None:
+                return
         pos, mask = self._kept(positions)
+        if pos.size == 0:
+            return
         if mask is not None:
             rows = rows.reshape(len(positions), *target.shape)[torch.from_numpy(mask).to(rows.device)]
         self.writer.write_rows_at(target.name, pos, rows, (pos.size, *target.shape))
@@ -201,12 +228,16 @@ class TraceRecorder:
         if self._positions is None:
             raise self._outside_forward("norm", norm, layer)
         self._fired.append(target.key)
+        if target.name is None:
+            return
         x_rows = norm_input.numel() // max(norm_input.shape[-1], 1)
         y_rows = norm_output.numel() // max(norm_output.shape[-1], 1)
         if x_rows != len(positions) or y_rows != len(positions):
             raise ProbeIntegrityError(f"norm {norm!r} of layer {layer}: {x_rows} input and {y_rows} output "
                                       f"rows for {len(positions)} positions")
         pos, mask = self._kept(positions)
+        if pos.size == 0:
+            return
         x, y = norm_input, norm_output
         if mask is not None:
             keep = torch.from_numpy(mask)
@@ -215,7 +246,7 @@ class TraceRecorder:
         self.writer.write_norm_at(target.name, pos, x, y)
 
     def provenance(self, positions: Sequence[int], source: Provenance) -> None:
-        pos, mask = self._kept(positions)
+        pos, mask = self._kept(positions) if self._digests is None else (np.asarray(positions, dtype=np.int64), None)
         encoded = np.asarray(source.encoded_positions, dtype=np.int64)
         if encoded.size != len(positions):
             raise ProbeIntegrityError(f"provenance of chunk {source.chunk!r}: {encoded.size} encoded positions "
@@ -239,6 +270,8 @@ class TraceRecorder:
             self._check_fired()
         one_position = len(self._positions) == 1 and self._kept(self._positions)[0].size == 1
         self._positions = None
+        if self._digests is not None:
+            self._digests.end_forward()
         staged = self.writer.commit()
         if one_position:
             self._repeat = _Repeat(self._reads_only, self._fired, staged) if staged is not None else None
@@ -276,7 +309,7 @@ class TraceRecorder:
         """Every declared (point, layer) and selected norm's statistics fired exactly once."""
         where = format_ranges(self._positions)
         fired = Counter(self._fired)
-        for point, layer in self.selection.declared():
+        for point, layer in self._declared.declared():
             if self._reads_only and point not in READ_POINTS:
                 continue
             keys = [(point, layer)] + ([("stats:" + point, layer)] if point in LAYER_NORMS + FINAL_NORMS else [])
@@ -299,7 +332,7 @@ class TraceRecorder:
         if self._positions is not None:
             self.writer.abort()
             raise ProbeIntegrityError("finish called inside a forward: call end_forward first")
-        records_kv = bool(self.selection.layers) and any(p in self.selection.points for p in READ_POINTS)
+        records_kv = bool(self._declared.layers) and any(p in self._declared.points for p in READ_POINTS)
         kv_only = sorted(self._read_positions - self._computed_positions) if records_kv else []
         return str(self.writer.close(generated_ids=list(generated_ids), text=text, chunks=list(chunks),
                                      kv_only_positions=kv_only))

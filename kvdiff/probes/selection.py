@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from kvdiff.errors import InputError
 from kvdiff.trace.points import ALL_POINTS, FINAL_POINTS, parse_points
 from kvdiff.trace.ranges import format_ranges, out_of_range, parse_ranges
 
@@ -28,15 +29,35 @@ class Selection:
     @classmethod
     def parse(cls, num_layers: int, capture: str | Iterable[str] | None = None,
               layers: str | int | Iterable[int] | None = None,
-              positions: str | int | Iterable[int] | None = None) -> "Selection":
-        """Build from CLI-style strings ('k,v', '0-3,29') or Python values; None means everything."""
-        points = ALL_POINTS if capture is None else parse_points(capture)
+              positions: str | int | Iterable[int] | None = None,
+              available: tuple[str, ...] = ALL_POINTS) -> "Selection":
+        """Build from CLI-style strings ('k,v', '0-3,29') or Python values; None means everything.
+        `available`: the points the model has (`ModelDims.points()`; the router's only with experts)."""
+        points = available if capture is None else parse_points(capture)
+        missing = [p for p in points if p not in available]
+        if missing:
+            raise InputError(f"probe point(s) {', '.join(missing)} need a mixture-of-experts model: "
+                             f"this one has {', '.join(available)}")
         chosen = list(range(num_layers)) if layers is None else sorted(set(_as_ints(layers, "layer", num_layers)))
         bad = [i for i in chosen if not 0 <= i < num_layers]
         if bad:
             out_of_range("layer", format_ranges(bad), num_layers)
         pos = None if positions is None else frozenset(_as_ints(positions, "position"))
         return cls(points, tuple(chosen), pos)
+
+    def window(self, layers: str | int | Iterable[int] | None = None,
+               positions: str | int | Iterable[int] | None = None) -> "Selection":
+        """The zoom window of a digest trace over this selection: full rows of its points at
+        `layers` x `positions` (None: every one of them), and of its final points when the
+        window holds its last layer; nothing when both are None."""
+        if layers is None and positions is None:
+            return Selection((), (), frozenset())
+        chosen = self.layers if layers is None else Selection.parse(max(self.layers, default=-1) + 1, self.points,
+                                                                    layers, None, self.points).layers
+        final = bool(chosen) and bool(self.layers) and chosen[-1] == self.layers[-1]
+        points = tuple(p for p in self.points if final or p not in FINAL_POINTS)
+        pos = None if positions is None else frozenset(_as_ints(positions, "position"))
+        return Selection(points, tuple(i for i in chosen if i in self.layers), pos)
 
     def wants(self, point: str, layer: int | None) -> bool:
         if point not in self.points:

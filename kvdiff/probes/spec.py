@@ -14,7 +14,7 @@ from typing import Iterator, Literal
 import torch
 
 from kvdiff.errors import UnsupportedModelError
-from kvdiff.trace.points import ALL_POINTS, FINAL_POINTS
+from kvdiff.trace.points import FINAL_POINTS, KNOWN_POINTS
 
 Kind = Literal["output", "input", "norm"]
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
@@ -25,15 +25,19 @@ class ProbeRule:
     """Module(s) matching `pattern` give probe `point`.
 
     kind: "output" captures the module's output, "input" its first input (a pre-hook), "norm"
-    its output as the point plus input and output for the norm statistics.
+    its output as the point plus input and output for the norm statistics. `index`: which element
+    of a tuple output; `flat`: the module sees the tokens as rows (T, ...) with no batch dimension
+    (a router). Integer outputs (expert ids) are captured as float32.
     """
 
     pattern: str
     point: str
     kind: Kind = "output"
+    index: int = 0
+    flat: bool = False
 
     def __post_init__(self) -> None:
-        if self.point not in ALL_POINTS:
+        if self.point not in KNOWN_POINTS:
             raise ValueError(f"probe rule {self.pattern!r}: unknown point {self.point!r}")
 
     def regex(self) -> re.Pattern:
@@ -94,8 +98,14 @@ QWEN3_SPEC = ProbeSpec(
     _decoder_rules("model.layers.*.self_attn.k_norm"),
     weight_norms={"q_norm": "model.layers.*.self_attn.q_norm", "k_norm": "model.layers.*.self_attn.k_norm"},
 )
+# The router (Qwen3MoeTopKRouter) returns (logits, top-k weights, top-k ids) over flattened tokens.
+QWEN3_MOE_SPEC = ProbeSpec(
+    QWEN3_SPEC.rules + (ProbeRule("model.layers.*.mlp.gate", "router_logits", flat=True),
+                        ProbeRule("model.layers.*.mlp.gate", "experts", index=2, flat=True)),
+    weight_norms=QWEN3_SPEC.weight_norms,
+)
 DEFAULT_SPECS: dict[str, ProbeSpec] = {
-    "llama": LLAMA_SPEC, "mistral": LLAMA_SPEC, "qwen2": LLAMA_SPEC, "qwen3": QWEN3_SPEC,
+    "llama": LLAMA_SPEC, "mistral": LLAMA_SPEC, "qwen2": LLAMA_SPEC, "qwen3": QWEN3_SPEC, "qwen3_moe": QWEN3_MOE_SPEC,
 }
 
 

@@ -6,7 +6,7 @@ function kvdiffHeatmap(page) {
   const { report: R, el, fmt, num, chunkAt, tokenAt, canvas, tooltip, wrap, legendBox } = page;
   let layout = null;
 
-  const TIER_GLYPH = { bitwise: "·", noise: "░", divergent: "█", incomparable: "/" };
+  const TIER_GLYPH = { bitwise: "·", noise: "░", different: "▒", divergent: "█", incomparable: "/" };
   const STOPS = [[0, [49, 54, 149]], [0.35, [116, 173, 209]], [0.55, [254, 224, 144]],
                  [0.75, [244, 109, 67]], [1, [165, 0, 38]]];
   const LOG_MIN = -8, LOG_MAX = 0, BITWISE = "#dcdcdc", INCOMPARABLE = "#f1f1f1";
@@ -145,6 +145,8 @@ function kvdiffHeatmap(page) {
     item(INCOMPARABLE, "incomparable");
     const blank = Object.values(R.heatmaps || {}).some((g) => (g.tiers || []).some((row) => row.includes(null)));
     if (blank) item("#ffffff", "not recorded (K/V read from the cache)");
+    const different = Object.values(R.heatmaps || {}).some((g) => (g.tiers || []).some((row) => row.includes("different")));
+    if (different) item(ramp(Math.pow(10, LOG_MIN)), "▒ bits differ outside the zoom window (colour: a lower bound)");
   }
 
   canvas.addEventListener("mousemove", hover);

@@ -18,9 +18,9 @@ from kvdiff.analysis.report import TIERS, Report
 from kvdiff.reports.printable import printable
 
 GLYPHS: dict[str | None, str] = {
-    "bitwise": "·", "noise": "░", "divergent": "█", "incomparable": "/", None: " ",
+    "bitwise": "·", "noise": "░", "different": "▒", "divergent": "█", "incomparable": "/", None: " ",
 }
-_RANK: dict[str | None, int] = {None: 0, "incomparable": 1, "bitwise": 2, "noise": 3, "divergent": 4}
+_RANK: dict[str | None, int] = {None: 0, "incomparable": 1, "bitwise": 2, "noise": 3, "different": 4, "divergent": 5}
 LOG_MIN, LOG_MAX = -8.0, 0.0  # rel colour ramp spans 1e-8 .. 1
 _STOPS = ((0.0, (49, 54, 149)), (0.35, (116, 173, 209)), (0.55, (254, 224, 144)),
           (0.75, (244, 109, 67)), (1.0, (165, 0, 38)))
@@ -140,16 +140,21 @@ def heatmap_text(view: Report, point: str, width: int) -> Text:
                 line.append_text(_cell(rel, tiers, bucket))
         lines.append(line)
     per_column = max(len(b) for seg_buckets in plan for b in seg_buckets)
-    lines.append(legend(per_column, blank=any(t is None for _, _, tiers in rows for t in tiers)))
+    lines.append(legend(per_column, blank=any(t is None for _, _, tiers in rows for t in tiers),
+                        different=any(t == "different" for _, _, tiers in rows for t in tiers)))
     return Text("\n").join(lines)
 
 
-def legend(per_column: int, blank: bool = False) -> Text:
+def legend(per_column: int, blank: bool = False, different: bool = False) -> Text:
     """Glyph key, the colour ramp by decade, and how many positions one column holds; `blank`:
-    some cells are not recorded (the candidate read those positions' K/V from its cache)."""
+    some cells are not recorded (the candidate read those positions' K/V from its cache);
+    `different`: some cells of a digest trace differ by an amount known only in its zoom window."""
     text = Text()
     for tier in TIERS:
-        text.append(f"{GLYPHS[tier]} {tier}  ")
+        if tier != "different":
+            text.append(f"{GLYPHS[tier]} {tier}  ")
+    if different:
+        text.append(f"{GLYPHS['different']} bits differ (outside the zoom window: colour is a lower bound)  ")
     if blank:
         text.append("blank: not recorded (K/V read from the cache)  ")
     text.append("rel_diff ")

@@ -10,9 +10,11 @@ from typing import Callable
 from kvdiff.analysis import Divergence, diff
 from kvdiff.analysis.report import Report
 from kvdiff.conversation import Messages, validate_messages
-from kvdiff.options import DEFAULT_RECOMPUTE_RATIO, Numerics, Strategy
+from kvdiff.options import DEFAULT_RECOMPUTE_RATIO, Numerics, Strategy, TraceMode
 from kvdiff.run.folder import check_report_copies, claimed_out_dir, discarded_on_failure
 from kvdiff.run.options import RunOptions
+from kvdiff.run.zoom import (ZOOM_LAYERS, ZOOM_POSITIONS, diagnoses_with, digest_section, repeat_findings,
+                             zoom_window)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,9 @@ def compare(
     model_cache: dict | None = None,
     progress: Callable[[str], None] | None = None,
     engine: str = "kvdiff",
+    trace_mode: str | TraceMode = TraceMode.DIGEST,
+    zoom_layers: int = ZOOM_LAYERS,
+    zoom_positions: int = ZOOM_POSITIONS,
 ) -> CompareResult:
     """Run the reference and the chunked engine on `messages`, probe both, diff, and report.
 
@@ -81,6 +86,11 @@ def compare(
     the engine runs the conversation once, unrecorded, before the recorded run, which then reads
     its chunks from the cache (hits; their positions hold K/V only in the candidate trace); a
     conversation instead of True is run first instead, so only the chunks it shares are hits.
+
+    `trace_mode`: "digest" (the default) records a hash and statistics of every row in a first
+    pass, then runs both sides again recording full rows only in a window of `zoom_layers` x
+    `zoom_positions` around the first difference (`kvdiff.run.zoom`); the traces are the zoom
+    run's. "full" records every row once (`capture` and `layers` select what).
 
     `engine`: "kvdiff" (its own chunked engine, as above), or an engine under test
     ("transformers", "vllm", "llama.cpp"), which runs cold, cold again and warm instead
@@ -101,7 +111,8 @@ def compare(
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
     warm_messages = None if isinstance(warm, bool) else validate_messages(warm)
-    options = RunOptions.of(strategy, numerics, max_new_tokens, recompute_ratio, chunk_size, capture, layers)
+    options = RunOptions.of(strategy, numerics, max_new_tokens, recompute_ratio, chunk_size, capture, layers,
+                            trace_mode, zoom_layers, zoom_positions)
     strategy, numerics, capture = options.strategy, options.numerics, options.capture
     check_report_copies(json_path, html, out)
     with claimed_out_dir(out, str(strategy)) as out_dir, discarded_on_failure(out_dir):
@@ -117,41 +128,83 @@ def compare(
 
         # The engine drops empty messages (no chunk); the reference must render the same prompt.
         chunked = split_conversation(tokenizer, messages, chunk_size=chunk_size)
-        engine = Engine(loaded, tokenizer, strategy=strategy, numerics=numerics,
-                        chunk_size=chunk_size, recompute_ratio=options.recompute_ratio)
-        engine.check_fits(chunked, max_new_tokens)
         warm_chunked = chunked if warm_messages is None else split_conversation(tokenizer, warm_messages,
                                                                                 chunk_size=chunk_size)
-        if warm:
-            engine.check_fits(warm_chunked, 1, "warm-up ")
+
+        def run_both(reference_path: Path, candidate_path: Path, mode: TraceMode, layers: str | None,
+                     positions: str | None) -> None:
+            """Record the reference, then a fresh engine (warmed up first if asked) as the candidate."""
+            engine = Engine(loaded, tokenizer, strategy=strategy, numerics=numerics,
+                            chunk_size=chunk_size, recompute_ratio=options.recompute_ratio)
+            engine.check_fits(chunked, max_new_tokens)
+            if warm:
+                engine.check_fits(warm_chunked, 1, "warm-up ")
+            fingerprint = engine.fingerprint
+            step("recording the reference")
+            record(loaded, tokenizer, chunked.messages, reference_path, max_new_tokens=max_new_tokens,
+                   capture=capture, layers=layers, positions=positions, strategy="reference", numerics=str(numerics),
+                   fingerprint=fingerprint, trace_mode=mode)     # the weights' hash, once per engine
+            if warm:
+                step("filling the engine's cache (--warm)")
+                engine.generate([warm_chunked.messages], max_new_tokens=1)
+            step(f"running the engine ({strategy}, {numerics})")
+            recorder = TraceRecorder.for_model(loaded, tokenizer, chunked.messages, candidate_path,
+                                               strategy=str(strategy), numerics=str(numerics), capture=capture,
+                                               layers=layers, positions=positions, fingerprint=fingerprint,
+                                               max_new_tokens=max_new_tokens, trace_mode=mode.value)
+            try:
+                (output,) = engine.generate([chunked.messages], max_new_tokens=max_new_tokens, sinks={0: recorder})
+            except BaseException:
+                recorder.abort()
+                raise
+            recorder.finish(output.token_ids, output.text, output.chunks)
+
         reference_path = out_dir / "reference.h5"
         candidate_path = out_dir / "candidate.h5"
-        step("recording the reference")
-        record(loaded, tokenizer, chunked.messages, reference_path, max_new_tokens=max_new_tokens,
-               capture=capture, layers=layers, strategy="reference", numerics=str(numerics),
-               fingerprint=engine.fingerprint)     # the weights' hash, once per compare
-
-        if warm:
-            step("filling the engine's cache (--warm)")
-            engine.generate([warm_chunked.messages], max_new_tokens=1)
-        step(f"running the engine ({strategy}, {numerics})")
-        recorder = TraceRecorder.for_model(loaded, tokenizer, chunked.messages, candidate_path, strategy=str(strategy),
-                                           numerics=str(numerics), capture=capture, layers=layers,
-                                           fingerprint=engine.fingerprint, max_new_tokens=max_new_tokens)
-        try:
-            (output,) = engine.generate([chunked.messages], max_new_tokens=max_new_tokens, sinks={0: recorder})
-        except BaseException:
-            recorder.abort()
-            raise
-        recorder.finish(output.token_ids, output.text, output.chunks)
-
-        step("diffing")
-        divergence = diff(reference_path, candidate_path, tokenizer=tokenizer)
-        report = divergence.report(skipped_messages=[
-            {"index": s.message_index, "role": s.role, "reason": s.reason} for s in chunked.skipped
-        ])
+        skipped = {"skipped_messages": [{"index": s.message_index, "role": s.role, "reason": s.reason}
+                                        for s in chunked.skipped]}
+        if options.trace_mode is TraceMode.FULL:
+            run_both(reference_path, candidate_path, TraceMode.FULL, options.layers, None)
+            step("diffing")
+            divergence = diff(reference_path, candidate_path, tokenizer=tokenizer)
+            report = divergence.report(**skipped)
+        else:
+            divergence, report = _digest_then_zoom(run_both, out_dir, options, loaded.config.num_hidden_layers,
+                                                   tokenizer, step, skipped)
         report_json, report_html = write_reports(report, out_dir, json_path, html)
         return CompareResult(divergence, report, out_dir, reference_path, candidate_path, report_json, report_html)
+
+
+def _digest_then_zoom(run_both: Callable, out_dir: Path, options: RunOptions, num_layers: int, tokenizer,
+                      step: Callable[[str], None], extra: dict) -> tuple[Divergence, Report]:
+    """Digest capture: a first pass of digests, then a zoom run of both sides with the window
+    around the first difference in full; reference.h5 and candidate.h5 are the zoom run's (the
+    first pass's when nothing differs; kept beside them as *.first.h5 when the runs disagree)."""
+    first = out_dir / "reference.first.h5", out_dir / "candidate.first.h5"
+    final = out_dir / "reference.h5", out_dir / "candidate.h5"
+    run_both(*first, TraceMode.DIGEST, None, None)
+    step("diffing the digests")
+    divergence = diff(*first, tokenizer=tokenizer)
+    sizes = {"first_pass": sum(p.stat().st_size for p in first)}
+    window = zoom_window(divergence, num_layers, options.zoom_layers, options.zoom_positions)
+    findings = []
+    if window is None:
+        for path, target in zip(first, final):
+            path.replace(target)
+    else:
+        step(f"zooming in: layers {window.layer_range}, positions {window.position_range} in full")
+        run_both(*final, TraceMode.DIGEST, window.layer_range, window.position_range)
+        sizes["zoom"] = sum(p.stat().st_size for p in final)
+        findings = repeat_findings(first, final)
+        if not findings:
+            for path in first:
+                path.unlink()
+        step("diffing")
+        divergence = diff(*final, tokenizer=tokenizer)
+        diagnoses_with(divergence, findings)
+    positions = divergence.comparison.alignment.positions
+    return divergence, divergence.report(**extra, trace_mode="digest",
+                                         digest=digest_section(window, findings, sizes, positions))
 
 
 def write_reports(report: Report, out_dir: Path, json_path: Path | str | None,

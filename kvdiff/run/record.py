@@ -10,7 +10,7 @@ from typing import Iterable
 from kvdiff.conversation import validate_messages
 from kvdiff.engine.numerics import exact_numerics
 from kvdiff.engine.reference import reference_generate
-from kvdiff.options import Numerics
+from kvdiff.options import Numerics, TraceMode
 from kvdiff.probes.hooks import attach_probes
 from kvdiff.probes.recorder import TraceRecorder
 from kvdiff.probes.spec import ProbeSpec
@@ -22,7 +22,7 @@ def record(model, tokenizer, messages: list[dict], path: str | os.PathLike, max_
            capture: str | Iterable[str] | None = None, layers: str | Iterable[int] | None = None,
            positions: str | Iterable[int] | None = None, spec: ProbeSpec | None = None,
            strategy: str = "reference", numerics: str = "fast", compression: str | None = None,
-           fingerprint: str | None = None) -> str:
+           fingerprint: str | None = None, trace_mode: str = "full") -> str:
     """Generate greedily with probes on and write the trace to `path`; returns the path.
 
     The model may be the user's own (changed weights or modules): `spec` maps its module names
@@ -32,13 +32,16 @@ def record(model, tokenizer, messages: list[dict], path: str | os.PathLike, max_
     `numerics`: "fast" (the model's own kernels, the default) or "exact" (batch-invariant: the
     numerics `kvdiff compare` uses by default, so a trace to diff against a compare run's
     candidate is recorded with numerics="exact").
+    `trace_mode`: "full" (rows of everything selected) or "digest" (a hash and statistics of
+    every row; full rows only in the window `layers` x `positions`, none by default).
     """
     messages = validate_messages(messages)
+    mode = TraceMode.parse(trace_mode)
     exact = Numerics.parse(numerics) is Numerics.EXACT
     recorder = TraceRecorder.for_model(model, tokenizer, messages, path, strategy=strategy, numerics=numerics,
                                        capture=capture, layers=layers, positions=positions, spec=spec,
                                        compression=compression, fingerprint=fingerprint,
-                                       max_new_tokens=max_new_tokens)
+                                       max_new_tokens=max_new_tokens, trace_mode=mode.value)
     try:
         with exact_numerics(model) if exact else nullcontext(), attach_probes(model, recorder, spec) as probes:
             out = reference_generate(model, tokenizer, messages, max_new_tokens, sink=probes)

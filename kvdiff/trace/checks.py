@@ -21,8 +21,11 @@ import h5py
 import numpy as np
 
 from kvdiff.errors import TraceError
-from kvdiff.trace.points import ALL_POINTS, FINAL_NORMS, FINAL_POINTS, LAYER_NORMS, LAYER_POINTS, NORM_STATS
-from kvdiff.trace.format import DTYPE_ATTR, FINAL_GROUP, KV_ONLY_SCHEMA_VERSION, ChunkRecord, ModelDims, TraceMeta
+from kvdiff.trace.points import (FINAL_NORMS, FINAL_POINTS, KNOWN_LAYER_POINTS, KNOWN_POINTS, LAYER_NORMS,
+                                  MOE_POINTS, NORM_STATS)
+from kvdiff.trace.format import (
+    DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FINAL_GROUP, KV_ONLY_SCHEMA_VERSION, ChunkRecord, ModelDims, TraceMeta,
+)
 
 _REQUIRED = object()
 _MAX_INT = 2 ** 62                     # ids, positions and sizes stay far from int64 overflow
@@ -35,6 +38,7 @@ MAX_CELLS = 1 << 26                    # positions x (layers x layer points + fi
                                        # (and report.json holds a number for each): 128k positions x 30 layers x 12 points is 46M
 MAX_DIMS = {"num_layers": 10_000, "num_heads": 10_000, "num_kv_heads": 10_000, "head_dim": 1 << 16,
             "hidden_size": 1 << 20, "vocab_size": 1 << 24}
+MAX_EXPERTS = 1 << 16                  # num_experts, experts_per_token (optional: 0, a dense model, when absent)
 # HDF5's built-in filters and h5py's lzf: any other filter id makes HDF5 look for a plugin library
 # on its plugin path, so a trace could make kvdiff load code from outside the file.
 _BUILTIN_FILTERS = {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_FLETCHER32,
@@ -222,7 +226,7 @@ def parse_chunks(path: Path, value: object, prompt_length: int) -> list[ChunkRec
 def parse_points(path: Path, value: object) -> tuple[str, ...]:
     """points: known probe point names, each once."""
     points = as_json(path, "points", value, list)
-    unknown = [p for p in points if p not in ALL_POINTS]
+    unknown = [p for p in points if p not in KNOWN_POINTS]
     if unknown:
         raise malformed(path, f"attribute 'points' lists unknown probe point(s) {unknown!r}")
     if len(set(points)) != len(points):
@@ -389,24 +393,44 @@ def read_meta(path: Path, f: h5py.File) -> TraceMeta:
         raise malformed(path, f"num_heads {dims['num_heads']} is not a multiple of num_kv_heads {dims['num_kv_heads']}")
     if dims["head_dim"] % 2:
         raise malformed(path, f"head_dim {dims['head_dim']} is odd (RoPE rotates pairs of elements)")
+    for name in ("num_experts", "experts_per_token"):
+        dims[name] = as_int(path, name, read_attr(path, f, name, 0), high=MAX_EXPERTS)
+    if dims["experts_per_token"] > dims["num_experts"]:
+        raise malformed(path, f"experts_per_token {dims['experts_per_token']} exceeds num_experts {dims['num_experts']}")
     texts = {name: as_text(path, name, attr(name)) for name in TraceMeta.SCALARS}
     schema = as_int(path, "schema_version", attr("schema_version"), low=1)
     input_ids = read_ints(path, f, "input_ids", dims["vocab_size"])
+    points = parse_points(path, attr("points"))
+    if not dims["experts_per_token"] and set(points) & set(MOE_POINTS):
+        raise malformed(path, f"attribute 'points' lists {', '.join(p for p in points if p in MOE_POINTS)} "
+                              "of a model without experts (num_experts and experts_per_token must be set)")
     return TraceMeta(
         **texts, dims=ModelDims(**dims, attn_scale=as_float(path, "attn_scale", attr("attn_scale"))),
         messages=parse_messages(path, attr("messages_json")),
         chunks=parse_chunks(path, attr("chunks_json"), input_ids.size),
         input_ids=input_ids,
         generated_ids=read_ints(path, f, "generated_ids", dims["vocab_size"]),
-        points=parse_points(path, attr("points")),
+        points=points,
         layers=parse_layers(path, attr("layers"), dims["num_layers"]),
-        schema_version=schema, kv_only_positions=_read_kv_only(path, f, schema))
+        schema_version=schema, kv_only_positions=_read_kv_only(path, f, schema), **_digest_meta(path, f, schema, dims))
+
+
+def _digest_meta(path: Path, f: h5py.File, schema: int, dims: dict) -> dict:
+    """trace_mode, digest_points and digest_layers: a digest trace's (schema 3), else none."""
+    mode = read_attr(path, f, "trace_mode", "full")
+    if mode not in ("full", "digest") or (mode == "digest") != (schema >= DIGEST_SCHEMA_VERSION):
+        raise malformed(path, f"trace_mode {mode!r} with schema {schema}: digest traces are of schema "
+                              f"{DIGEST_SCHEMA_VERSION}, full ones of 1 or 2")
+    if mode == "full":
+        return {}
+    return {"trace_mode": mode, "digest_points": parse_points(path, read_attr(path, f, "digest_points")),
+            "digest_layers": parse_layers(path, read_attr(path, f, "digest_layers"), dims["num_layers"])}
 
 
 def _read_kv_only(path: Path, f: h5py.File, schema: int) -> np.ndarray:
     """/kv_only_positions: present exactly in a trace of schema 2, strictly increasing."""
     if "kv_only_positions" not in f:
-        if schema >= KV_ONLY_SCHEMA_VERSION:
+        if schema == KV_ONLY_SCHEMA_VERSION:
             raise malformed(path, f"a trace of schema {schema} must hold kv_only_positions")
         return np.zeros(0, dtype=np.int64)
     if schema < KV_ONLY_SCHEMA_VERSION:
@@ -428,17 +452,17 @@ def check_layout(path: Path, f: h5py.File, meta: TraceMeta, positions: np.ndarra
     if rows > tokens:
         raise malformed(path, f"positions holds {rows - 1}, past the last of the {meta.input_ids.size} prompt and "
                               f"{meta.generated_ids.size} generated tokens (positions lie in 0..{tokens - 1})")
-    cells = positions.size * (len(meta.layers) * sum(p in LAYER_POINTS for p in meta.points)
+    cells = positions.size * (len(meta.layers) * sum(p in KNOWN_LAYER_POINTS for p in meta.points)
                               + sum(p in FINAL_POINTS for p in meta.points))
     if cells > MAX_CELLS:
         raise TraceError(f"trace {path} is too large to diff: {positions.size} positions x its layers and points are "
                          f"{cells} rows to compare, more than the {MAX_CELLS} kvdiff compares; record fewer "
                          f"(--layers, --capture)")
-    if np.setdiff1d(meta.kv_only_positions, positions).size:
+    if meta.trace_mode == "full" and np.setdiff1d(meta.kv_only_positions, positions).size:
         raise malformed(path, "kv_only_positions holds positions that /positions does not")
     layers = meta.layers
     dims = meta.dims
-    layer_points = tuple(p for p in meta.points if p in LAYER_POINTS)
+    layer_points = tuple(p for p in meta.points if p in KNOWN_LAYER_POINTS)
     final_points = tuple(p for p in meta.points if p in FINAL_POINTS)
     groups = _member(path, f, "layers", h5py.Group, required=False)
     stray = sorted(set(groups or ()) - {str(i) for i in layers})

@@ -24,7 +24,8 @@ from kvdiff.trace.ranges import format_ranges
 from kvdiff.trace.sink import ProbeIntegrityError
 from kvdiff.trace.column import LatchingFile, TraceColumn
 from kvdiff.trace.format import (
-    DTYPE_ATTR, FORMAT_NAME, KV_ONLY_SCHEMA_VERSION, SCHEMA_VERSION, TraceMeta, norm_weight_path,
+    DIGEST_GROUP, DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FORMAT_NAME, KV_ONLY_SCHEMA_VERSION, SCHEMA_VERSION, TraceMeta,
+    norm_weight_path,
 )
 
 _CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
@@ -154,22 +155,30 @@ class TraceFile:
         self._file.flush()
         self._check_io()
 
-    def _recorded_positions(self) -> np.ndarray:
-        """Sorted global positions that any dataset holds."""
-        if not self._columns:
+    def _split_columns(self) -> tuple[dict[str, TraceColumn], dict[str, TraceColumn]]:
+        """(row columns, digest columns)."""
+        rows = {n: c for n, c in self._columns.items() if not n.startswith(DIGEST_GROUP + "/")}
+        return rows, {n: c for n, c in self._columns.items() if n not in rows}
+
+    @staticmethod
+    def _recorded_positions(columns: Mapping[str, TraceColumn]) -> np.ndarray:
+        """Sorted global positions that any of `columns` holds."""
+        if not columns:
             return np.zeros(0, dtype=np.int64)
-        size = max(c.filled.size for c in self._columns.values())
+        size = max(c.filled.size for c in columns.values())
         union = np.zeros(size, dtype=bool)
-        for col in self._columns.values():
+        for col in columns.values():
             union[: col.filled.size] |= col.filled
         return np.flatnonzero(union).astype(np.int64)
 
-    def _check_complete(self, positions: np.ndarray, kv_only: np.ndarray) -> None:
-        """Every dataset holds every recorded position; but for k and v, none of `kv_only`."""
+    @staticmethod
+    def _check_complete(columns: Mapping[str, TraceColumn], positions: np.ndarray, kv_only: np.ndarray) -> None:
+        """Every column holds every recorded position; but for k and v, none of `kv_only`."""
         computed = np.setdiff1d(positions, kv_only)
-        for name, col in self._columns.items():
-            group, _, point = name.rpartition("/")
-            wanted = positions if point in READ_POINTS and group.startswith("layers/") else computed
+        for name, col in columns.items():
+            parts = name.removeprefix(DIGEST_GROUP + "/").split("/")
+            point = parts[-2] if name.startswith(DIGEST_GROUP + "/") else parts[-1]
+            wanted = positions if point in READ_POINTS and parts[0] == "layers" else computed
             held = np.flatnonzero(col.filled)
             if not np.array_equal(held, wanted):
                 missing = np.setdiff1d(wanted, held)
@@ -215,21 +224,32 @@ class TraceFile:
         attrs["chunks_json"] = json.dumps([c.to_json() for c in meta.chunks])
         attrs["points"] = json.dumps(list(meta.points))
         attrs["layers"] = np.asarray(meta.layers, dtype=np.int64)
+        if meta.trace_mode == "digest":
+            attrs["trace_mode"] = meta.trace_mode
+            attrs["digest_points"] = json.dumps(list(meta.digest_points))
+            attrs["digest_layers"] = np.asarray(meta.digest_layers, dtype=np.int64)
 
     def finish(self, meta: TraceMeta, steps: list[Step], provenance: Mapping[int, Source]) -> int:
         """Check every dataset holds every recorded position, write the tables and metadata, set
         `complete` last and close the file. Returns the number of recorded positions."""
         self._write_all_held()
-        positions = self._recorded_positions()
+        row_columns, digest_columns = self._split_columns()
+        positions = self._recorded_positions(row_columns)
+        digested = self._recorded_positions(digest_columns)
         kv_only = np.asarray(meta.kv_only_positions, dtype=np.int64)
-        unrecorded = np.setdiff1d(kv_only, positions)
+        unrecorded = np.setdiff1d(kv_only, np.union1d(positions, digested))
         if unrecorded.size:
             raise ProbeIntegrityError(f"K/V-only positions {format_ranges(unrecorded)} hold no k or v rows")
-        self._check_complete(positions, kv_only)     # so every dataset's extent ends at the last position
+        # so every dataset's extent ends at the last position
+        self._check_complete(row_columns, positions, np.intersect1d(kv_only, positions))
+        self._check_complete(digest_columns, digested, kv_only)
         self._write_tables(positions, meta, steps, provenance)
         if kv_only.size:
             self._file.create_dataset("kv_only_positions", data=kv_only)
             self._file.attrs["schema_version"] = KV_ONLY_SCHEMA_VERSION
+        if meta.trace_mode == "digest":
+            self._file.require_group(DIGEST_GROUP).create_dataset("positions", data=digested)
+            self._file.attrs["schema_version"] = DIGEST_SCHEMA_VERSION
         self._write_meta(meta)
         self._file.attrs["complete"] = True
         self._file.close()

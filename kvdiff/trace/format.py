@@ -11,6 +11,8 @@ Layout (docs/trace-format.md is the full description):
     /steps/<field>                           one row per generated step
     /provenance/<field>                      one row per position with known provenance
     /kv_only_positions                       positions holding k and v rows only (schema 2)
+    /digests/positions                       digest traces (schema 3): positions holding digests
+    /digests/{layers/<i>|final}/<point>/hash|stats   a hash and rms, max_abs of every row (trace/digest.py)
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvdiff.trace.points import ALL_POINTS, KNOWN_POINTS
+
 FORMAT_NAME = "kvdiff-trace"
 SCHEMA_VERSION = 1            # every recorded position holds a row of every recorded point
 KV_ONLY_SCHEMA_VERSION = 2    # some positions hold k and v only (read from a cache): a reader of 1 would misread them
+DIGEST_SCHEMA_VERSION = 3     # digests of every row, full rows only in a window: a reader of 2 would see a partial trace
 DTYPE_ATTR = "kvdiff_dtype"          # the torch dtype a dataset's rows had when captured
 FINAL_GROUP = "final"
+DIGEST_GROUP = "digests"
 
 
 @dataclass(frozen=True)
@@ -58,9 +64,19 @@ class ModelDims:
     hidden_size: int
     vocab_size: int
     attn_scale: float
+    num_experts: int = 0            # mixture of experts: experts per layer (0: a dense model)
+    experts_per_token: int = 0      # experts the router chooses per token
+
+    def points(self) -> tuple[str, ...]:
+        """The probe points a model of these dims has: the router's only with experts."""
+        return KNOWN_POINTS if self.num_experts else ALL_POINTS
 
     def point_shape(self, point: str) -> tuple[int, ...]:
         """Row shape of a probe point (rows are (T, *shape))."""
+        if point == "router_logits":
+            return (self.num_experts,)
+        if point == "experts":
+            return (self.experts_per_token,)
         if point == "q":
             return (self.num_heads, self.head_dim)
         if point in ("k_pre_rope", "k", "v"):
@@ -96,6 +112,12 @@ class TraceMeta:
     # Positions whose K/V the run read from its cache without computing them: only k and v have
     # rows there (no other point, norm statistics or final point).
     kv_only_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # "full": rows of `points` x `layers` at every recorded position. "digest": a digest
+    # (trace/digest.py) of every row of `digest_points` x `digest_layers`, and full rows only
+    # for `points` x `layers` at the positions of a zoom window (none in a first pass).
+    trace_mode: str = "full"
+    digest_points: tuple[str, ...] = ()
+    digest_layers: tuple[int, ...] = ()
 
     # Scalar attributes stored one per HDF5 attribute, in this order (then the fields of `dims`).
     SCALARS = ("kvdiff_version", "model_name", "model_fingerprint", "tokenizer_fingerprint", "dtype",
@@ -127,6 +149,11 @@ class ProvenanceRecords:
 def point_group(layer: int | None) -> str:
     """HDF5 group holding the rows of `layer`'s points (None: the final points)."""
     return FINAL_GROUP if layer is None else f"layers/{layer}"
+
+
+def digest_path(layer: int | None, point: str, part: str) -> str:
+    """Dataset of a point's digests: part "hash" (int64 rows) or "stats" (float32 rms, max_abs)."""
+    return f"{DIGEST_GROUP}/{point_group(layer)}/{point}/{part}"
 
 
 def norm_weight_path(layer: int | None, norm: str) -> str:

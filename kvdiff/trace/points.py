@@ -25,10 +25,22 @@ LAYER_POINTS: tuple[str, ...] = (
     "resid_post",  # (T, hidden)   output of the decoder layer
 )
 
+# Per mixture-of-experts layer, between mlp_norm and mlp_out: only models with a router have them.
+MOE_POINTS: tuple[str, ...] = (
+    "router_logits",  # (T, n_experts)  the router's logits (before softmax and top-k)
+    "experts",        # (T, top_k)      the chosen expert ids, best first (ids stored as float32: exact)
+)
+
+# Every layer point a model may have, in dataflow order.
+KNOWN_LAYER_POINTS: tuple[str, ...] = LAYER_POINTS[:LAYER_POINTS.index("mlp_out")] + MOE_POINTS \
+    + LAYER_POINTS[LAYER_POINTS.index("mlp_out"):]
+
 # After the last layer.
 FINAL_POINTS: tuple[str, ...] = ("final_norm", "logits")
 
+# The points every model has (a dense model's), and every point a model may have.
 ALL_POINTS: tuple[str, ...] = LAYER_POINTS + FINAL_POINTS
+KNOWN_POINTS: tuple[str, ...] = KNOWN_LAYER_POINTS + FINAL_POINTS
 
 # What a reads-only bracket records: the cache rows attention reads, computed elsewhere.
 READ_POINTS: tuple[str, ...] = ("k", "v")
@@ -41,7 +53,7 @@ FINAL_NORMS: tuple[str, ...] = ("final_norm",)
 NORM_STATS: tuple[str, ...] = ("input_rms", "mean", "variance", "max_abs", "output_rms")
 
 # Dataflow rank of a point inside a layer; final points come after every layer point.
-POINT_ORDER: dict[str, int] = {name: i for i, name in enumerate(ALL_POINTS)}
+POINT_ORDER: dict[str, int] = {name: i for i, name in enumerate(KNOWN_POINTS)}
 
 
 def parse_points(capture: str | Iterable[str]) -> tuple[str, ...]:
@@ -50,5 +62,5 @@ def parse_points(capture: str | Iterable[str]) -> tuple[str, ...]:
     unknown = [p for p in names if p not in POINT_ORDER]
     if unknown or not names:
         raise InputError(f"unknown probe point(s) {', '.join(unknown) or '(none)'}: "
-                         f"choose from {', '.join(ALL_POINTS)}")
+                         f"choose from {', '.join(KNOWN_POINTS)}")
     return tuple(sorted(set(names), key=POINT_ORDER.__getitem__))

@@ -17,9 +17,10 @@ import numpy as np
 from kvdiff.errors import TraceError
 from kvdiff.trace.checks import as_int, check_layout, check_self_contained, read_attr, read_meta, read_positions
 from kvdiff.trace.format import (
-    DTYPE_ATTR, FORMAT_NAME, KV_ONLY_SCHEMA_VERSION, ProvenanceRecords, StepRecords, from_storage,
+    DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FORMAT_NAME, ProvenanceRecords, StepRecords, digest_path, from_storage,
     norm_weight_path, point_group,
 )
+from kvdiff.trace.digest_checks import check_digests
 
 
 Rows = slice | np.ndarray | None       # which of a trace's positions to read: a slice or indices into them
@@ -61,9 +62,9 @@ def _validate(path: Path, f: h5py.File) -> None:
     if not isinstance(name, str) or name != FORMAT_NAME:
         raise TraceError(f"{path} is an HDF5 file but not a kvdiff trace (no format={FORMAT_NAME!r})")
     version = as_int(path, "schema_version", read_attr(path, f, "schema_version"), low=1, high=2 ** 64)
-    if version > KV_ONLY_SCHEMA_VERSION:
+    if version > DIGEST_SCHEMA_VERSION:
         raise TraceError(f"trace {path} has schema {version}, newer than this kvdiff reads "
-                         f"(1 and {KV_ONLY_SCHEMA_VERSION}): upgrade kvdiff")
+                         f"(1 to {DIGEST_SCHEMA_VERSION}): upgrade kvdiff")
     complete = read_attr(path, f, "complete", False)
     if not (isinstance(complete, np.bool_) and complete):
         raise TraceError(f"trace {path} is incomplete: its writer did not finish (killed or failed); record it again")
@@ -84,6 +85,8 @@ class TraceReader:
             self.meta = read_meta(self.path, self._file)
             self.positions: np.ndarray = read_positions(self.path, self._file)
             check_layout(self.path, self._file, self.meta, self.positions)
+            # digest traces: the positions holding digests (a full trace: none)
+            self.digest_positions: np.ndarray = check_digests(self.path, self._file, self.meta, self.positions)
             self._datasets: dict[tuple[int | None, str], tuple[h5py.Dataset, str]] = {}
         except (KeyError, OSError, RuntimeError) as exc:     # HDF5 cannot read the file's structure
             self._file.close()
@@ -158,6 +161,20 @@ class TraceReader:
     def final(self, points: Iterable[str] | None = None, rows: Rows = None) -> dict[str, np.ndarray]:
         """final_norm and logits (those recorded, or the `points` asked for) at `positions[rows]`."""
         return {name: self.point(None, name, rows) for name in (self.points_in(None) if points is None else points)}
+
+    def digests(self, layer: int | None, point: str, rows: Rows = None) -> tuple[np.ndarray, np.ndarray]:
+        """(hash int64 (n,), stats float32 (n, 2): rms, max_abs) of `point` of `layer` (None: a
+        final point) at `digest_positions[rows]`; every digested position by default."""
+        if point not in self.meta.digest_points or (layer is not None and layer not in self.meta.digest_layers):
+            raise TraceError(f"trace {self.path} holds no digests of {point!r} in {point_group(layer)!r}")
+        pos = self.digest_positions if rows is None else self.digest_positions[rows]
+        out = []
+        for part in ("hash", "stats"):
+            ds = self._file[digest_path(layer, point, part)]
+            lo = int(pos.min()) if pos.size else 0
+            out.append(self._read(ds, slice(lo, int(pos.max()) + 1))[pos - lo] if pos.size
+                       else np.zeros((0, *ds.shape[1:]), ds.dtype))
+        return out[0], out[1]
 
     def norm_stats(self, layer: int | None) -> dict[str, dict[str, np.ndarray]]:
         """Norm name -> statistic name -> float64 (n_positions,) for `layer` (None: final norm)."""

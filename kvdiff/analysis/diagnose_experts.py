@@ -1,0 +1,95 @@
+"""expert_flip: a token routed to other experts than in the reference.
+
+In a mixture-of-experts layer the router scores every expert and only the top k run, so where the
+two runs choose different sets of experts for a token, that token's MLP output there comes from
+other weights: the difference is no longer rounding. The first flip in dataflow order (position,
+then layer: a flip only changes later layers and later positions) is named with the experts each
+run chose and the reference router's margin there, the gap between its k-th and (k+1)-th logit:
+the least the logits had to move to swap an expert in or out. A reordering of the same experts
+is not a flip.
+
+What moved the logits is read from the comparison at that cell, and says why it flipped:
+- `near_tie`: the router's input (mlp_norm) and its logits are within tolerance: rounding noise
+  larger than the margin chose another expert;
+- `router`: the router's input matches and its logits break tolerance: the router itself
+  computes otherwise (its weights, its precision);
+- `upstream`: the router's input already breaks tolerance: the flip follows an earlier divergence.
+The flip is observed in the recorded ids, not fitted: confidence 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt
+from kvdiff.analysis.tolerance import Tier
+
+_WHY = {
+    "near_tie": "rounding noise larger than the margin flipped a near tie",
+    "router": "the router itself computes otherwise (its input matches, its logits do not)",
+    "upstream": "the flip follows the divergence before it (the router's input already differs)",
+}
+
+
+def _tier(inputs: DiagnosisInputs, point: str, row: int, col: int) -> str:
+    pmap = inputs.comparison.points.get(point)
+    if pmap is None or pmap.tier[row, col] < 0:
+        return "not compared"
+    return Tier(int(pmap.tier[row, col])).label
+
+
+def _flips(inputs: DiagnosisInputs) -> list[tuple[int, np.ndarray]]:
+    """Per compared layer row: the aligned columns where the two runs chose different expert sets."""
+    al = inputs.comparison.alignment
+    compared = al.comparable & al.computed
+    out = []
+    for row, layer in enumerate(inputs.comparison.layers):
+        ref, cand = inputs.rows(layer, "experts")
+        differ = (np.sort(ref, axis=1) != np.sort(cand, axis=1)).any(axis=1)
+        out.append((row, np.flatnonzero(differ & compared)))
+    return out
+
+
+def _margin(logits: np.ndarray, k: int) -> float:
+    """The gap between the k-th and the (k+1)-th largest logit of a row (inf with no (k+1)-th)."""
+    ranked = np.sort(logits.astype(np.float64))[::-1]
+    return float(ranked[k - 1] - ranked[k]) if ranked.size > k else float("inf")
+
+
+def diagnose_expert_flip(inputs: DiagnosisInputs) -> list[Diagnosis]:
+    """One expert_flip at the first token and layer whose chosen experts differ (none when the
+    experts were not recorded in both traces or never differ)."""
+    cmp = inputs.comparison
+    if "experts" not in cmp.points or "router_logits" not in cmp.points:
+        return []
+    flips = [(row, cols) for row, cols in _flips(inputs) if cols.size]
+    if not flips:
+        return []
+    row, col = min(((row, int(cols[0])) for row, cols in flips), key=lambda rc: (rc[1], rc[0]))
+    layer = cmp.layers[row]
+    position = int(cmp.alignment.positions[col])
+    ref_ids, cand_ids = (ids[col].astype(np.int64).tolist() for ids in inputs.rows(layer, "experts"))
+    ref_logits, cand_logits = (rows[col].astype(np.float64) for rows in inputs.rows(layer, "router_logits"))
+    k = len(ref_ids)
+    margin, cand_margin = _margin(ref_logits, k), _margin(cand_logits, k)
+    moved = float(np.abs(cand_logits - ref_logits).max())
+    input_tier, logits_tier = _tier(inputs, "mlp_norm", row, col), _tier(inputs, "router_logits", row, col)
+    matching = (Tier.BITWISE.label, Tier.NOISE.label)
+    cause = ("upstream" if input_tier not in matching else "near_tie" if logits_tier in matching else "router")
+    meta = inputs.reference.meta
+    sequence = np.concatenate([meta.input_ids, meta.generated_ids])
+    token = inputs.token_text(int(sequence[position])) if position < sequence.size else None
+    cells = sum(cols.size for _, cols in flips)
+    tokens = np.unique(np.concatenate([cols for _, cols in flips])).size
+    evidence = (f"layer {layer}, position {position}" + (f" {token!r}" if token is not None else "")
+                + f": the router chose experts {ref_ids} in the reference and {cand_ids} here; the reference's "
+                f"margin between the logits ranked {k} and {k + 1} was {fmt(margin)} and the router logits moved by up "
+                f"to {fmt(moved)} (router input mlp_norm {input_tier}, router_logits {logits_tier}): {_WHY[cause]}"
+                f"; {cells} token-layer flip(s) in all, over {tokens} token(s) and {len(flips)} layer(s)")
+    proof = (f"expert sets {sorted(ref_ids)} vs {sorted(cand_ids)} at layer {layer}, position {position}; reference "
+             f"router margin {fmt(margin)}, largest logit change {fmt(moved)}; mlp_norm {input_tier}, router_logits "
+             f"{logits_tier}")
+    return [Diagnosis("expert_flip", inputs.chunks.chunk_of(position), (position, position), evidence, {
+        "layer": layer, "token": token, "reference_experts": ref_ids, "candidate_experts": cand_ids,
+        "router_margin": margin, "candidate_router_margin": cand_margin, "router_logit_change": moved,
+        "cause": cause, "flips": cells}, confidence=1.0, proof=proof)]

@@ -1,0 +1,104 @@
+"""Digest traces: the comparison of every row from its digest, with the zoom window's rows over it.
+
+Outside the window a row is known by its hash and two statistics (trace/digest.py). Equal hashes
+are `bitwise`. Different hashes are `divergent` when the statistics prove it, else `different`
+(the bits differ; by how much is known only in the window). The proof: for rows x, y,
+max|x - y| >= | max|x| - max|y| | and max|x - y| >= rms(x - y) >= | rms(x) - rms(y) |, so the
+larger of the two gaps, less the float32 rounding of the stored statistics, is a lower bound of
+max_abs; beyond the tolerance's bound at the reference's scale it is a breach. `max_abs` and
+`rel` of such cells are those lower bounds (rel >= (rms(x) - rms(y))^2 / (rms(x)^2 + rms(y)^2)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvdiff.analysis.align import Alignment
+from kvdiff.analysis.compare import Comparison, PointMap
+from kvdiff.analysis.tolerance import NOT_COMPARED, Tier, Tolerances
+from kvdiff.trace import TraceReader
+from kvdiff.trace.points import FINAL_POINTS, KNOWN_LAYER_POINTS, READ_POINTS
+
+_STORED = 2.0 ** -23      # float32 rounding of a stored statistic, relative, with a factor 2 to spare
+
+
+def _digest_map(ref: TraceReader, cand: TraceReader, point: str, layers: list[int | None], alignment: Alignment,
+                tolerances: Tolerances) -> PointMap:
+    """One point's map over `layers` x the aligned positions, from the digests alone."""
+    al = alignment
+    out = PointMap.empty(point, layers, al.positions)
+    tolerance = tolerances.for_point(point)
+    recorded = np.ones(al.positions.size, bool) if point in READ_POINTS and layers[0] is not None else al.computed
+    for row, layer in enumerate(layers):
+        (ref_hash, x), (cand_hash, y) = ref.digests(layer, point, al.ref_index), cand.digests(layer, point, al.cand_index)
+        x, y = x.astype(np.float64), y.astype(np.float64)
+        finite_x, finite_y = np.isfinite(x).all(1), np.isfinite(y).all(1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            slack = _STORED * np.maximum(np.abs(x), np.abs(y)).max(1)
+            gap = np.maximum(np.abs(x[:, 0] - y[:, 0]), np.abs(x[:, 1] - y[:, 1])) - slack
+            squares = x[:, 0] ** 2 + y[:, 0] ** 2
+            rel = np.where(squares > 0, np.maximum(np.abs(x[:, 0] - y[:, 0]) - slack, 0) ** 2
+                           / np.where(squares > 0, squares, 1), 0.0)
+            breach = gap > tolerance.bound(x[:, 1] * (1 + _STORED))
+        same = ref_hash == cand_hash
+        tier = np.where(same, Tier.BITWISE, np.where(breach | ~(finite_x & finite_y), Tier.DIVERGENT, Tier.DIFFERENT))
+        out.tier[row] = np.where(recorded, np.where(al.comparable, tier, Tier.INCOMPARABLE), NOT_COMPARED)
+        out.max_abs[row] = np.where(recorded, np.where(same, 0.0, np.maximum(gap, 0.0)), np.nan)
+        out.rel[row] = np.where(recorded, np.where(same, 0.0, rel), np.nan)
+        out.ref_finite[row], out.cand_finite[row] = finite_x | ~recorded, finite_y | ~recorded
+    return out
+
+
+def digest_comparison(ref: TraceReader, cand: TraceReader, alignment: Alignment,
+                      tolerances: Tolerances) -> Comparison:
+    """Every digested row of both traces compared by its digest (`alignment` over digest positions)."""
+    layers = [i for i in ref.meta.digest_layers if i in set(cand.meta.digest_layers)]
+    shared = [p for p in ref.meta.digest_points if p in cand.meta.digest_points]
+    points = [p for p in KNOWN_LAYER_POINTS if p in shared] if layers else []
+    return Comparison(alignment, tolerances, layers if points else [],
+                      {p: _digest_map(ref, cand, p, layers, alignment, tolerances) for p in points},
+                      {p: _digest_map(ref, cand, p, [None], alignment, tolerances)
+                       for p in FINAL_POINTS if p in shared})
+
+
+def _overlay_map(whole: PointMap, window: PointMap) -> None:
+    """Copy the window's cells (exact metrics from full rows) into `whole`, where it has them."""
+    cols = np.searchsorted(whole.positions, window.positions)
+    inside = (cols < whole.positions.size) & (whole.positions[np.minimum(cols, whole.positions.size - 1)]
+                                              == window.positions) if whole.positions.size else cols < 0
+    for w_row, layer in enumerate(window.layers):
+        if layer not in whole.layers:
+            continue
+        row = whole.row_of(layer)
+        known = inside & (window.tier[w_row] != NOT_COMPARED)
+        target = cols[known]
+        for name in ("tier", "max_abs", "rel", "cosine", "ref_finite", "cand_finite"):
+            getattr(whole, name)[row, target] = getattr(window, name)[w_row, known]
+
+
+def with_window(whole: Comparison, window: Comparison) -> Comparison:
+    """`whole` (from digests) with the zoom window's exact cells written over it."""
+    for maps, window_maps in ((whole.points, window.points), (whole.final, window.final)):
+        for point, pmap in window_maps.items():
+            if point in maps:
+                _overlay_map(maps[point], pmap)
+    whole.norms = window.norms
+    whole.bytes_compared += window.bytes_compared
+    return whole
+
+
+def first_digest_mismatch(a: TraceReader, b: TraceReader) -> tuple[int | None, str, int] | None:
+    """The first (layer, point, position), layer by layer, where two digest traces of the same
+    run hold different hashes (or one holds a position the other lacks); None when they agree."""
+    if not np.array_equal(a.digest_positions, b.digest_positions):
+        return None, "positions", int(np.setxor1d(a.digest_positions, b.digest_positions)[0])
+    layers = [i for i in a.meta.digest_layers if i in b.meta.digest_layers]
+    points = [p for p in a.meta.digest_points if p in b.meta.digest_points]
+    for layer in [*layers, None]:
+        for point in points:
+            if (point in FINAL_POINTS) != (layer is None):
+                continue
+            differs = np.flatnonzero(a.digests(layer, point)[0] != b.digests(layer, point)[0])
+            if differs.size:
+                return layer, point, int(a.digest_positions[differs[0]])
+    return None

@@ -1,0 +1,101 @@
+"""Digest capture's second pass: the zoom window around the first divergence, and the check that
+the zoom run repeated the first one.
+
+A first pass records digests only; where they part, both sides run again recording full rows in
+a window of layers x positions. The window starts at the first layer whose digests differ at or
+after the first differing position, and spans `positions` positions from the first differing
+one; when that position is early (below ZOOM_FROM_START) the window starts at position 0
+instead, so that attention at its positions can be recomputed from keys that are all recorded
+(the missing_context proofs). The zoom run records digests too: where they are not the first
+pass's, the engine did not repeat itself, a finding reported as `nondeterministic`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvdiff.analysis import Divergence
+from kvdiff.analysis.diagnosis import Diagnosis
+from kvdiff.analysis.digests import first_digest_mismatch
+from kvdiff.analysis.tolerance import Tier
+from kvdiff.trace import open_trace
+
+ZOOM_LAYERS = 2
+ZOOM_POSITIONS = 64
+ZOOM_FROM_START = 256
+
+
+@dataclass(frozen=True)
+class ZoomWindow:
+    """Layers and positions (first, last: inclusive) recorded in full by a zoom run."""
+
+    layers: tuple[int, int]
+    positions: tuple[int, int]
+
+    @property
+    def layer_range(self) -> str:
+        return f"{self.layers[0]}-{self.layers[1]}"
+
+    @property
+    def position_range(self) -> str:
+        return f"{self.positions[0]}-{self.positions[1]}"
+
+    def to_json(self) -> dict:
+        return {"layers": list(self.layers), "positions": list(self.positions)}
+
+
+def zoom_window(first_pass: Divergence, num_layers: int, layers: int = ZOOM_LAYERS,
+                positions: int = ZOOM_POSITIONS) -> ZoomWindow | None:
+    """The window around the first bit difference of a digest-only diff; None where none differs."""
+    first = first_pass.first_bit_difference
+    if first is None:
+        return None
+    cmp = first_pass.comparison
+    last_position = int(cmp.alignment.positions.max())
+    start = 0 if first.position < ZOOM_FROM_START else first.position
+    end = min(first.position + positions - 1, last_position)
+    in_window = (cmp.alignment.positions >= first.position) & (cmp.alignment.positions <= end)
+    differing = [layer for pmap in cmp.points.values() for row, layer in enumerate(pmap.layers)
+                 if ((pmap.tier[row] != Tier.BITWISE) & (pmap.tier[row] >= 0)
+                     & (pmap.tier[row] != Tier.INCOMPARABLE) & in_window).any()]
+    low = min(differing, default=num_layers - 1)
+    return ZoomWindow((low, min(low + layers - 1, num_layers - 1)), (start, end))
+
+
+def repeat_findings(first_pass: tuple[Path, Path], zoom: tuple[Path, Path]) -> list[Diagnosis]:
+    """A `nondeterministic` diagnosis for each side (reference, candidate) whose zoom run's digests
+    are not its first run's."""
+    out = []
+    for side, first, again in zip(("reference", "candidate"), first_pass, zoom):
+        with open_trace(first) as a, open_trace(again) as b:
+            where = first_digest_mismatch(a, b)
+        if where is None:
+            continue
+        layer, point, position = where
+        at = f"{point} at layer {layer}" if layer is not None else point
+        out.append(Diagnosis(
+            kind="nondeterministic", chunk=None, positions=(position, position),
+            evidence=f"the {side}'s zoom run is not its first run: {at}, position {position}, hashes differently "
+                     "on the same input",
+            details={"side": side, "layer": layer, "tensor": point},
+            confidence=1.0,
+            proof=f"the {side} ran the same request twice; the row hashes of {at} at position {position} "
+                  "differ between the runs (equal hashes are equal bits)"))
+    return out
+
+
+def diagnoses_with(divergence: Divergence, findings: list[Diagnosis]) -> None:
+    """Add `findings` to the divergence's diagnoses, in position order."""
+    divergence.diagnoses = sorted(divergence.diagnoses + findings,
+                                  key=lambda d: d.positions[0] if d.positions else -1)
+
+
+def digest_section(window: ZoomWindow | None, findings: list[Diagnosis], sizes: dict[str, int],
+                   first_positions: np.ndarray) -> dict:
+    """report.json's `digest` section: the window, whether the zoom run repeated the first, sizes."""
+    return {"zoom": None if window is None else window.to_json(),
+            "repeated": not findings, "positions_digested": int(first_positions.size),
+            "trace_bytes": sizes}

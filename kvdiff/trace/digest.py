@@ -1,0 +1,90 @@
+"""Row digests: a 64-bit hash of each captured row's bits and two statistics, computed where the row is.
+
+A digest trace keeps, for every probe point, layer and position, the row's hash and its `rms`
+and `max_abs`; full rows only in a zoom window. Equal hashes are equal bits (up to a 2^-32
+chance for a difference spread over many elements, a 0 chance for rows that differ in one
+element). The statistics are computed in float64 and stored as float32, which holds `max_abs`
+exactly (it is one of a float32, bfloat16 or float16 row's elements) and `rms` to 2^-24 of
+itself; they bound the difference from below (analysis/digests.py), which tells a difference
+beyond tolerance without the rows.
+
+The hash of a row of W elements with bit patterns b_j (as signed integers of the element's
+width, widened to int64) is sum_j b_j * m_j mod 2^64, with m_j odd multipliers drawn from j
+alone (splitmix64), so a row's hash does not depend on the device, the batch or which other
+rows were hashed with it: the engines' traces and kvdiff's compare.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DIGEST_STATS = ("rms", "max_abs")
+_WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_GOLDEN = -7046029254386353131          # 0x9E3779B97F4A7C15 as int64
+_MIX1, _MIX2 = -4658895280553007687, -7723592293110705685    # splitmix64's constants as int64
+_multipliers: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x >> bits with zeros shifted in (torch's >> on int64 keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def multipliers(width: int, device: torch.device) -> torch.Tensor:
+    """The odd int64 multipliers m_0..m_{width-1} (splitmix64 of the column index), cached per device."""
+    key = (width, torch.device(device))
+    found = _multipliers.get(key)
+    if found is None or found.numel() < width:
+        x = (torch.arange(1, width + 1, dtype=torch.int64, device=device) * _GOLDEN)
+        x = (x ^ _logical_shift(x, 30)) * _MIX1
+        x = (x ^ _logical_shift(x, 27)) * _MIX2
+        found = _multipliers[key] = (x ^ _logical_shift(x, 31)) | 1
+    return found[:width]
+
+
+def row_digests(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hash int64 (T,), statistics float32 (T, 2): rms and max_abs) of the T rows of `rows`
+    (T, ...), on the rows' device; rows are flattened to T vectors."""
+    flat = rows.detach().reshape(rows.shape[0], -1)
+    if flat.shape[1] == 0:
+        zeros = torch.zeros(flat.shape[0], device=flat.device)
+        return torch.zeros(flat.shape[0], dtype=torch.int64, device=flat.device), torch.stack([zeros, zeros], 1)
+    words = flat.view(_WORDS[flat.element_size()]).to(torch.int64)
+    hashes = (words * multipliers(flat.shape[1], flat.device)).sum(1)
+    values = flat if flat.is_floating_point() else flat.to(torch.float64)
+    rms = torch.linalg.vector_norm(values, dim=1, dtype=torch.float64) / flat.shape[1] ** 0.5
+    max_abs = values.abs().amax(1).to(torch.float64)
+    return hashes, torch.stack([rms, max_abs], 1).to(torch.float32)
+
+
+class DigestBatch:
+    """The small captures of one forward, hashed together when the forward ends: a decode step
+    hands over hundreds of one-row captures, and a few torch calls each would cost more than
+    the step. Each capture is copied when added (the model may change its tensor in place
+    later in the forward); `digests()` hashes the copies in one call per row width and dtype."""
+
+    def __init__(self) -> None:
+        self._rows: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(self, rows: torch.Tensor) -> int:
+        """Keep a copy of `rows` (T, ...); returns its index in `digests()`."""
+        self._rows.append(rows.detach().reshape(rows.shape[0], -1).clone())
+        return len(self._rows) - 1
+
+    def digests(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each added capture's `row_digests`, in the order added; empties the batch."""
+        groups: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
+        for i, rows in enumerate(self._rows):
+            groups.setdefault((rows.shape[1], rows.dtype, rows.device), []).append(i)
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self._rows)
+        for members in groups.values():
+            parts = [self._rows[i] for i in members]
+            hashes, stats = row_digests(torch.cat(parts) if len(parts) > 1 else parts[0])
+            for i, h, s in zip(members, hashes.split([p.shape[0] for p in parts]),
+                               stats.split([p.shape[0] for p in parts])):
+                out[i] = h, s
+        self._rows = []
+        return out

@@ -1,0 +1,145 @@
+"""Digest capture: row hashes and statistics, digest traces, the zoom run, and digest vs full diffs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import kvdiff
+from kvdiff.analysis import diff
+from kvdiff.analysis.digests import first_digest_mismatch
+from kvdiff.cli import app
+from kvdiff.errors import InputError
+from kvdiff.run.compare import compare
+from kvdiff.run.zoom import repeat_findings
+from kvdiff.trace import open_trace
+from kvdiff.trace.digest import DigestBatch, row_digests
+from tests.conftest import SEED_PROMPT, SEED_SYSTEM
+
+SEEDS = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
+STRATEGIES = ("none", "prefix", "isolated-local", "isolated-global", "rerotate", "blend")
+
+
+def test_a_hash_tells_one_flipped_bit_and_does_not_depend_on_the_batch():
+    rows = torch.randn(7, 3, 16)
+    hashes, stats = row_digests(rows)
+    flipped = rows.clone()
+    flipped.view(torch.int32)[4, 1, 5] ^= 1                  # the last bit of one element
+    assert (row_digests(flipped)[0] != hashes).tolist() == [False] * 4 + [True] + [False] * 2
+    assert torch.equal(row_digests(rows[2:3])[0], hashes[2:3])          # alone or in a batch
+    flat = rows.reshape(7, -1).double()
+    assert torch.allclose(stats[:, 0].double(), flat.pow(2).mean(1).sqrt(), rtol=1e-6)
+    assert torch.equal(stats[:, 1].double(), flat.abs().amax(1))        # max_abs stored exactly
+    batch = DigestBatch()
+    batch.add(rows[:2]), batch.add(torch.randn(3, 5)), batch.add(rows[2:])
+    together = batch.digests()
+    assert torch.equal(torch.cat([together[0][0], together[2][0]]), hashes)
+    bf16 = rows.to(torch.bfloat16)
+    assert row_digests(bf16)[0].shape == (7,) and not torch.equal(row_digests(bf16)[0], hashes)
+
+
+def _record(model, tokenizer, path, **kwargs):
+    return kvdiff.record(model, tokenizer, SEEDS, path, max_new_tokens=3, numerics="exact", **kwargs)
+
+
+def test_a_digest_trace_holds_every_row_digested_and_its_window_in_full(tiny_llama, tmp_path):
+    model, tokenizer = tiny_llama
+    first = _record(model, tokenizer, tmp_path / "first.h5", trace_mode="digest")
+    zoom = _record(model, tokenizer, tmp_path / "zoom.h5", trace_mode="digest", layers="1", positions="2-9")
+    full = _record(model, tokenizer, tmp_path / "full.h5")
+    with open_trace(first) as a, open_trace(zoom) as b, open_trace(full) as f:
+        assert a.meta.trace_mode == "digest" and a.positions.size == 0 and a.meta.points == ()
+        assert np.array_equal(a.digest_positions, f.positions)
+        assert b.meta.layers == (1,) and b.positions.tolist() == list(range(2, 10))
+        assert first_digest_mismatch(a, b) is None                   # the same run, digested twice
+        hashes, stats = b.digests(1, "k")
+        assert np.array_equal(row_digests(torch.from_numpy(f.point(1, "k")))[0].numpy(), hashes)
+        assert np.array_equal(b.point(1, "k"), f.point(1, "k", slice(2, 10)))
+        assert f.meta.trace_mode == "full" and f.digest_positions.size == 0
+        assert a.nbytes * 2 < f.nbytes
+    with pytest.raises(InputError, match="same trace mode"):
+        diff(first, full)
+
+
+def test_the_zoom_run_not_repeating_the_first_is_reported_with_where(tiny_llama, tmp_path):
+    model, tokenizer = tiny_llama
+    paths = [_record(model, tokenizer, tmp_path / f"{name}.h5", trace_mode="digest") for name in ("a", "b")]
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] += 1e-3        # the second run is not the first
+        try:
+            again = _record(model, tokenizer, tmp_path / "again.h5", trace_mode="digest")
+        finally:
+            model.model.layers[1].mlp.down_proj.weight[0, 0] -= 1e-3
+    assert repeat_findings((paths[0], paths[0]), (paths[1], paths[1])) == []
+    (finding,) = repeat_findings((paths[0], paths[1]), (paths[1], again))
+    assert finding.kind == "nondeterministic" and finding.details == {"side": "candidate", "layer": 1,
+                                                                      "tensor": "mlp_out"}
+    assert finding.positions == (0, 0) and finding.confidence == 1.0
+
+
+def test_statistics_prove_a_breach_outside_the_window_and_only_a_difference_for_a_last_bit(tiny_llama, tmp_path):
+    model, tokenizer = tiny_llama
+    reference = _record(model, tokenizer, tmp_path / "ref.h5", trace_mode="digest")
+    layer = model.model.layers[2].mlp
+    for scale, name in ((1.5, "big"), (1 + 2 ** -20, "tiny")):
+        handle = layer.register_forward_hook(lambda m, i, out, s=scale: out * s)
+        try:
+            _record(model, tokenizer, tmp_path / f"{name}.h5", trace_mode="digest")
+        finally:
+            handle.remove()
+    big = diff(reference, tmp_path / "big.h5").comparison.points["mlp_out"]
+    tiny = diff(reference, tmp_path / "tiny.h5").comparison.points["mlp_out"]
+    row = big.row_of(2)
+    compared = big.tier[row] != 3                   # positions after the tokens part are incomparable
+    assert set(big.tier[row, compared].tolist()) == {2} and (big.max_abs[row, compared] > 0).all()   # proved
+    assert set(tiny.tier[row].tolist()) <= {0, 4} and 4 in tiny.tier[row].tolist()      # different (or equal)
+    assert np.isin(big.tier[:row], (0, 3)).all() and (tiny.tier[:row] == 0).all()    # earlier layers equal
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_seeds_scenario_has_the_same_first_divergence_and_diagnoses_in_digest_and_full_mode(strategy, tmp_path):
+    runs = {mode: compare(SEEDS, model="tiny-llama", strategy=strategy, max_new_tokens=4, trace_mode=mode,
+                          out=tmp_path / mode) for mode in ("digest", "full")}
+    digest, full = (runs[m].report.to_json() for m in ("digest", "full"))
+    for key in ("verdict", "first_bit_difference", "first_divergence", "top_diagnosis", "first_operation"):
+        assert digest[key] == full[key], key
+    # the same claims; norm_consistency counts the norms it checked, fewer in a window of 2 layers
+    claim = lambda d: {k: v for k, v in d.items() if d["kind"] != "norm_consistency" or k in
+                       ("kind", "chunk", "positions", "source", "confidence")}
+    assert [claim(d) for d in digest["diagnoses"]] == [claim(d) for d in full["diagnoses"]]
+    flips = digest["first_token_divergence"], full["first_token_divergence"]
+    if flips[0] is not None:                      # the logits row: outside the window, its size a lower bound
+        sized = ("max_abs", "rel", "cosine")
+        assert {k: v for k, v in flips[0].items() if k not in sized} == {k: v for k, v in flips[1].items()
+                                                                            if k not in sized}
+    for point, grid in full["heatmaps"].items():      # every cell: the digest's tier agrees, its size is a bound
+        tiers, exact = np.array(digest["heatmaps"][point]["tiers"]), np.array(grid["tiers"])
+        assert np.array_equal(tiers == "bitwise", exact == "bitwise"), point
+        assert (exact[tiers == "divergent"] == "divergent").all(), point
+        assert np.isin(exact[tiers == "different"], ("noise", "divergent")).all(), point
+        low = np.array(digest["heatmaps"][point]["max_abs"], dtype=float)
+        high = np.array(grid["max_abs"], dtype=float)
+        known = ~np.isnan(low) & ~np.isnan(high)
+        assert (low[known] <= high[known] * (1 + 1e-6)).all(), point
+    assert digest["digest"]["repeated"] is True and full.get("digest") is None
+    if digest["first_bit_difference"] is None:
+        assert digest["digest"]["zoom"] is None
+    else:
+        assert digest["digest"]["zoom"]["layers"][0] == digest["first_bit_difference"]["layer"]
+    assert set(digest["heatmaps"]) == set(full["heatmaps"])
+    assert len(digest["heatmaps"]["k"]["positions"]) == len(full["heatmaps"]["k"]["positions"])
+
+
+def test_cli_trace_modes_and_a_clear_error_for_layers_in_digest_mode(tmp_path):
+    runner = CliRunner()
+    base = ["compare", "--system", SEED_SYSTEM, "--prompt", SEED_PROMPT, "--model", "tiny-llama", "-n", "2"]
+    refused = runner.invoke(app, base + ["--layers", "0-1", "--out", str(tmp_path / "a")])
+    assert refused.exit_code == 2 and "--zoom-layers" in refused.stderr
+    full = runner.invoke(app, base + ["--trace-mode", "full", "--layers", "0-1", "--out", str(tmp_path / "b")])
+    assert full.exit_code == 0, full.stderr
+    with open_trace(tmp_path / "b" / "candidate.h5") as trace:
+        assert trace.meta.trace_mode == "full" and trace.meta.layers == (0, 1)
+    bad = runner.invoke(app, base + ["--trace-mode", "sparse", "--out", str(tmp_path / "c")])
+    assert bad.exit_code == 2 and "unknown trace mode 'sparse'" in bad.stderr

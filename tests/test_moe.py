@@ -1,0 +1,238 @@
+"""Mixture of experts (Qwen3-MoE, tiny-qwen3-moe): the engine, exact numerics, router probes, expert_flip."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+
+import kvdiff
+from kvdiff.conversation import render_prompt_ids
+from kvdiff.engine import Engine
+from kvdiff.engine.numerics import exact_numerics
+from kvdiff.engine.reference import reference_generate
+from kvdiff.errors import InputError, UnsupportedModelError
+from kvdiff.options import Strategy
+from kvdiff.probes.model_meta import model_dims
+from kvdiff.probes.recorder import TraceRecorder
+from kvdiff.probes.selection import Selection
+from kvdiff.run.compare import compare
+from kvdiff.run.record import record
+from kvdiff.trace import open_trace
+from kvdiff.trace.points import ALL_POINTS, KNOWN_POINTS
+
+from conftest import SEED_PROMPT, SEED_SYSTEM
+
+MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
+OTHER = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": "La capitale de la France est Paris."}]
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return kvdiff.load_model("tiny-qwen3-moe")
+
+
+def test_the_tiny_model_routes_every_layer_and_declares_the_router_points(moe):
+    model, _ = moe
+    dims = model_dims(model)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert (dims.num_experts, dims.experts_per_token) == (8, 2)
+    assert dims.points() == KNOWN_POINTS and dims.point_shape("router_logits") == (8,)
+    assert dims.point_shape("experts") == (2,)
+
+
+def test_a_dense_model_declares_no_router_point(tiny_llama, tmp_path):
+    model, tok = tiny_llama
+    dims = model_dims(model)
+    assert (dims.num_experts, dims.experts_per_token) == (0, 0) and dims.points() == ALL_POINTS
+    with pytest.raises(InputError, match="mixture-of-experts"):
+        Selection.parse(dims.num_layers, capture="experts", available=dims.points())
+    with open_trace(record(model, tok, MESSAGES, tmp_path / "t.h5", max_new_tokens=2)) as tr:
+        assert tr.meta.points == ALL_POINTS and tr.meta.dims.num_experts == 0
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+@pytest.mark.parametrize("strategy", [s.value for s in Strategy])
+def test_every_strategy_runs(moe, strategy, numerics):
+    model, tok = moe
+    eng = Engine(model, tok, strategy=strategy, numerics=numerics)
+    outs = eng.generate([MESSAGES, OTHER], max_new_tokens=6)
+    assert all(len(o.token_ids) == 6 for o in outs)
+    if strategy in ("none", "prefix"):
+        with exact_numerics(model) if numerics == "exact" else torch.no_grad():
+            assert outs[0].token_ids == reference_generate(model, tok, MESSAGES, 6).token_ids
+    if strategy != "none":
+        assert outs[1].chunks[0].cache == "hit"
+
+
+def test_reference_probes_hold_the_routers_logits_and_choices(moe, tmp_path):
+    model, tok = moe
+    path = record(model, tok, MESSAGES, tmp_path / "t.h5", max_new_tokens=3)
+    ids = render_prompt_ids(tok, MESSAGES)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+    with open_trace(path) as tr:
+        assert tr.meta.points == KNOWN_POINTS and tr.meta.dims.num_experts == 8
+        prompt = np.arange(len(ids))
+        for layer in range(model.config.num_hidden_layers):
+            logits = tr.point(layer, "router_logits", prompt)
+            experts = tr.point(layer, "experts", prompt)
+            assert np.array_equal(logits, out.router_logits[layer].numpy())
+            assert experts.dtype == np.float32
+            top = torch.from_numpy(logits).softmax(-1).topk(2).indices.numpy()
+            assert np.array_equal(experts, top)
+
+
+def test_prefix_exact_is_bitwise_the_reference_with_a_cached_system_prompt(moe, tmp_path):
+    model, tok = moe
+    result = compare(MESSAGES, model="tiny-qwen3-moe", strategy="prefix", numerics="exact", warm=OTHER,
+                     max_new_tokens=6, out=tmp_path / "run", model_cache={("tiny-qwen3-moe", "float32", "cpu", None): moe})
+    report = result.report.to_json()
+    assert result.exit_code == 0 and report["tokens_identical"]
+    assert report["first_bit_difference"] is None
+    assert [c["cache"] for c in report["chunks"]] == ["hit", "miss", "miss"]
+    # The engine's own rows against transformers' forward, in exact numerics: the positions it computed.
+    eng = Engine(model, tok, numerics="exact")
+    eng.generate([OTHER], max_new_tokens=1)
+    recorder = TraceRecorder.for_model(model, tok, MESSAGES, tmp_path / "c.h5", strategy="prefix", numerics="exact")
+    output = eng.generate([MESSAGES], max_new_tokens=4, sinks={0: recorder})[0]
+    recorder.finish(output.token_ids, output.text, output.chunks)
+    ids = render_prompt_ids(tok, MESSAGES)
+    with exact_numerics(model), torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache(config=model.config),
+                    output_router_logits=True, output_hidden_states=True)
+    computed = np.arange(output.chunks[1].positions[0], len(ids))
+    with open_trace(tmp_path / "c.h5") as tr:
+        rows = np.searchsorted(tr.positions, computed)
+        for layer in range(model.config.num_hidden_layers):
+            for point, want in (("router_logits", ref.router_logits[layer][computed]),
+                                ("resid_pre", ref.hidden_states[layer][0, computed])):
+                assert np.array_equal(tr.point(layer, point, rows), want.numpy())
+        assert np.array_equal(tr.point(None, "logits", rows), ref.logits[0, computed].numpy())
+
+
+def test_exact_numerics_make_the_experts_row_invariant(moe):
+    model, _ = moe
+    block = model.model.layers[1].mlp
+    rows = torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with exact_numerics(model), torch.no_grad():
+        whole = block(rows.unsqueeze(0))[0]
+        parts = torch.cat([block(rows[a:b].unsqueeze(0))[0] for a, b in ((0, 1), (1, 20), (20, 37))])
+        logits = block.gate(rows)[0]
+        one_by_one = torch.cat([block.gate(rows[i:i + 1])[0] for i in range(37)])
+    assert torch.equal(whole, parts) and torch.equal(logits, one_by_one)
+
+
+def test_isolated_local_is_a_position_mismatch(tmp_path, moe):
+    result = compare(MESSAGES, model="tiny-qwen3-moe", strategy="isolated-local", numerics="exact",
+                     max_new_tokens=6, out=tmp_path / "run", model_cache={("tiny-qwen3-moe", "float32", "cpu", None): moe})
+    report = result.report.to_json()
+    user = next(c for c in report["chunks"] if c["name"] == "user")
+    assert result.exit_code == 1
+    assert report["first_bit_difference"]["layer"] == 0
+    assert report["first_bit_difference"]["position"] == user["positions"][0]
+    mismatch = [d for d in report["diagnoses"] if d["kind"] == "position_mismatch" and d["chunk"] == "user"]
+    assert mismatch and mismatch[0]["offset"] == -user["positions"][0]
+    assert report["diagnoses"][report["top_diagnosis"]]["kind"] == "position_mismatch"
+    flips = [d for d in report["diagnoses"] if d["kind"] == "expert_flip"]
+    assert all(d["cause"] == "upstream" for d in flips)      # a consequence, named as one
+
+
+def _plant_router_logit(model, layer: int, position: int, offset: float):
+    """A hook on `layer`'s router: at `position` of a prefill, the logit ranked k+1 is set to the
+    k-th's plus `offset` (> 0: it takes the k-th's place), and that row's choice recomputed."""
+    gate = model.model.layers[layer].mlp.gate
+    k = gate.top_k
+
+    def hook(module, args, output):
+        logits, weights, chosen = output
+        if logits.shape[0] <= position:
+            return None
+        logits, weights, chosen = logits.clone(), weights.clone(), chosen.clone()
+        ranked = logits[position].argsort(descending=True)
+        logits[position, ranked[k]] = logits[position, ranked[k - 1]] + offset
+        top, ids = logits[position].softmax(-1).topk(k)
+        weights[position], chosen[position] = top / top.sum(), ids
+        return logits, weights, chosen
+
+    return gate.register_forward_hook(hook)
+
+
+def _flip(moe, tmp_path, ref_offset: float, cand_offset: float, layer=1, position=20):
+    model, tok = moe
+    paths = []
+    for name, offset in (("ref", ref_offset), ("cand", cand_offset)):
+        handle = _plant_router_logit(model, layer, position, offset) if offset is not None else None
+        try:
+            paths.append(record(model, tok, MESSAGES, tmp_path / f"{name}.h5", max_new_tokens=4, numerics="exact"))
+        finally:
+            if handle is not None:
+                handle.remove()
+    with open_trace(paths[0]) as tr:
+        ref_experts = tr.point(layer, "experts", [position])[0].astype(int).tolist()
+        logits = tr.point(layer, "router_logits", [position])[0]
+    report = kvdiff.diff(*paths, tokenizer=tok).to_json()
+    return report, ref_experts, logits, tok
+
+
+def test_a_router_boosting_one_expert_at_one_token_is_named_expert_flip(moe, tmp_path):
+    layer, position = 1, 20
+    report, ref_experts, logits, tok = _flip(moe, tmp_path, None, 1.0, layer, position)
+    flips = [d for d in report["diagnoses"] if d["kind"] == "expert_flip"]
+    assert len(flips) == 1
+    d = flips[0]
+    ranked = np.argsort(-logits)
+    assert (d["layer"], d["positions"], d["cause"]) == (layer, [position, position], "router")
+    assert d["reference_experts"] == ref_experts == ranked[:2].tolist()
+    assert d["candidate_experts"] == [int(ranked[2]), int(ranked[0])]   # 1.0 above the 2nd: above the 1st too
+    assert d["router_margin"] == pytest.approx(float(logits[ranked[1]] - logits[ranked[2]]), rel=1e-6)
+    assert d["router_logit_change"] == pytest.approx(float(logits[ranked[1]] - logits[ranked[2]]) + 1.0, rel=1e-5)
+    ids = render_prompt_ids(tok, MESSAGES)
+    assert d["token"] == tok.decode([ids[position]]) and d["confidence"] == 1.0
+    assert report["first_divergence"]["tensor"] == "router_logits" and report["first_divergence"]["layer"] == layer
+
+
+def test_a_near_tie_split_by_noise_is_named_a_near_tie(moe, tmp_path):
+    # The reference's experts ranked 2 and 3 lie 1e-6 apart; the candidate's the other way round.
+    report, _, logits, _ = _flip(moe, tmp_path, -1e-6, 1e-6)
+    (d,) = [d for d in report["diagnoses"] if d["kind"] == "expert_flip"]
+    assert (d["layer"], d["positions"], d["cause"]) == (1, [20, 20], "near_tie")
+    assert d["router_margin"] == pytest.approx(1e-6, rel=0.3) and d["router_logit_change"] < 1e-5
+    assert "near tie" in d["evidence"]
+
+
+def test_a_perturbed_router_weight_in_the_engine_flips_where_the_weights_say(moe, tmp_path):
+    """The candidate is the engine (prefix, exact) on a copy of the model whose last router has one
+    expert's weights moved; the first flip is where top-k of the moved logits first differs."""
+    model, tok = moe
+    layer, expert = model.config.num_hidden_layers - 1, 3
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.model.layers[layer].mlp.gate.weight[expert] += 0.4 * torch.randn(
+            model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    ref = record(model, tok, MESSAGES, tmp_path / "ref.h5", max_new_tokens=4, numerics="exact")
+    recorder = TraceRecorder.for_model(changed, tok, MESSAGES, tmp_path / "cand.h5", strategy="prefix", numerics="exact")
+    output = Engine(changed, tok, numerics="exact").generate([MESSAGES], max_new_tokens=4, sinks={0: recorder})[0]
+    recorder.finish(output.token_ids, output.text, output.chunks)
+    with open_trace(ref) as tr:
+        prompt = np.arange(tr.meta.input_ids.size)
+        h = torch.from_numpy(tr.point(layer, "mlp_norm", prompt))
+        ref_sets = np.sort(tr.point(layer, "experts", prompt), axis=1)
+    moved = (h @ changed.model.layers[layer].mlp.gate.weight.detach().T).topk(2).indices
+    flipped = np.flatnonzero((np.sort(moved.numpy(), axis=1) != ref_sets).any(axis=1))
+    assert flipped.size                                       # the planted change flips some tokens
+    report = kvdiff.diff(ref, tmp_path / "cand.h5", tokenizer=tok).to_json()
+    (d,) = [d for d in report["diagnoses"] if d["kind"] == "expert_flip"]
+    assert (d["layer"], d["positions"][0], d["cause"]) == (layer, int(flipped[0]), "router")
+    assert d["candidate_experts"] == moved[flipped[0]].tolist() and expert in d["candidate_experts"] + d["reference_experts"]
+
+
+def test_unsupported_architectures_name_the_supported_families(moe):
+    _, tok = moe
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(UnsupportedModelError, match="qwen3_moe") as err:
+        Engine(gpt2, tok)
+    assert "\n" not in str(err.value) and "llama" in str(err.value)
