@@ -98,9 +98,11 @@ def test_statistics_prove_a_breach_outside_the_window_and_only_a_difference_for_
     assert np.isin(big.tier[:row], (0, 3)).all() and (tiny.tier[:row] == 0).all()    # earlier layers equal
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_the_seeds_scenario_has_the_same_first_divergence_and_diagnoses_in_digest_and_full_mode(strategy, tmp_path):
-    runs = {mode: compare(SEEDS, model="tiny-llama", strategy=strategy, max_new_tokens=4, trace_mode=mode,
+@pytest.mark.parametrize("strategy, warm", [(s, False) for s in STRATEGIES] + [("prefix", True),
+                                                                               ("isolated-local", True)])
+def test_the_seeds_scenario_has_the_same_first_divergence_and_diagnoses_in_digest_and_full_mode(strategy, warm,
+                                                                                                 tmp_path):
+    runs = {mode: compare(SEEDS, model="tiny-llama", strategy=strategy, max_new_tokens=4, trace_mode=mode, warm=warm,
                           out=tmp_path / mode) for mode in ("digest", "full")}
     digest, full = (runs[m].report.to_json() for m in ("digest", "full"))
     for key in ("verdict", "first_bit_difference", "first_divergence", "top_diagnosis", "first_operation"):

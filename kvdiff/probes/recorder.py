@@ -25,7 +25,7 @@ from kvdiff.trace.ranges import format_ranges
 from kvdiff.trace.sink import ProbeIntegrityError, Provenance
 from kvdiff.probes.spec import ProbeSpec, default_spec
 from kvdiff.trace.staging import StageLayout, version_of
-from kvdiff.trace.format import ChunkRecord, ModelDims, point_group
+from kvdiff.trace.format import ChunkRecord, ModelDims, digest_tables, point_group
 from kvdiff.trace.writer import TraceWriter
 
 
@@ -72,7 +72,9 @@ class TraceRecorder:
         self.top_k = top_k
         self.digested = digested
         self._declared = digested or selection              # what must fire in every forward
-        self._digests = DigestTaker(writer) if digested is not None else None
+        self._digests = None if digested is None else DigestTaker(writer, {
+            (layer, table): columns for layer in (*digested.layers, None)
+            for table, columns in digest_tables(digested.points, layer).items()})
         self._positions: list[int] | None = None
         self._reads_only = False
         self._read_positions: set[int] = set()         # recorded in reads-only brackets (cache rows)

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvdiff.errors import TraceError
 from kvdiff.trace.points import (FINAL_NORMS, FINAL_POINTS, KNOWN_LAYER_POINTS, KNOWN_POINTS, LAYER_NORMS,
-                                  MOE_POINTS, NORM_STATS)
+                                  NORM_STATS)
 from kvdiff.trace.format import (
     DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FINAL_GROUP, KV_ONLY_SCHEMA_VERSION, ChunkRecord, ModelDims, TraceMeta,
 )
@@ -395,17 +395,20 @@ def read_meta(path: Path, f: h5py.File) -> TraceMeta:
         raise malformed(path, f"head_dim {dims['head_dim']} is odd (RoPE rotates pairs of elements)")
     for name in ("num_experts", "experts_per_token"):
         dims[name] = as_int(path, name, read_attr(path, f, name, 0), high=MAX_EXPERTS)
+    dims["post_norms"] = as_int(path, "post_norms", read_attr(path, f, "post_norms", 0), high=1)
     if dims["experts_per_token"] > dims["num_experts"]:
         raise malformed(path, f"experts_per_token {dims['experts_per_token']} exceeds num_experts {dims['num_experts']}")
     texts = {name: as_text(path, name, attr(name)) for name in TraceMeta.SCALARS}
     schema = as_int(path, "schema_version", attr("schema_version"), low=1)
     input_ids = read_ints(path, f, "input_ids", dims["vocab_size"])
     points = parse_points(path, attr("points"))
-    if not dims["experts_per_token"] and set(points) & set(MOE_POINTS):
-        raise malformed(path, f"attribute 'points' lists {', '.join(p for p in points if p in MOE_POINTS)} "
-                              "of a model without experts (num_experts and experts_per_token must be set)")
+    model = ModelDims(**dims, attn_scale=as_float(path, "attn_scale", attr("attn_scale")))
+    foreign = [p for p in points if p not in model.points()]
+    if foreign:
+        raise malformed(path, f"attribute 'points' lists {', '.join(foreign)}, which a model of num_experts "
+                              f"{model.num_experts} and post_norms {model.post_norms} does not have")
     return TraceMeta(
-        **texts, dims=ModelDims(**dims, attn_scale=as_float(path, "attn_scale", attr("attn_scale"))),
+        **texts, dims=model,
         messages=parse_messages(path, attr("messages_json")),
         chunks=parse_chunks(path, attr("chunks_json"), input_ids.size),
         input_ids=input_ids,

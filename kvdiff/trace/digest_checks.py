@@ -1,5 +1,6 @@
-"""A digest trace's own checks: /digests holds a hash and statistics dataset per listed point and
-layer, each covering /digests/positions, and nothing else."""
+"""A digest trace's own checks: /digests holds, per listed layer (and for the final points), a
+hash and a statistics dataset per digest table (format.digest_tables), a column per point,
+covering /digests/positions, and nothing else."""
 
 from __future__ import annotations
 
@@ -10,21 +11,23 @@ import numpy as np
 
 from kvdiff.trace.checks import _dataset, _member, malformed, read_positions
 from kvdiff.trace.digest import DIGEST_STATS
-from kvdiff.trace.format import DIGEST_GROUP, FINAL_GROUP, TraceMeta
-from kvdiff.trace.points import FINAL_POINTS
+from kvdiff.trace.format import DIGEST_GROUP, FINAL_GROUP, TraceMeta, digest_tables
 
 
-def _check_point(path: Path, g: h5py.Group, point: str, rows: int) -> None:
-    group = _member(path, g, point, h5py.Group)
-    extra = sorted(set(group) - {"hash", "stats"})
+def _check_group(path: Path, group: h5py.Group, tables: dict[str, tuple[str, ...]], rows: int) -> None:
+    names = {f"{table}{part}" for table in tables for part in ("hash", "stats")}
+    extra = sorted(set(group) - names)
     if extra:
-        raise malformed(path, f"{group.name} holds {extra}: a digest is a hash and its stats")
-    hashes, stats = _dataset(path, group, "hash"), _dataset(path, group, "stats")
-    if hashes.ndim != 1 or hashes.dtype != np.int64 or hashes.shape[0] < rows:
-        raise malformed(path, f"{hashes.name} must be int64 rows, {rows} or more, not {hashes.shape} {hashes.dtype}")
-    if stats.shape[1:] != (len(DIGEST_STATS),) or stats.dtype != np.float32 or stats.shape[0] < rows:
-        raise malformed(path, f"{stats.name} must be float32 rows of {len(DIGEST_STATS)} ({', '.join(DIGEST_STATS)}), "
-                              f"{rows} or more, not {stats.shape} {stats.dtype}")
+        raise malformed(path, f"{group.name} holds {extra}: its digests are {sorted(names)}")
+    for table, points in tables.items():
+        columns = len(points)
+        hashes, stats = _dataset(path, group, f"{table}hash"), _dataset(path, group, f"{table}stats")
+        if hashes.shape[1:] != (columns,) or hashes.dtype != np.int64 or hashes.shape[0] < rows:
+            raise malformed(path, f"{hashes.name} must be int64 rows of {columns} (a column per point), {rows} or "
+                                  f"more, not {hashes.shape} {hashes.dtype}")
+        if stats.shape[1:] != (columns, len(DIGEST_STATS)) or stats.dtype != np.float32 or stats.shape[0] < rows:
+            raise malformed(path, f"{stats.name} must be float32 rows of {columns} x {len(DIGEST_STATS)} "
+                                  f"({', '.join(DIGEST_STATS)}), {rows} or more, not {stats.shape} {stats.dtype}")
 
 
 def check_digests(path: Path, f: h5py.File, meta: TraceMeta, positions: np.ndarray) -> np.ndarray:
@@ -39,18 +42,18 @@ def check_digests(path: Path, f: h5py.File, meta: TraceMeta, positions: np.ndarr
     if np.setdiff1d(positions, digested).size or np.setdiff1d(meta.kv_only_positions, digested).size:
         raise malformed(path, "positions or kv_only_positions hold positions that /digests/positions does not")
     rows = int(digested[-1]) + 1 if digested.size else 0
-    layer_points = [p for p in meta.digest_points if p not in FINAL_POINTS]
-    final_points = [p for p in meta.digest_points if p in FINAL_POINTS]
-    groups = {"positions", *(["layers"] if layer_points and meta.digest_layers else []),
-              *([FINAL_GROUP] if final_points else [])}
+    layer_tables = digest_tables(meta.digest_points, meta.digest_layers[0]) if meta.digest_layers else {}
+    final_tables = digest_tables(meta.digest_points, None)
+    groups = {"positions", *(["layers"] if layer_tables else []), *([FINAL_GROUP] if final_tables else [])}
     if set(root) != groups:
         raise malformed(path, f"/{DIGEST_GROUP} holds {sorted(root)}, not {sorted(groups)} as digest_points "
                               "and digest_layers say")
-    for layer in meta.digest_layers if layer_points else ():
-        group = _member(path, root, f"layers/{layer}", h5py.Group)
-        for point in layer_points:
-            _check_point(path, group, point, rows)
-    if final_points:
-        for point in final_points:
-            _check_point(path, root[FINAL_GROUP], point, rows)
+    if layer_tables:
+        layers = _member(path, root, "layers", h5py.Group)
+        if set(layers) != {str(i) for i in meta.digest_layers}:
+            raise malformed(path, f"{layers.name} holds {sorted(layers)}, not the digest_layers")
+        for layer in meta.digest_layers:
+            _check_group(path, _member(path, layers, str(layer), h5py.Group), layer_tables, rows)
+    if final_tables:
+        _check_group(path, _member(path, root, FINAL_GROUP, h5py.Group), final_tables, rows)
     return digested

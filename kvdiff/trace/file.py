@@ -176,9 +176,11 @@ class TraceFile:
         """Every column holds every recorded position; but for k and v, none of `kv_only`."""
         computed = np.setdiff1d(positions, kv_only)
         for name, col in columns.items():
+            digest = name.startswith(DIGEST_GROUP + "/")
             parts = name.removeprefix(DIGEST_GROUP + "/").split("/")
-            point = parts[-2] if name.startswith(DIGEST_GROUP + "/") else parts[-1]
-            wanted = positions if point in READ_POINTS and parts[0] == "layers" else computed
+            # K/V-only positions hold k and v rows, and rows of their digest table
+            kv = parts[0] == "layers" and (parts[-1].startswith("kv_") if digest else parts[-1] in READ_POINTS)
+            wanted = positions if kv else computed
             held = np.flatnonzero(col.filled)
             if not np.array_equal(held, wanted):
                 missing = np.setdiff1d(wanted, held)

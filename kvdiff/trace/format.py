@@ -12,7 +12,7 @@ Layout (docs/trace-format.md is the full description):
     /provenance/<field>                      one row per position with known provenance
     /kv_only_positions                       positions holding k and v rows only (schema 2)
     /digests/positions                       digest traces (schema 3): positions holding digests
-    /digests/{layers/<i>|final}/<point>/hash|stats   a hash and rms, max_abs of every row (trace/digest.py)
+    /digests/{layers/<i>|final}/hash|stats   per position, each point's hash, rms and max_abs (trace/digest.py)
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvdiff.trace.points import ALL_POINTS, KNOWN_POINTS
+from kvdiff.trace.points import FINAL_POINTS, READ_POINTS
+
+from kvdiff.trace.points import ALL_POINTS, KNOWN_POINTS, MOE_POINTS, POST_NORM_POINTS
 
 FORMAT_NAME = "kvdiff-trace"
 SCHEMA_VERSION = 1            # every recorded position holds a row of every recorded point
@@ -66,10 +68,13 @@ class ModelDims:
     attn_scale: float
     num_experts: int = 0            # mixture of experts: experts per layer (0: a dense model)
     experts_per_token: int = 0      # experts the router chooses per token
+    post_norms: int = 0             # 1: norms after attention and after the MLP too (Gemma 3), else 0
 
     def points(self) -> tuple[str, ...]:
-        """The probe points a model of these dims has: the router's only with experts."""
-        return KNOWN_POINTS if self.num_experts else ALL_POINTS
+        """The probe points a model of these dims has: the router's only with experts, the post-norms
+        only with post-norms."""
+        return tuple(p for p in KNOWN_POINTS if p in ALL_POINTS or (p in MOE_POINTS and self.num_experts)
+                     or (p in POST_NORM_POINTS and self.post_norms))
 
     def point_shape(self, point: str) -> tuple[int, ...]:
         """Row shape of a probe point (rows are (T, *shape))."""
@@ -151,9 +156,28 @@ def point_group(layer: int | None) -> str:
     return FINAL_GROUP if layer is None else f"layers/{layer}"
 
 
-def digest_path(layer: int | None, point: str, part: str) -> str:
-    """Dataset of a point's digests: part "hash" (int64 rows) or "stats" (float32 rms, max_abs)."""
-    return f"{DIGEST_GROUP}/{point_group(layer)}/{point}/{part}"
+def digest_path(layer: int | None, table: str, part: str) -> str:
+    """Dataset of a digest table of `layer` (None: the final points): part "hash" (int64, a
+    column per point) or "stats" (float32 rms and max_abs per point)."""
+    return f"{DIGEST_GROUP}/{point_group(layer)}/{table}{part}"
+
+
+def digest_tables(points: tuple[str, ...], layer: int | None) -> dict[str, tuple[str, ...]]:
+    """A digest trace's tables of `layer` (None: the final points): table name -> its columns.
+    A layer's k and v have a table of their own ("kv_"), which reads of cached rows write to,
+    as they write the k and v rows of a full trace; the other points share table ""."""
+    if layer is None:
+        tables = {"": tuple(p for p in points if p in FINAL_POINTS)}
+    else:
+        layer_points = [p for p in points if p not in FINAL_POINTS]
+        tables = {"": tuple(p for p in layer_points if p not in READ_POINTS),
+                  "kv_": tuple(p for p in layer_points if p in READ_POINTS)}
+    return {name: columns for name, columns in tables.items() if columns}
+
+
+def digest_table_of(point: str) -> str:
+    """The digest table holding `point`'s column."""
+    return "kv_" if point in READ_POINTS else ""
 
 
 def norm_weight_path(layer: int | None, norm: str) -> str:

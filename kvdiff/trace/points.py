@@ -31,9 +31,18 @@ MOE_POINTS: tuple[str, ...] = (
     "experts",        # (T, top_k)      the chosen expert ids, best first (ids stored as float32: exact)
 )
 
+# Norms after attention and after the MLP, before each residual add (Gemma 3's "sandwich"): only
+# models with them have these points; resid_mid and resid_post then add these instead.
+POST_NORM_POINTS: tuple[str, ...] = (
+    "attn_post_norm",  # (T, hidden)  post_attention_layernorm of attn_out
+    "mlp_post_norm",   # (T, hidden)  post_feedforward_layernorm of mlp_out
+)
+
 # Every layer point a model may have, in dataflow order.
-KNOWN_LAYER_POINTS: tuple[str, ...] = LAYER_POINTS[:LAYER_POINTS.index("mlp_out")] + MOE_POINTS \
-    + LAYER_POINTS[LAYER_POINTS.index("mlp_out"):]
+KNOWN_LAYER_POINTS: tuple[str, ...] = (
+    "resid_pre", "attn_norm", "q", "k_pre_rope", "k", "v", "attn_out", "attn_post_norm", "resid_mid", "mlp_norm",
+    "router_logits", "experts", "mlp_out", "mlp_post_norm", "resid_post",
+)
 
 # After the last layer.
 FINAL_POINTS: tuple[str, ...] = ("final_norm", "logits")
@@ -46,7 +55,7 @@ KNOWN_POINTS: tuple[str, ...] = KNOWN_LAYER_POINTS + FINAL_POINTS
 READ_POINTS: tuple[str, ...] = ("k", "v")
 
 # Norm modules whose per-token statistics are recorded: per layer, and once after the last layer.
-LAYER_NORMS: tuple[str, ...] = ("attn_norm", "mlp_norm")
+LAYER_NORMS: tuple[str, ...] = ("attn_norm", "mlp_norm") + POST_NORM_POINTS
 FINAL_NORMS: tuple[str, ...] = ("final_norm",)
 
 # Per-token norm statistics, computed in float64.

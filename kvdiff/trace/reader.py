@@ -17,8 +17,8 @@ import numpy as np
 from kvdiff.errors import TraceError
 from kvdiff.trace.checks import as_int, check_layout, check_self_contained, read_attr, read_meta, read_positions
 from kvdiff.trace.format import (
-    DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FORMAT_NAME, ProvenanceRecords, StepRecords, digest_path, from_storage,
-    norm_weight_path, point_group,
+    DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FORMAT_NAME, ProvenanceRecords, StepRecords, digest_path, digest_table_of,
+    digest_tables, from_storage, norm_weight_path, point_group,
 )
 from kvdiff.trace.digest_checks import check_digests
 
@@ -165,15 +165,18 @@ class TraceReader:
     def digests(self, layer: int | None, point: str, rows: Rows = None) -> tuple[np.ndarray, np.ndarray]:
         """(hash int64 (n,), stats float32 (n, 2): rms, max_abs) of `point` of `layer` (None: a
         final point) at `digest_positions[rows]`; every digested position by default."""
-        if point not in self.meta.digest_points or (layer is not None and layer not in self.meta.digest_layers):
+        table = digest_table_of(point)
+        columns = digest_tables(self.meta.digest_points, layer).get(table, ())
+        if point not in columns or (layer is not None and layer not in self.meta.digest_layers):
             raise TraceError(f"trace {self.path} holds no digests of {point!r} in {point_group(layer)!r}")
         pos = self.digest_positions if rows is None else self.digest_positions[rows]
+        column = columns.index(point)
         out = []
         for part in ("hash", "stats"):
-            ds = self._file[digest_path(layer, point, part)]
+            ds = self._file[digest_path(layer, table, part)]
             lo = int(pos.min()) if pos.size else 0
-            out.append(self._read(ds, slice(lo, int(pos.max()) + 1))[pos - lo] if pos.size
-                       else np.zeros((0, *ds.shape[1:]), ds.dtype))
+            out.append(self._read(ds, slice(lo, int(pos.max()) + 1))[pos - lo, column] if pos.size
+                       else np.zeros((0, *ds.shape[2:]), ds.dtype))
         return out[0], out[1]
 
     def norm_stats(self, layer: int | None) -> dict[str, dict[str, np.ndarray]]:

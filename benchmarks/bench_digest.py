@@ -1,0 +1,95 @@
+"""Digest capture: its cost against the same run unprobed, and its trace against a full one.
+
+    python benchmarks/bench_digest.py [--model smollm2-135m] [--prompt-tokens 2000] [--pairs 3]
+
+Two requests of the reference path (transformers, greedy): prompt-heavy (`--prompt-tokens`
+prompt tokens, 4 generated) and decode-heavy (200 prompt tokens, `--decode-tokens` generated).
+Each is run unprobed and with digest capture (`kvdiff.record(trace_mode="digest")`: every row
+of every point, layer and position hashed, the trace written and closed), in alternated pairs;
+the figure is the median of the pairs' ratios. The size row compares the full trace of the
+prompt-heavy request with its zoom trace (digests plus a window of 2 layers x 64 positions in
+full, as `compare` writes by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import kvdiff
+from kvdiff.conversation import render_prompt_ids
+from kvdiff.engine.reference import reference_generate
+from kvdiff.trace.fingerprint import model_fingerprint
+
+log = logging.getLogger("bench_digest")
+TEXT = ("You are a helpful assistant. Always answer in French. What is the capital of France? "
+        "Chunked prefill reuses the key and value cache of a system prompt across requests. ")
+
+
+def messages_of(tokenizer, n_tokens: int) -> list[dict]:
+    """A user message whose rendered prompt has about `n_tokens` tokens."""
+    words = TEXT.split()
+    text = " ".join(words[i % len(words)] for i in range(n_tokens))
+    while len(render_prompt_ids(tokenizer, [{"role": "user", "content": text}])) > n_tokens:
+        text = text.rsplit(" ", 8)[0]
+    return [{"role": "user", "content": text}]
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def ratio(model, tokenizer, messages, new_tokens: int, pairs: int, folder: Path, fingerprint: str) -> tuple[float, list]:
+    """Median of `pairs` ratios (digest-captured / plain) and the raw (plain, digest) seconds."""
+    runs = []
+    for i in range(pairs):
+        plain = timed(lambda: reference_generate(model, tokenizer, messages, new_tokens))
+        digest = timed(lambda: kvdiff.record(model, tokenizer, messages, folder / f"d{i}.h5", max_new_tokens=new_tokens,
+                                             trace_mode="digest", fingerprint=fingerprint))
+        runs.append((plain, digest))
+    return statistics.median(d / p for p, d in runs), runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--pairs", type=int, default=3)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    model, tokenizer = kvdiff.load_model(args.model)
+    fingerprint = model_fingerprint(model)
+    heavy, light = messages_of(tokenizer, args.prompt_tokens), messages_of(tokenizer, 200)
+    reference_generate(model, tokenizer, light, 2)           # warm-up
+    log.info("model %s, torch %s, %d threads", args.model, torch.__version__, torch.get_num_threads())
+    with tempfile.TemporaryDirectory() as name:
+        folder = Path(name)
+        for label, messages, new in (("prompt-heavy", heavy, 4), ("decode-heavy", light, args.decode_tokens)):
+            median, runs = ratio(model, tokenizer, messages, new, args.pairs, folder, fingerprint)
+            n = len(render_prompt_ids(tokenizer, messages))
+            log.info("%s (%d + %d tokens): digest capture %.3fx unprobed (median of %d pairs; plain %s s, digest %s s)",
+                     label, n, new, median, len(runs), ", ".join(f"{p:.2f}" for p, _ in runs),
+                     ", ".join(f"{d:.2f}" for _, d in runs))
+        full = kvdiff.record(model, tokenizer, heavy, folder / "full.h5", max_new_tokens=4, fingerprint=fingerprint)
+        n = len(render_prompt_ids(tokenizer, heavy))
+        zoom = kvdiff.record(model, tokenizer, heavy, folder / "zoom.h5", max_new_tokens=4, trace_mode="digest",
+                             layers="10-11", positions=f"{n - 64}-{n - 1}", fingerprint=fingerprint)
+        full_bytes, zoom_bytes = Path(full).stat().st_size, Path(zoom).stat().st_size
+        digest_bytes = (folder / "d0.h5").stat().st_size
+        log.info("trace size, prompt-heavy: full %.1f MB, digests only %.2f MB, zoom trace (digests + 2 layers x 64 "
+                 "positions) %.2f MB: %.0fx smaller than full", full_bytes / 1e6, digest_bytes / 1e6,
+                 zoom_bytes / 1e6, full_bytes / zoom_bytes)
+
+
+if __name__ == "__main__":
+    main()
