@@ -97,20 +97,21 @@ class TraceRecorder:
                   positions: str | Iterable[int] | None = None, spec: ProbeSpec | None = None,
                   compression: str | None = None, top_k: int = 5,
                   fingerprint: str | None = None, max_new_tokens: int | None = None,
-                  trace_mode: str = "full") -> "TraceRecorder":
+                  trace_mode: str = "full", window_final: bool | None = None) -> "TraceRecorder":
         """A recorder writing a trace of `model` (any path: reference, engine) to `path`.
 
         `input_ids` default to the conversation rendered with the chat template. Norm weights and
         epsilons are found with `spec` (default: the architecture's built-in spec).
         `max_new_tokens`, if known, sizes a short trace's file to its rows (`TraceWriter`).
         `trace_mode` "digest": every row of the `capture` points of every layer is digested, and
-        `layers` x `positions` is the zoom window of full rows (default: none).
+        `layers` x `positions` is the zoom window of full rows (default: none), with the final
+        points when `window_final` (None: when the window holds the last layer).
         """
         dims = model_dims(model)
         digested = None
         if trace_mode == "digest":
             digested = Selection.parse(dims.num_layers, capture, None, None, dims.points())
-            selection = digested.window(layers, positions)
+            selection = digested.window(layers, positions, window_final)
         else:
             selection = Selection.parse(dims.num_layers, capture, layers, positions, dims.points())
         ids = list(input_ids) if input_ids is not None else render_prompt_ids(tokenizer, messages)

@@ -46,15 +46,16 @@ class Selection:
         return cls(points, tuple(chosen), pos)
 
     def window(self, layers: str | int | Iterable[int] | None = None,
-               positions: str | int | Iterable[int] | None = None) -> "Selection":
+               positions: str | int | Iterable[int] | None = None, final: bool | None = None) -> "Selection":
         """The zoom window of a digest trace over this selection: full rows of its points at
-        `layers` x `positions` (None: every one of them), and of its final points when the
-        window holds its last layer; nothing when both are None."""
+        `layers` x `positions` (None: every one of them), and of its final points when `final`
+        (None: when the window holds its last layer); nothing when both are None."""
         if layers is None and positions is None:
             return Selection((), (), frozenset())
         chosen = self.layers if layers is None else Selection.parse(max(self.layers, default=-1) + 1, self.points,
                                                                     layers, None, self.points).layers
-        final = bool(chosen) and bool(self.layers) and chosen[-1] == self.layers[-1]
+        if final is None:
+            final = bool(chosen) and bool(self.layers) and chosen[-1] == self.layers[-1]
         points = tuple(p for p in self.points if final or p not in FINAL_POINTS)
         pos = None if positions is None else frozenset(_as_ints(positions, "position"))
         return Selection(points, tuple(i for i in chosen if i in self.layers), pos)

@@ -11,10 +11,10 @@ from kvdiff.analysis import Divergence, diff
 from kvdiff.analysis.report import Report
 from kvdiff.conversation import Messages, validate_messages
 from kvdiff.options import DEFAULT_RECOMPUTE_RATIO, Numerics, Strategy, TraceMode
-from kvdiff.run.folder import check_report_copies, claimed_out_dir, discarded_on_failure
+from kvdiff.run.folder import ARTEFACTS, check_report_copies, claimed_out_dir, discarded_on_failure
 from kvdiff.run.options import RunOptions
-from kvdiff.run.zoom import (ZOOM_LAYERS, ZOOM_POSITIONS, diagnoses_with, digest_section, repeat_findings,
-                             zoom_window)
+from kvdiff.run.zoom import (FIRST_PASS, ZOOM_LAYERS, ZOOM_POSITIONS, diagnoses_with, digest_section,
+                             repeat_findings, zoom_window)
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,8 @@ def compare(
         return _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, html, json_path,
                                      model_cache, progress, strategy=strategy, numerics=numerics,
                                      recompute_ratio=recompute_ratio, chunk_size=chunk_size, dtype=dtype,
-                                     device=device, device_map=device_map, capture=capture, layers=layers)
+                                     device=device, device_map=device_map, capture=capture, layers=layers,
+                                     trace_mode=trace_mode, zoom_layers=zoom_layers, zoom_positions=zoom_positions)
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
     warm_messages = None if isinstance(warm, bool) else validate_messages(warm)
@@ -115,7 +116,7 @@ def compare(
                             trace_mode, zoom_layers, zoom_positions)
     strategy, numerics, capture = options.strategy, options.numerics, options.capture
     check_report_copies(json_path, html, out)
-    with claimed_out_dir(out, str(strategy)) as out_dir, discarded_on_failure(out_dir):
+    with claimed_out_dir(out, str(strategy)) as out_dir, discarded_on_failure(out_dir, ARTEFACTS + FIRST_PASS):
         check_report_copies(json_path, html, out_dir)
         step("loading model")
         key = (model, dtype, device, device_map)
@@ -180,7 +181,7 @@ def _digest_then_zoom(run_both: Callable, out_dir: Path, options: RunOptions, nu
     """Digest capture: a first pass of digests, then a zoom run of both sides with the window
     around the first difference in full; reference.h5 and candidate.h5 are the zoom run's (the
     first pass's when nothing differs; kept beside them as *.first.h5 when the runs disagree)."""
-    first = out_dir / "reference.first.h5", out_dir / "candidate.first.h5"
+    first = out_dir / FIRST_PASS[0], out_dir / FIRST_PASS[1]
     final = out_dir / "reference.h5", out_dir / "candidate.h5"
     run_both(*first, TraceMode.DIGEST, None, None)
     step("diffing the digests")
@@ -234,9 +235,10 @@ def _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, ht
     defaults = {"strategy": Strategy.PREFIX, "numerics": Numerics.EXACT, "recompute_ratio": DEFAULT_RECOMPUTE_RATIO,
                 "chunk_size": None, "dtype": "float32", "device": "cpu", "device_map": None, "capture": None,
                 "layers": None}
+    digest = {k: kvdiff_only.pop(k) for k in ("trace_mode", "zoom_layers", "zoom_positions")}
     given = [k for k, v in kvdiff_only.items() if v != defaults[k]]
     if given:
         raise InputError(f"{', '.join(given)} apply to kvdiff's own engine, not to --engine {name}: leave them out")
     return compare_engine(messages, engine=name, model=model, max_new_tokens=max_new_tokens,
                           warm=True if warm is False else warm, out=out, html=html, json_path=json_path,
-                          model_cache=model_cache, progress=progress)
+                          model_cache=model_cache, progress=progress, **digest)

@@ -9,13 +9,16 @@ from its own tensors, diffed against itself and against kvdiff's reference path.
 
 report.json is the diff of cold (reference side) against warm (candidate side), with `engine`,
 `noise_floor`, `flips` (each first token flip classified from the data) and
-`engine_vs_reference` added.
+`engine_vs_reference` added. In digest mode (the default) every run records digests, and
+cold and warm run a second time with the zoom window in full (kvdiff.run.zoom); the noise floor
+and the reference's comparison come from the digests (their logits gaps are lower bounds).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -24,27 +27,34 @@ import numpy as np
 from kvdiff.analysis import Divergence, diff
 from kvdiff.conversation import Messages, render_prompt_ids, validate_messages
 from kvdiff.errors import KvdiffError
+from kvdiff.options import TraceMode
 from kvdiff.run.compare import CompareResult, write_reports
 from kvdiff.run.folder import check_report_copies, claimed_out_dir, discarded_on_failure
 from kvdiff.run.options import RunOptions
+from kvdiff.run.zoom import (ZOOM_LAYERS, ZOOM_POSITIONS, ZoomWindow, diagnoses_with, digest_section,
+                             repeat_findings, zoom_window)
 from kvdiff.targets.protocol import Target, TargetRun
 from kvdiff.targets.registry import EngineName, open_target
 
 log = logging.getLogger(__name__)
 
 ARTEFACTS = ("cold.h5", "cold-again.h5", "warm.h5", "reference.h5", "report.json", "report.html")
+FIRST_PASS = ("cold.first.h5", "warm.first.h5")     # digest mode: kept when the zoom runs disagree with them
 
 
 def compare_engine(messages: Messages, *, engine: str | EngineName, model: str = "smollm2-135m",
                    max_new_tokens: int = 16, warm: bool | Messages = True, out: Path | str | None = None,
                    html: Path | str | None = None, json_path: Path | str | None = None,
-                   model_cache: dict | None = None,
-                   progress: Callable[[str], None] | None = None) -> CompareResult:
+                   model_cache: dict | None = None, progress: Callable[[str], None] | None = None,
+                   trace_mode: str | TraceMode = TraceMode.DIGEST, zoom_layers: int = ZOOM_LAYERS,
+                   zoom_positions: int = ZOOM_POSITIONS) -> CompareResult:
     """Run engine `engine` cold, cold again and warm on `messages`, record each, diff, report.
 
     `warm`: True fills the cache with the conversation itself; a conversation instead fills it
     with that one (a request sharing a prefix). Exit code of the result: 0 when the warm tokens
-    equal the cold ones, 1 otherwise.
+    equal the cold ones, 1 otherwise. `trace_mode` "digest": every run records digests, then
+    cold and warm run again with a zoom window in full (as `kvdiff.compare`), which also holds
+    the logits at the first token flip.
     """
     from kvdiff.engine.loading import load_model
     from kvdiff.run.record import record
@@ -53,9 +63,11 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
     warm_messages = messages if isinstance(warm, bool) else validate_messages(warm)
-    options = RunOptions.of(max_new_tokens=max_new_tokens)
+    options = RunOptions.of(max_new_tokens=max_new_tokens, trace_mode=trace_mode, zoom_layers=zoom_layers,
+                            zoom_positions=zoom_positions)
+    mode = options.trace_mode.value
     check_report_copies(json_path, html, out, ARTEFACTS)
-    with claimed_out_dir(out, str(name)) as out_dir, discarded_on_failure(out_dir, ARTEFACTS):
+    with claimed_out_dir(out, str(name)) as out_dir, discarded_on_failure(out_dir, ARTEFACTS + FIRST_PASS):
         check_report_copies(json_path, html, out_dir, ARTEFACTS)
         step("loading model")
         key = (model, "float32", "cpu", None)
@@ -67,21 +79,29 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
                 model_cache[key] = (loaded, tokenizer)
         ids = render_prompt_ids(tokenizer, messages)
         step(f"starting {name}")
+        recorded = _Recorded(loaded, tokenizer, messages, ids, out_dir, options.max_new_tokens, mode)
         target = open_target(name, loaded, tokenizer)
         try:
-            runs = _cold_cold_warm(target, loaded, tokenizer, messages, ids, warm_messages, out_dir,
-                                   options.max_new_tokens, step)
+            runs = _cold_cold_warm(target, recorded, warm_messages, step)
+            step("recording kvdiff's reference path")
+            record(loaded, tokenizer, messages, out_dir / "reference.h5", max_new_tokens=options.max_new_tokens,
+                   capture=target.points, trace_mode=mode)
+            step("diffing")
+            main = diff(out_dir / "cold.h5", out_dir / "warm.h5", tokenizer=tokenizer)
+            window = zoom_window(main, loaded.config.num_hidden_layers, options.zoom_layers, options.zoom_positions) \
+                if options.trace_mode is TraceMode.DIGEST else None
+            findings = []
+            if window is not None:
+                main, findings, runs = _zoom(target, recorded, warm_messages, window, main, step)
         finally:
             target.close()
-        step("recording kvdiff's reference path")
-        record(loaded, tokenizer, messages, out_dir / "reference.h5", max_new_tokens=options.max_new_tokens,
-               capture=target.points)
-        step("diffing")
-        main = diff(out_dir / "cold.h5", out_dir / "warm.h5", tokenizer=tokenizer)
         noise = diff(out_dir / "cold.h5", out_dir / "cold-again.h5", tokenizer=tokenizer)
         against = diff(out_dir / "reference.h5", out_dir / "cold.h5", tokenizer=tokenizer)
         floor = noise_floor(noise)
+        extra = {} if options.trace_mode is TraceMode.FULL else {
+            "trace_mode": mode, "digest": digest_section(window, findings, {}, main.comparison.alignment.positions)}
         report = main.report(
+            **extra,
             engine={"name": target.info.name, "version": target.info.version,
                     "checkpoint": str(target.info.checkpoint), "cache_hit_tokens": runs["warm"].cache_hit_tokens,
                     "prompt_tokens": len(ids)},
@@ -94,24 +114,66 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
                              report_html)
 
 
-def _cold_cold_warm(target: Target, model, tokenizer, messages: Messages, ids: list[int], warm_messages: Messages,
-                    out_dir: Path, max_new_tokens: int, step: Callable[[str], None]) -> dict[str, TargetRun]:
-    """The three recorded runs; a warm run the engine's counters show no hit for is an error."""
+@dataclass(frozen=True)
+class _Recorded:
+    """What every recorded run of one engine compare shares."""
+
+    model: object
+    tokenizer: object
+    messages: Messages
+    ids: list[int]
+    out_dir: Path
+    max_new_tokens: int
+    trace_mode: str
+
+
+def _zoom(target: Target, recorded: _Recorded, warm_messages: Messages, window: ZoomWindow, first: Divergence,
+          step: Callable[[str], None]) -> tuple[Divergence, list, dict[str, TargetRun]]:
+    """Cold and warm again, with the window (and the logits at the first flip) in full; the
+    divergence of those runs, the runs that did not repeat themselves, and the runs."""
+    out_dir = recorded.out_dir
+    for name, kept in zip(("cold.h5", "warm.h5"), FIRST_PASS):
+        (out_dir / name).replace(out_dir / kept)
+    positions = window.position_range
+    flip = first.first_token_divergence
+    if flip is not None and not window.positions[0] <= flip.position <= window.positions[1]:
+        positions += f",{flip.position}"
+    step(f"zooming in: layers {window.layer_range}, positions {positions} in full")
+    runs = _cold_cold_warm(target, recorded, warm_messages, step, ("cold", "warm"),
+                           dict(layers=window.layer_range, positions=positions, window_final=True))
+    findings = repeat_findings(tuple(out_dir / name for name in FIRST_PASS),
+                               (out_dir / "cold.h5", out_dir / "warm.h5"), ("cold run", "warm run"))
+    if not findings:
+        for name in FIRST_PASS:
+            (out_dir / name).unlink()
+    main = diff(out_dir / "cold.h5", out_dir / "warm.h5", tokenizer=recorded.tokenizer)
+    diagnoses_with(main, findings)
+    return main, findings, runs
+
+
+def _cold_cold_warm(target: Target, recorded: _Recorded, warm_messages: Messages, step: Callable[[str], None],
+                    labels: tuple[str, ...] = ("cold", "cold again", "warm"),
+                    window: dict | None = None) -> dict[str, TargetRun]:
+    """The recorded runs (of `labels`); a warm run the engine's counters show no hit for is an
+    error. `window`: a digest trace's zoom window (TraceRecorder.for_model's arguments)."""
     from kvdiff.probes.recorder import TraceRecorder
 
+    files = {"cold": "cold.h5", "cold again": "cold-again.h5", "warm": "warm.h5"}
     runs: dict[str, TargetRun] = {}
-    for label, file in (("cold", "cold.h5"), ("cold again", "cold-again.h5"), ("warm", "warm.h5")):
+    for label in labels:
         if label == "warm":
             step(f"filling {target.info.name}'s cache")
-            target.generate(render_prompt_ids(tokenizer, warm_messages), 1)
+            target.generate(render_prompt_ids(recorded.tokenizer, warm_messages), 1)
         else:
             target.reset_cache()
         step(f"running {target.info.name} {label}")
-        recorder = TraceRecorder.for_model(model, tokenizer, messages, out_dir / file, input_ids=ids,
+        recorder = TraceRecorder.for_model(recorded.model, recorded.tokenizer, recorded.messages,
+                                           recorded.out_dir / files[label], input_ids=recorded.ids,
                                            strategy=f"{target.info.name} {label}", numerics="engine",
-                                           capture=target.points, max_new_tokens=max_new_tokens)
+                                           capture=target.points, max_new_tokens=recorded.max_new_tokens,
+                                           trace_mode=recorded.trace_mode, **(window or {}))
         try:
-            run = target.generate(ids, max_new_tokens, sink=recorder)
+            run = target.generate(recorded.ids, recorded.max_new_tokens, sink=recorder)
         except BaseException:
             recorder.abort()
             raise

@@ -26,6 +26,7 @@ from kvdiff.trace import open_trace
 ZOOM_LAYERS = 2
 ZOOM_POSITIONS = 64
 ZOOM_FROM_START = 256
+FIRST_PASS = ("reference.first.h5", "candidate.first.h5")    # kept beside the zoom traces when they disagree
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,12 @@ def zoom_window(first_pass: Divergence, num_layers: int, layers: int = ZOOM_LAYE
     return ZoomWindow((low, min(low + layers - 1, num_layers - 1)), (start, end))
 
 
-def repeat_findings(first_pass: tuple[Path, Path], zoom: tuple[Path, Path]) -> list[Diagnosis]:
-    """A `nondeterministic` diagnosis for each side (reference, candidate) whose zoom run's digests
-    are not its first run's."""
+def repeat_findings(first_pass: tuple[Path, ...], zoom: tuple[Path, ...],
+                    sides: tuple[str, ...] = ("reference", "candidate")) -> list[Diagnosis]:
+    """A `nondeterministic` diagnosis for each of `sides` whose zoom run's digests are not its
+    first run's."""
     out = []
-    for side, first, again in zip(("reference", "candidate"), first_pass, zoom):
+    for side, first, again in zip(sides, first_pass, zoom):
         with open_trace(first) as a, open_trace(again) as b:
             where = first_digest_mismatch(a, b)
         if where is None:
