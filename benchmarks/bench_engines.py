@@ -3,9 +3,11 @@
 engine instance, as the median of alternated pairs.
 
     python benchmarks/bench_engines.py [--engines transformers,vllm,llama.cpp] [--tokens 600] [--new 32] [--pairs 5]
+                                       [--trace-mode digest|full]
 
 Both runs of a pair are cold (the engine's cache dropped first). Engines that are not installed
-are skipped with their reason. Goal (issue #26): probed <= 1.5x unprobed.
+are skipped with their reason. `--trace-mode`: digest (the default of `compare --engine`: a hash
+of every row) or full (every row). Goal (issue #26): probed <= 1.5x unprobed.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def timed(target, ids, new, sink=None) -> float:
     return time.perf_counter() - start
 
 
-def bench(name: str, model, tokenizer, messages, ids, new: int, pairs: int, folder: Path) -> None:
+def bench(name: str, model, tokenizer, messages, ids, new: int, pairs: int, folder: Path, mode: str) -> None:
     try:
         target = open_target(EngineName.parse(name), model, tokenizer)
     except InputError as exc:
@@ -56,12 +58,12 @@ def bench(name: str, model, tokenizer, messages, ids, new: int, pairs: int, fold
         for i in range(pairs):
             recorder = TraceRecorder.for_model(model, tokenizer, messages, folder / f"{name}-{i}.h5", input_ids=ids,
                                                capture=target.points, max_new_tokens=new, strategy=name,
-                                               numerics="engine")
+                                               numerics="engine", trace_mode=mode)
             probed.append(timed(target, ids, new, recorder))
             plain.append(timed(target, ids, new))
             (folder / f"{name}-{i}.h5").unlink()
         ratios = [p / q for p, q in zip(probed, plain)]
-        print(f"{name} {target.info.version}: {len(ids)} prompt + {new} new tokens, unprobed "
+        print(f"{name} {target.info.version}, {mode} capture: {len(ids)} prompt + {new} new tokens, unprobed "
               f"{statistics.median(plain):.3f} s, probed {statistics.median(probed):.3f} s, "
               f"ratio median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}, max {max(ratios):.2f}), "
               f"{pairs} alternated pairs; goal <= 1.5x")
@@ -76,13 +78,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=600)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--trace-mode", default="digest", choices=["digest", "full"])
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     model, tokenizer = kvdiff.load_model(args.model)
     messages, ids = conversation(tokenizer, args.tokens)
     with tempfile.TemporaryDirectory() as folder:
         for name in args.engines.split(","):
-            bench(name, model, tokenizer, messages, ids, args.new, args.pairs, Path(folder))
+            bench(name, model, tokenizer, messages, ids, args.new, args.pairs, Path(folder), args.trace_mode)
 
 
 if __name__ == "__main__":

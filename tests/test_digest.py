@@ -143,5 +143,8 @@ def test_cli_trace_modes_and_a_clear_error_for_layers_in_digest_mode(tmp_path):
     assert full.exit_code == 0, full.stderr
     with open_trace(tmp_path / "b" / "candidate.h5") as trace:
         assert trace.meta.trace_mode == "full" and trace.meta.layers == (0, 1)
+    digest = runner.invoke(app, base + ["--strategy", "isolated-local", "--out", str(tmp_path / "d")])
+    assert digest.exit_code == 1 and "digest capture: every row hashed; layers 0-1, positions 0-" in digest.stdout
+    assert "repeated the first" in digest.stdout and "trace mode" not in full.stdout
     bad = runner.invoke(app, base + ["--trace-mode", "sparse", "--out", str(tmp_path / "c")])
     assert bad.exit_code == 2 and "unknown trace mode 'sparse'" in bad.stderr

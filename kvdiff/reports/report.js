@@ -171,6 +171,11 @@
     if (re && Array.isArray(re.positions)) box.parentNode.insertBefore(el("p", "",
       "blend recomputed " + re.positions.length + " of " + fmt(re.placed) + " placed positions (" + fmt(re.share) +
       "): " + (re.positions.join(", ") || "none") + "; the ratio counts " + fmt(re.counted_over)), box);
+    const dg = R.digest;
+    if (dg && typeof dg === "object") box.parentNode.insertBefore(el("p", "", "digest capture: every row hashed; " +
+      (dg.zoom ? "layers " + span(dg.zoom.layers) + ", positions " + span(dg.zoom.positions) + " recorded in full; " +
+        (dg.repeated ? "the zoom run repeated the first" : "the zoom run did NOT repeat the first (nondeterministic)")
+        : "no zoom run: every digest equal")), box);
     chunks.forEach((c, i) => {
       const seg = el("div", "seg c" + (i % 6)), pos = c.positions || [0, 0];
       seg.style.flexGrow = String(pos[1] - pos[0] + 1);

@@ -50,6 +50,21 @@ def recomputed_line(recomputed: dict[str, Any]) -> str:
             f"{recomputed.get('counted_over', '?')}")
 
 
+def digest_line(digest: dict[str, Any]) -> str:
+    """What a digest run recorded: every row hashed, the zoom window in full, and whether the zoom
+    run repeated the first."""
+    zoom = digest.get("zoom") if isinstance(digest.get("zoom"), dict) else None
+    window = "no zoom run: every digest equal" if zoom is None else (
+        f"layers {_span(zoom.get('layers'))}, positions {_span(zoom.get('positions'))} recorded in full")
+    repeated = "" if zoom is None else ("; the zoom run repeated the first" if digest.get("repeated") is True
+                                        else "; the zoom run did NOT repeat the first (nondeterministic)")
+    return f"digest capture: every row hashed; {window}{repeated}"
+
+
+def _span(value: Any) -> str:
+    return f"{value[0]}-{value[1]}" if isinstance(value, list) and len(value) == 2 else "?"
+
+
 def _runs(values: list[int]) -> list[tuple[int, int]]:
     runs: list[tuple[int, int]] = []
     for v in values:
@@ -264,3 +279,6 @@ def render_terminal(view: Report, console: Console, point: str | None = None) ->
     recomputed = view.section("recomputed")
     if recomputed:
         console.print(Text(printable(recomputed_line(recomputed))))
+    digest = view.section("digest")
+    if digest:
+        console.print(Text(printable(digest_line(digest))))
