@@ -43,6 +43,7 @@ SYSTEM_8K = " ".join(f"Clause {i}: the assistant keeps every answer short, exact
 NEW = 32
 BATCH = 32
 REPEATS = 3        # best-of for the disk alone
+SCALE = {"tokens": 32768}   # bench_scale's prompt length (--scale-tokens)
 PAIRS = 7          # alternated (baseline, kvdiff) pairs for the numerics and capture rows; --pairs
 
 
@@ -153,6 +154,51 @@ def bench_capture(setup: Setup) -> list[Row]:
     return rows
 
 
+def bench_digest(setup: Setup) -> list[Row]:
+    """Digest capture (the default of compare) on vs off: a prompt-heavy and a decode-heavy request."""
+    model, tok, trace_dir, rows = setup.model, setup.tok, setup.trace_dir, []
+    kvdiff.record(model, tok, conv("Hi", "Hi"), os.path.join(trace_dir, "warm.h5"), max_new_tokens=2,
+                  trace_mode="digest")
+    for req, new in ((conv(SYSTEM_2K, "What is the capital of France?"), NEW),
+                     (conv(SYSTEM_2K[:2000], "Tell me a long story."), 256)):
+        path = os.path.join(trace_dir, f"digest-{new}.h5")
+        row = paired(setup, "", lambda: reference_generate(model, tok, req, new),
+                     lambda: kvdiff.record(model, tok, req, path, max_new_tokens=new, trace_mode="digest"), "<= 1.1x")
+        row.name = (f"digest capture on vs off, {len(render_prompt_ids(tok, req))} + {new} tokens, "
+                    f"trace {os.path.getsize(path) / 1e6:.1f} MB, s")
+        os.remove(path)
+        rows.append(row)
+    return rows
+
+
+def bench_scale(setup: Setup) -> list[Row]:
+    """`kvdiff.compare` end to end (digest capture, zoom) on a SCALE["tokens"]-token prompt, isolated-local
+    so that there is a divergence to find: wall time, time to the first divergence, peak GPU memory."""
+    model, tok = setup.model, setup.tok
+    words = " ".join(f"Clause {i}: the assistant keeps every answer short, exact and kind." for i in range(2400))
+    ids = tok(words, add_special_tokens=False)["input_ids"][:SCALE["tokens"] - 64]
+    messages = conv(tok.decode(ids), "What is the capital of France?")
+    n = len(render_prompt_ids(tok, messages))
+    name = f"random:{model.config.hidden_size}"
+    cache = {(name, "bfloat16", "cuda", None): (model, tok)}
+    marks: dict[str, float] = {}
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    result = kvdiff.compare(messages, model=name, dtype="bfloat16", device="cuda", strategy="isolated-local",
+                            numerics="fast", max_new_tokens=8, model_cache=cache,
+                            out=os.path.join(setup.trace_dir, f"scale-{n}"),
+                            progress=lambda what: marks.setdefault(what.split(":")[0], time.perf_counter()))
+    total = time.perf_counter() - start
+    first = marks.get("zooming in", start + total) - start
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    where = result.report.first("first_bit_difference") or {}
+    sizes = result.report.section("digest").get("trace_bytes", {})
+    return [Row(f"compare, {n}-token prompt, isolated-local: first bit difference at layer {where.get('layer')} "
+                f"position {where.get('position')} after (s) / whole run (s)", first, total, total / first, "context"),
+            Row(f"  peak GPU memory GB (model {sum(p.numel() for p in model.parameters()) * 2 / 2**30:.1f} GB) / "
+                f"trace MB (first pass, zoom)", peak, sum(sizes.values()) / 1e6, 0.0, "recorded")]
+
+
 def disk_write_time(folder: str, nbytes: int) -> float:
     """Best time to write `nbytes` from host memory into a new file in `folder`, in 1 MB pieces
     as the trace writer does: what writing a trace costs before any capture, copy or HDF5 work."""
@@ -196,7 +242,8 @@ def bench_decode(setup: Setup) -> list[Row]:
             Row(f"decode tokens/s, generate batch 1 vs engine batch {BATCH}", hf_1, eng_32, eng_32 / hf_1, "report")]
 
 
-BENCHMARKS = {"numerics": bench_numerics, "capture": bench_capture, "ttft": bench_ttft, "decode": bench_decode}
+BENCHMARKS = {"numerics": bench_numerics, "capture": bench_capture, "digest": bench_digest, "scale": bench_scale,
+              "ttft": bench_ttft, "decode": bench_decode}
 
 
 def main() -> None:
@@ -206,7 +253,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", default=list(BENCHMARKS), choices=list(BENCHMARKS),
                         help="run only these benchmarks")
     parser.add_argument("--pairs", type=int, default=PAIRS, help="alternated pairs per numerics and capture row")
+    parser.add_argument("--scale-tokens", type=int, default=SCALE["tokens"], help="the scale benchmark's prompt length")
     args = parser.parse_args()
+    SCALE["tokens"] = args.scale_tokens
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
     if not torch.cuda.is_available():

@@ -22,7 +22,7 @@ SEEDS = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content":
 STRATEGIES = ("none", "prefix", "isolated-local", "isolated-global", "rerotate", "blend")
 
 
-def test_a_hash_tells_one_flipped_bit_and_does_not_depend_on_the_batch():
+def test_a_hash_tells_one_flipped_bit_and_does_not_depend_on_the_batch(monkeypatch):
     rows = torch.randn(7, 3, 16)
     hashes, stats = row_digests(rows)
     flipped = rows.clone()
@@ -36,8 +36,21 @@ def test_a_hash_tells_one_flipped_bit_and_does_not_depend_on_the_batch():
     batch.add(rows[:2]), batch.add(torch.randn(3, 5)), batch.add(rows[2:])
     together = batch.digests()
     assert torch.equal(torch.cat([together[0][0], together[2][0]]), hashes)
+    monkeypatch.setattr("kvdiff.trace.digest.BLOCK_ELEMENTS", 100)       # hashed a few rows at a time: the same
+    blocked = row_digests(rows)
+    assert torch.equal(blocked[0], hashes) and torch.equal(blocked[1], stats)
     bf16 = rows.to(torch.bfloat16)
     assert row_digests(bf16)[0].shape == (7,) and not torch.equal(row_digests(bf16)[0], hashes)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (see docs/gpu.md)")
+def test_a_row_hashes_the_same_on_a_gpu_as_on_the_host():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        rows = torch.randn(33, 4, 64).to(dtype)
+        host, on_gpu = row_digests(rows), row_digests(rows.cuda())
+        assert torch.equal(host[0], on_gpu[0].cpu()), dtype
+        assert torch.allclose(host[1], on_gpu[1].cpu(), rtol=2 ** -22), dtype
+        assert torch.equal(host[1][:, 1], on_gpu[1][:, 1].cpu()), dtype       # max_abs: exact
 
 
 def _record(model, tokenizer, path, **kwargs):

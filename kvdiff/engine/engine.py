@@ -27,7 +27,17 @@ from kvdiff.trace.sink import ProbeSink, Provenance
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_BUDGET = 512 * 2**20
+DEFAULT_KV_BUDGET = 512 * 2**20      # on the host; on a GPU, a share of its free memory
+GPU_KV_SHARE = 0.3
+
+
+def kv_budget(device: torch.device) -> int:
+    """The KV cache's default size: on a GPU, GPU_KV_SHARE of its free memory (as serving engines
+    size theirs), at least DEFAULT_KV_BUDGET; elsewhere DEFAULT_KV_BUDGET."""
+    if device.type != "cuda":
+        return DEFAULT_KV_BUDGET
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(DEFAULT_KV_BUDGET, int(free * GPU_KV_SHARE))
 
 
 class Engine:
@@ -39,7 +49,7 @@ class Engine:
     def __init__(self, model, tokenizer, strategy: Strategy | str = Strategy.PREFIX,
                  numerics: Numerics | str = Numerics.FAST,
                  chunk_size: int | None = None, recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
-                 kv_budget_bytes: int = DEFAULT_KV_BUDGET, allow_boundary_mismatch: bool = False,
+                 kv_budget_bytes: int | None = None, allow_boundary_mismatch: bool = False,
                  seed: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  block_size: int = BLOCK_SIZE):
         # A public entry point: names from Python callers are parsed here, once.
@@ -58,6 +68,8 @@ class Engine:
         a = self.adapter
         dtype = a.embed_tokens.weight.dtype
         device = a.embed_tokens.weight.device
+        if kv_budget_bytes is None:
+            kv_budget_bytes = kv_budget(device)
         per_block = BlockPool.bytes_per_block(len(a.layers), a.num_kv_heads, a.head_dim, dtype, block_size)
         self.pool = BlockPool(len(a.layers), a.num_kv_heads, a.head_dim, kv_budget_bytes // per_block,
                               dtype, device, block_size, layer_devices=[layer.device for layer in a.layers])

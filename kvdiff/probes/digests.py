@@ -11,6 +11,8 @@ import torch
 
 from kvdiff.trace.digest import DIGEST_STATS, DigestBatch, row_digests
 from kvdiff.trace.format import digest_path, digest_table_of
+from kvdiff.trace.sink import ProbeIntegrityError
+from kvdiff.trace.staging import version_of
 from kvdiff.trace.writer import TraceWriter
 
 # Captures of at least this many elements are hashed at once (a prefill's: the hash costs about
@@ -30,6 +32,12 @@ class DigestTaker:
         self._batch = DigestBatch()
         self._taken: dict[tuple[int | None, str], dict[str, tuple | int]] = {}
         self._positions: np.ndarray | None = None
+        # Small captures wait for the end of the forward by reference, as the writer's stage keeps
+        # them: a capture's first one is cloned and watched, and those the model changed in place
+        # before the forward ended are cloned from then on.
+        self._seen: set[tuple[str, int | None]] = set()
+        self._cloned: set[tuple[str, int | None]] = set()
+        self._watched: list[tuple[str, int | None, torch.Tensor, int, bool]] = []
 
     def take(self, point: str, layer: int | None, rows: torch.Tensor, positions: np.ndarray) -> None:
         """Digest `rows` (one row per position, any trailing shape) of `point` at `layer`; every
@@ -37,12 +45,31 @@ class DigestTaker:
         self._positions = positions
         rows = rows.reshape(positions.size, -1)
         taken = self._taken.setdefault((layer, digest_table_of(point)), {})
-        taken[point] = row_digests(rows) if rows.numel() >= HASH_AT_ONCE_ELEMENTS else self._batch.add(rows)
+        if rows.numel() >= HASH_AT_ONCE_ELEMENTS:
+            taken[point] = row_digests(rows)
+            return
+        key, version = (point, layer), version_of(rows)
+        learning = key not in self._seen
+        if version is not None and key not in self._cloned:
+            self._watched.append((point, layer, rows, version, learning))
+        if learning or version is None or key in self._cloned:
+            self._seen.add(key)
+            rows = rows.clone()
+        taken[point] = self._batch.add(rows)
 
     def end_forward(self) -> None:
         """Hash the forward's small captures together and write each layer's digests."""
         if not self._taken:
             return
+        for point, layer, rows, version, learning in self._watched:
+            if rows._version == version:
+                continue
+            if not learning:
+                raise ProbeIntegrityError(f"the model changed the captured rows of {point!r} at layer {layer} in "
+                                          "place before its forward ended, after a forward where it did not: their "
+                                          "digest is not of the rows it computed; leave that point out of the capture")
+            self._cloned.add((point, layer))
+        self._watched = []
         batched = self._batch.digests() if len(self._batch) else []
         positions = self._positions
         for (layer, table), taken in self._taken.items():

@@ -89,6 +89,8 @@ class TraceRecorder:
         self._logged: list[tuple[str, int | None]] = []
         self._log: list[torch.Tensor] = []
         self._log_versions: list[int | None] = []
+        self._all_for: Sequence[int] | None = None
+        self._all_cache = np.zeros(0, np.int64)
 
     @classmethod
     def for_model(cls, model, tokenizer, messages: list[dict], path: str | os.PathLike, *,
@@ -161,6 +163,12 @@ class TraceRecorder:
         self._kept_for, self._kept_cache = positions, self._kept_now(positions)
         return self._kept_cache
 
+    def _all_positions(self, positions: Sequence[int]) -> np.ndarray:
+        """`positions` as int64, made once per forward (the paths hand every capture the same object)."""
+        if positions is not self._all_for:
+            self._all_for, self._all_cache = positions, np.asarray(positions, dtype=np.int64)
+        return self._all_cache
+
     def _kept_now(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
         pos = np.asarray(positions, dtype=np.int64)
         if self.selection.positions is None:
@@ -207,7 +215,7 @@ class TraceRecorder:
             raise ProbeIntegrityError(f"probe {point!r} of layer {layer}: rows of shape {tuple(rows.shape)} "
                                       f"do not hold {len(positions)} positions of shape {target.shape}")
         if target.digest:
-            self._digests.take(point, layer, rows, np.asarray(positions, dtype=np.int64))
+            self._digests.take(point, layer, rows, self._all_positions(positions))
             if target.name is None:
                 return
         pos, mask = self._kept(positions)

@@ -23,6 +23,7 @@ _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GOLDEN = -7046029254386353131          # 0x9E3779B97F4A7C15 as int64
 _MIX1, _MIX2 = -4658895280553007687, -7723592293110705685    # splitmix64's constants as int64
 _multipliers: dict[tuple[int, torch.device], torch.Tensor] = {}
+BLOCK_ELEMENTS = 1 << 24
 
 
 def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -44,11 +45,20 @@ def multipliers(width: int, device: torch.device) -> torch.Tensor:
 
 def row_digests(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(hash int64 (T,), statistics float32 (T, 2): rms and max_abs) of the T rows of `rows`
-    (T, ...), on the rows' device; rows are flattened to T vectors."""
+    (T, ...), on the rows' device; rows are flattened to T vectors. Hashed BLOCK_ELEMENTS at a
+    time: the widened words take 8 bytes an element (a 32k-token prompt's logits are GBs)."""
     flat = rows.detach().reshape(rows.shape[0], -1)
     if flat.shape[1] == 0:
         zeros = torch.zeros(flat.shape[0], device=flat.device)
         return torch.zeros(flat.shape[0], dtype=torch.int64, device=flat.device), torch.stack([zeros, zeros], 1)
+    step = max(1, BLOCK_ELEMENTS // flat.shape[1])
+    if flat.shape[0] > step:
+        parts = [_block_digests(flat[i:i + step]) for i in range(0, flat.shape[0], step)]
+        return torch.cat([h for h, _ in parts]), torch.cat([s for _, s in parts])
+    return _block_digests(flat)
+
+
+def _block_digests(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     words = flat.view(_WORDS[flat.element_size()]).to(torch.int64)
     hashes = (words * multipliers(flat.shape[1], flat.device)).sum(1)
     values = flat if flat.is_floating_point() else flat.to(torch.float64)
@@ -60,8 +70,8 @@ def row_digests(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class DigestBatch:
     """The small captures of one forward, hashed together when the forward ends: a decode step
     hands over hundreds of one-row captures, and a few torch calls each would cost more than
-    the step. Each capture is copied when added (the model may change its tensor in place
-    later in the forward); `digests()` hashes the copies in one call per row width and dtype."""
+    the step. The caller copies a capture the model may change in place before the forward
+    ends; `digests()` hashes them in one call per row width and dtype."""
 
     def __init__(self) -> None:
         self._rows: list[torch.Tensor] = []
@@ -70,8 +80,8 @@ class DigestBatch:
         return len(self._rows)
 
     def add(self, rows: torch.Tensor) -> int:
-        """Keep a copy of `rows` (T, ...); returns its index in `digests()`."""
-        self._rows.append(rows.detach().reshape(rows.shape[0], -1).clone())
+        """Keep `rows` (T, ...) until `digests()`; returns its index there."""
+        self._rows.append(rows.detach().reshape(rows.shape[0], -1))
         return len(self._rows) - 1
 
     def digests(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
