@@ -682,7 +682,7 @@ def plant_rope_shift(ctx: Ctx, offset: int, lo: str | None = None, hi: str | Non
         adapter = ctx.engine.adapter
         undo = _restore_attr(adapter, "rope")
         rope = type(adapter).rope.__get__(adapter)
-        adapter.rope = lambda like, positions: rope(like, shift(positions))
+        adapter.rope = lambda like, positions, kind=None: rope(like, shift(positions), kind)
         return undo
 
     def hook(module, args, kwargs):

@@ -22,7 +22,7 @@ from kvdiff.probes.selection import Selection
 from kvdiff.run.compare import compare
 from kvdiff.run.record import record
 from kvdiff.trace import open_trace
-from kvdiff.trace.points import ALL_POINTS, KNOWN_POINTS
+from kvdiff.trace.points import ALL_POINTS, MOE_POINTS
 
 from conftest import SEED_PROMPT, SEED_SYSTEM
 
@@ -40,7 +40,8 @@ def test_the_tiny_model_routes_every_layer_and_declares_the_router_points(moe):
     dims = model_dims(model)
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
     assert (dims.num_experts, dims.experts_per_token) == (8, 2)
-    assert dims.points() == KNOWN_POINTS and dims.point_shape("router_logits") == (8,)
+    assert set(dims.points()) == set(ALL_POINTS + MOE_POINTS)
+    assert dims.point_shape("router_logits") == (8,)
     assert dims.point_shape("experts") == (2,)
 
 
@@ -75,7 +76,7 @@ def test_reference_probes_hold_the_routers_logits_and_choices(moe, tmp_path):
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
     with open_trace(path) as tr:
-        assert tr.meta.points == KNOWN_POINTS and tr.meta.dims.num_experts == 8
+        assert tr.meta.points == model_dims(model).points() and tr.meta.dims.num_experts == 8
         prompt = np.arange(len(ids))
         for layer in range(model.config.num_hidden_layers):
             logits = tr.point(layer, "router_logits", prompt)

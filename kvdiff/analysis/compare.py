@@ -16,15 +16,13 @@ import numpy as np
 
 from kvdiff.analysis.align import Alignment
 from kvdiff.analysis.metrics import RowMetrics, row_metrics
-from kvdiff.analysis.norms import NormCheck, NormChecker
+from kvdiff.analysis.norms import NORM_IO, NormCheck, NormChecker
 from kvdiff.analysis.tolerance import NOT_COMPARED, Tier, Tolerances
 from kvdiff.trace.points import FINAL_POINTS, KNOWN_LAYER_POINTS, READ_POINTS
 from kvdiff.trace import TraceReader
 
 log = logging.getLogger(__name__)
 
-# Each norm's input point and output point, per layer; the final norm reads the last resid_post.
-NORM_IO = {"attn_norm": ("resid_pre", "attn_norm"), "mlp_norm": ("resid_mid", "mlp_norm")}
 _BLOCK_BYTES = (64 << 10, 8 << 20)   # rows read at once from each trace: a quarter layer, within these bounds
 _HDF5_CHUNK_ROWS = 128                # the writer's chunk height for rows of 64 B to 8 KB (a multiple below)
 

@@ -21,7 +21,7 @@ from kvdiff.analysis.search import Location
 from kvdiff.analysis.tolerance import Tier
 
 _OWN_RULE = ("attention (", "RoPE", "K read from", "V read from", "attention norm", "MLP norm", "final norm", "between ",
-             "top-k expert choice")
+             "top-k expert choice", "attention post-norm", "MLP post-norm")
 
 
 def _tiers(inputs: DiagnosisInputs, point: str, layer: int | None) -> np.ndarray | None:

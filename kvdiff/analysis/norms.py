@@ -19,6 +19,9 @@ from kvdiff.errors import TraceError
 from kvdiff.trace import TraceReader
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Each layer norm's input point and output point; the final norm reads the last resid_post.
+NORM_IO = {"attn_norm": ("resid_pre", "attn_norm"), "mlp_norm": ("resid_mid", "mlp_norm"),
+           "attn_post_norm": ("attn_out", "attn_post_norm"), "mlp_post_norm": ("mlp_out", "mlp_post_norm")}
 
 
 @dataclass
@@ -94,7 +97,7 @@ class NormChecker:
     def __init__(self, ref: TraceReader, cand: TraceReader, layer: int | None, norm: str, tolerances: Tolerances):
         self.layer, self.norm, self.tolerances = layer, norm, tolerances
         self._weights = (_weight(ref, layer, norm), _weight(cand, layer, norm))
-        self._input_point = "resid_pre" if norm == "attn_norm" else "resid_mid" if norm == "mlp_norm" else "resid_post"
+        self._input_point = NORM_IO.get(norm, ("resid_post",))[0]
         self._blocks: list[tuple[np.ndarray | None, ...]] = []
 
     def _recompute(self, weight: tuple[np.ndarray, float, str] | None,

@@ -29,14 +29,21 @@ OPERATIONS: dict[str, tuple[str, tuple[tuple[str, int], ...]]] = {
     "k": ("RoPE on k", (("k_pre_rope", 0),)),
     "v": ("v projection", (("attn_norm", 0),)),
     "attn_out": ("attention (softmax(q k^T) v, o_proj)", (("q", 0), ("k", 0), ("v", 0))),
+    "attn_post_norm": ("attention post-norm", (("attn_out", 0),)),
     "resid_mid": ("residual add after attention", (("resid_pre", 0), ("attn_out", 0))),
     "mlp_norm": ("MLP norm", (("resid_mid", 0),)),
     "router_logits": ("router", (("mlp_norm", 0),)),
     "experts": ("top-k expert choice", (("router_logits", 0),)),
     "mlp_out": ("MLP", (("mlp_norm", 0),)),
+    "mlp_post_norm": ("MLP post-norm", (("mlp_out", 0),)),
     "resid_post": ("residual add after the MLP", (("resid_mid", 0), ("mlp_out", 0))),
     "final_norm": ("final norm", (("resid_post", 0),)),
     "logits": ("LM head", (("final_norm", 0),)),
+}
+# With norms after attention and the MLP (Gemma 3), the residual adds read the normed outputs.
+POST_NORMED: dict[str, tuple[tuple[str, int], ...]] = {
+    "resid_mid": (("resid_pre", 0), ("attn_post_norm", 0)),
+    "resid_post": (("resid_mid", 0), ("mlp_post_norm", 0)),
 }
 MATCHING = (Tier.BITWISE.label, Tier.NOISE.label)     # tiers within tolerance
 
@@ -103,6 +110,8 @@ def first_operation(comparison: Comparison, where: Location | None) -> Operation
     if where is None or where.tensor not in OPERATIONS:
         return None
     name, sources = OPERATIONS[where.tensor]
+    if where.tensor in POST_NORMED and "attn_post_norm" in comparison.points:
+        sources = POST_NORMED[where.tensor]
     layers = comparison.layers
     checks = []
     for point, offset in sources:

@@ -4,7 +4,8 @@ The engine runs embedding, norms, projections, MLP and rotary of the transformer
 itself; only attention, positions, KV cache and scheduling are its own. An adapter knows
 where each module lives and the few per-family differences (Qwen2 q/k/v bias is inside the
 projections; Qwen3 normalises q and k per head before RoPE; Qwen3-MoE routes each token to
-experts in place of the MLP).
+experts in place of the MLP; Gemma 3 also normalises attention's and the MLP's outputs, and its
+sliding-window and global layers rotate with RoPE bases of their own).
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ class LayerModules:
     o_proj: nn.Linear
     q_norm: nn.Module | None
     k_norm: nn.Module | None
-    post_attention_layernorm: nn.Module
+    post_attention_layernorm: nn.Module    # the MLP's input norm (Gemma 3: pre_feedforward_layernorm)
     mlp: nn.Module
     device: torch.device          # where the layer's weights are (layers may span GPUs)
     router: nn.Module | None = None    # a mixture-of-experts layer: h -> (router logits, top-k weights, top-k ids)
     experts: nn.Module | None = None   # (h, top-k ids, top-k weights) -> the experts' weighted sum
+    attn_post_norm: nn.Module | None = None   # Gemma 3: norms of o_proj's and the MLP's outputs, before
+    mlp_post_norm: nn.Module | None = None    # their residual adds
+    rope_kind: str | None = None       # which of the adapter's `rope_kinds` rotates this layer
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +55,7 @@ class Adapter:
     """Llama-style decoder (Llama, Mistral, Qwen2): modules and shapes."""
 
     families: tuple[str, ...] = ("llama", "mistral", "qwen2")
+    rope_kinds: tuple[str | None, ...] = (None,)     # one RoPE for every layer
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -92,9 +97,12 @@ class Adapter:
         v = layer.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
         return q, k, v
 
-    def rope(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (T, D) at `positions` (T,), from the model's own rotary embedding."""
-        cos, sin = self.rotary_emb(like, positions.unsqueeze(0))
+    def rope(self, like: torch.Tensor, positions: torch.Tensor,
+             kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, D) at `positions` (T,), from the model's own rotary embedding (of the
+        layers of `kind`, one of `rope_kinds`)."""
+        cos, sin = self.rotary_emb(like, positions.unsqueeze(0)) if kind is None else \
+            self.rotary_emb(like, positions.unsqueeze(0), kind)
         return cos[0], sin[0]
 
 
@@ -121,7 +129,35 @@ class Qwen3MoeAdapter(Qwen3Adapter):
         return modules
 
 
-ADAPTERS: dict[str, type[Adapter]] = {family: cls for cls in (Adapter, Qwen3Adapter, Qwen3MoeAdapter)
+class Gemma3Adapter(Qwen3Adapter):
+    """Gemma 3 (text): Qwen3's q/k norms, four norms a layer (input, after attention, before and
+    after the MLP; each scales by 1 + weight, inside the module), the embedding scaled by
+    sqrt(hidden) (inside the module), and layers of two kinds, sliding-window and global, each with
+    its RoPE base. Logit soft-capping (Gemma 2's) is refused."""
+
+    families = ("gemma3_text",)
+
+    def __init__(self, model: nn.Module):
+        config = model.config
+        capped = [name for name in ("attn_logit_softcapping", "final_logit_softcapping") if getattr(config, name, None)]
+        if capped:
+            raise UnsupportedModelError(f"{' and '.join(capped)} set: kvdiff's engine has no soft-capped attention "
+                                        "or logits; use a model without soft-capping")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise UnsupportedModelError("use_bidirectional_attention set: kvdiff's engine generates causally; "
+                                        "use a causal (generative) Gemma 3")
+        self.rope_kinds = tuple(sorted(set(config.layer_types)))
+        super().__init__(model)
+
+    def _layer(self, layer: nn.Module) -> LayerModules:
+        modules = super()._layer(layer)
+        modules.post_attention_layernorm = layer.pre_feedforward_layernorm
+        modules.attn_post_norm, modules.mlp_post_norm = layer.post_attention_layernorm, layer.post_feedforward_layernorm
+        modules.rope_kind = layer.self_attn.layer_type
+        return modules
+
+
+ADAPTERS: dict[str, type[Adapter]] = {family: cls for cls in (Adapter, Qwen3Adapter, Qwen3MoeAdapter, Gemma3Adapter)
                                       for family in cls.families}
 
 

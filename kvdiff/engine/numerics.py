@@ -208,7 +208,8 @@ def _patched_forwards(model: nn.Module) -> list[tuple[nn.Module, object]]:
     for m in model.modules():
         if isinstance(m, nn.Linear):
             out.append((m, _linear_forward(m)))
-        elif type(m).__name__.endswith("RMSNorm") and m.weight.is_cuda:
+        elif type(m).__name__.endswith("RMSNorm") and not type(m).__name__.startswith("Gemma") and m.weight.is_cuda:
+            # (Gemma's norms scale by 1 + weight in float32: another formula, left to the model)
             out.append((m, _rms_norm_forward(m)))
     return out
 

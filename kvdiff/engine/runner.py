@@ -91,9 +91,10 @@ class ModelRunner:
     def place(self, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor) -> None:
         """Copy cached K/V rows from slots `src` to `dst` on every layer, K rotated by `delta` positions."""
         k0 = self.pool.k[0]
-        cos, sin = self.adapter.rope(k0[:1], delta)
-        for i in range(len(self.adapter.layers)):
+        rotations = {kind: self.adapter.rope(k0[:1], delta, kind) for kind in self.adapter.rope_kinds}
+        for i, layer in enumerate(self.adapter.layers):
             k, v = self.pool.read(i, src)
+            cos, sin = rotations[layer.rope_kind]
             self.pool.write(i, dst, rerotate_keys(k, cos.to(k.device), sin.to(k.device)), v)
 
     def forward(self, groups: list[RowGroup], num_layers: int | None = None) -> list[torch.Tensor | None]:
@@ -122,19 +123,22 @@ class ModelRunner:
             keys = self._keys(groups)
             plan = None if self.exact else CascadePlan.build(spans, keys, dev)
         x = a.embed_tokens(tokens)
-        cos, sin = (t.to(x.device) for t in a.rope(x, encoded))   # the rotary module may sit on another GPU
+        ropes = {kind: a.rope(x, encoded, kind) for kind in a.rope_kinds}
         probes = _Probes(groups, spans, positions)
         probes.begin()
         layers = a.layers[: num_layers or len(a.layers)]
         for i, layer in enumerate(layers):
             if x.device != layer.device:   # a model split across GPUs: follow its layers
-                x, cos, sin = (t.to(layer.device) for t in (x, cos, sin))
+                x = x.to(layer.device)
                 write_rows = write_rows.to(layer.device) if write_rows is not None else None
                 plan = plan.to(layer.device) if plan is not None else None
             probes.capture("resid_pre", i, x)
             h = layer.input_layernorm(x)
             probes.capture("attn_norm", i, h)
             probes.norm("attn_norm", i, x, h)
+            cos, sin = ropes[layer.rope_kind]
+            if cos.device != x.device:     # the rotary module may sit on another GPU than the layer
+                cos, sin = ropes[layer.rope_kind] = cos.to(x.device), sin.to(x.device)
             q, k, v = a.qkv(layer, h)
             probes.capture("k_pre_rope", i, k)
             q = apply_rope(q, cos, sin)
@@ -154,6 +158,8 @@ class ModelRunner:
                 probes.capture("v", i, vr)
             attn_out = layer.o_proj(o.reshape(o.shape[0], -1))
             probes.capture("attn_out", i, attn_out)
+            if layer.attn_post_norm is not None:
+                attn_out = self._post_norm("attn_post_norm", i, layer.attn_post_norm, attn_out, probes)
             x = x + attn_out
             probes.capture("resid_mid", i, x)
             h = layer.post_attention_layernorm(x)
@@ -161,11 +167,21 @@ class ModelRunner:
             probes.norm("mlp_norm", i, x, h)
             m = layer.mlp(h) if layer.router is None else self._experts(i, layer, h, probes)
             probes.capture("mlp_out", i, m)
+            if layer.mlp_post_norm is not None:
+                m = self._post_norm("mlp_post_norm", i, layer.mlp_post_norm, m, probes)
             x = x + m
             probes.capture("resid_post", i, x)
         logits = self._final(x, groups, spans, probes) if num_layers is None else [None] * len(groups)
         probes.end()
         return logits
+
+    @staticmethod
+    def _post_norm(point: str, i: int, norm, rows: torch.Tensor, probes: "_Probes") -> torch.Tensor:
+        """A norm of a sublayer's output before its residual add (Gemma 3), probed."""
+        out = norm(rows)
+        probes.capture(point, i, out)
+        probes.norm(point, i, rows, out)
+        return out
 
     @staticmethod
     def _experts(i: int, layer, h: torch.Tensor, probes: "_Probes") -> torch.Tensor:

@@ -11,6 +11,7 @@ import functools
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -45,6 +46,7 @@ TINY_FAMILIES: dict[str, type[PretrainedConfig]] = {
     "tiny-qwen2": Qwen2Config,
     "tiny-qwen3": Qwen3Config,
     "tiny-qwen3-moe": Qwen3MoeConfig,
+    "tiny-gemma3": Gemma3TextConfig,
 }
 
 SEED = 1234
@@ -99,8 +101,12 @@ def tiny_config(name: str, num_layers: int = 3) -> PretrainedConfig:
         pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
     )
     cls = TINY_FAMILIES[name]
-    if cls in (Qwen3Config, Qwen3MoeConfig):
+    if cls in (Qwen3Config, Qwen3MoeConfig, Gemma3TextConfig):
         common["head_dim"] = 16
+    if cls is Gemma3TextConfig:    # every third layer global, the others sliding-window (512 positions)
+        common.update(query_pre_attn_scalar=16, sliding_window=512,
+                      layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                                   for i in range(num_layers)])
     if cls is Qwen3MoeConfig:      # every layer sparse: 8 experts of width 32, 2 chosen per token
         common.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[])

@@ -59,7 +59,7 @@ class ModelProbes:
                 self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
             else:
                 hook = self._output_hook(rule.point, layer, with_norm=rule.kind == "norm", index=rule.index,
-                                         flat=rule.flat)
+                                         flat=rule.flat, heads_first=rule.heads_first)
                 self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         log.debug("attached %d probe hooks to %s", len(self._handles), type(self.model).__name__)
         unmatched = [f"{r.pattern!r} ({r.point})" for r, n in matched.items() if n == 0]
@@ -114,11 +114,13 @@ class ModelProbes:
         return hook
 
     def _output_hook(self, point: str, layer: int | None, with_norm: bool, index: int = 0,
-                     flat: bool = False) -> Callable:
+                     flat: bool = False, heads_first: bool = False) -> Callable:
         def hook(module, args, kwargs, output):
             out = output[index] if isinstance(output, tuple) else output
             if flat:        # (T, ...) rows of the forward's one sequence
                 out = out.unsqueeze(0)
+            if heads_first:     # (1, heads, T, head_dim) -> (1, T, heads, head_dim)
+                out = out.transpose(1, 2)
             if not out.is_floating_point():
                 out = out.float()
             positions = self._at(out, point)

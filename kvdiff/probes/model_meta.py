@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -20,7 +22,13 @@ def model_dims(model: torch.nn.Module) -> ModelDims:
     scales = [m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")]
     return ModelDims(c.num_hidden_layers, heads, getattr(c, "num_key_value_heads", None) or heads, head_dim,
                      c.hidden_size, c.vocab_size, float(scales[0]) if scales else head_dim ** -0.5,
-                     *experts_shape(model))
+                     *experts_shape(model), post_norms=int(_post_norms(model)))
+
+
+def _post_norms(model: torch.nn.Module) -> bool:
+    """Whether every decoder layer normalises attention's and the MLP's outputs too (Gemma 3)."""
+    layers = getattr(getattr(model, "model", None), "layers", ())
+    return bool(layers) and all(hasattr(layer, "post_feedforward_layernorm") for layer in layers)
 
 
 def experts_shape(model: torch.nn.Module) -> tuple[int, int]:
@@ -34,14 +42,29 @@ def experts_shape(model: torch.nn.Module) -> tuple[int, int]:
     return int(routers[0].num_experts), int(routers[0].top_k)
 
 
-def norm_modules(model: torch.nn.Module, spec: ProbeSpec) -> dict[tuple[int | None, str], torch.nn.Module]:
-    """(layer, norm name) -> norm module, for the spec's norm rules and its weight-only norms."""
+# RMSNorms that scale by (1 + weight), computed in float32 (Gemma's): traces store the scale itself.
+OFFSET_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+
+
+@dataclass(frozen=True)
+class NormScale:
+    """The scale and epsilon a norm applies, where its module stores the scale as an offset from 1."""
+
+    weight: torch.Tensor
+    eps: float
+
+
+def norm_modules(model: torch.nn.Module, spec: ProbeSpec) -> dict[tuple[int | None, str], torch.nn.Module | NormScale]:
+    """(layer, norm name) -> norm module (a NormScale for an offset norm: its weight is the scale
+    `w * x / rms(x)` applies), for the spec's norm rules and its weight-only norms."""
     patterns = [(r.point, r.pattern) for r in spec.rules if r.kind == "norm"] + list(spec.weight_norms.items())
-    found: dict[tuple[int | None, str], torch.nn.Module] = {}
+    found: dict[tuple[int | None, str], torch.nn.Module | NormScale] = {}
     for norm, pattern in patterns:
         regex = compile_pattern(pattern)
         for name, module in model.named_modules():
             if regex.match(name):
+                if type(module).__name__ in OFFSET_NORMS:
+                    module = NormScale(1.0 + module.weight.detach().float(), norm_eps(module))
                 found[(layer_of(name), norm)] = module
     return found
 

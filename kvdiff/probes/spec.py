@@ -27,7 +27,8 @@ class ProbeRule:
     kind: "output" captures the module's output, "input" its first input (a pre-hook), "norm"
     its output as the point plus input and output for the norm statistics. `index`: which element
     of a tuple output; `flat`: the module sees the tokens as rows (T, ...) with no batch dimension
-    (a router). Integer outputs (expert ids) are captured as float32.
+    (a router); `heads_first`: its output is (batch, heads, T, head_dim) (Gemma's k_norm runs after
+    the transpose). Integer outputs (expert ids) are captured as float32.
     """
 
     pattern: str
@@ -35,6 +36,7 @@ class ProbeRule:
     kind: Kind = "output"
     index: int = 0
     flat: bool = False
+    heads_first: bool = False
 
     def __post_init__(self) -> None:
         if self.point not in KNOWN_POINTS:
@@ -98,6 +100,26 @@ QWEN3_SPEC = ProbeSpec(
     _decoder_rules("model.layers.*.self_attn.k_norm"),
     weight_norms={"q_norm": "model.layers.*.self_attn.q_norm", "k_norm": "model.layers.*.self_attn.k_norm"},
 )
+# Gemma 3: q/k norms, and norms after attention and after the MLP too (the MLP's input norm is
+# pre_feedforward_layernorm; post_attention_layernorm normalises attention's output).
+GEMMA3_SPEC = ProbeSpec(
+    (
+        ProbeRule("model.layers.*", "resid_pre", "input"),
+        ProbeRule("model.layers.*.input_layernorm", "attn_norm", "norm"),
+        ProbeRule("model.layers.*.self_attn.k_norm", "k_pre_rope", heads_first=True),
+        ProbeRule("model.layers.*.self_attn.v_proj", "v"),
+        ProbeRule("model.layers.*.self_attn.o_proj", "attn_out"),
+        ProbeRule("model.layers.*.post_attention_layernorm", "attn_post_norm", "norm"),
+        ProbeRule("model.layers.*.pre_feedforward_layernorm", "resid_mid", "input"),
+        ProbeRule("model.layers.*.pre_feedforward_layernorm", "mlp_norm", "norm"),
+        ProbeRule("model.layers.*.mlp", "mlp_out"),
+        ProbeRule("model.layers.*.post_feedforward_layernorm", "mlp_post_norm", "norm"),
+        ProbeRule("model.layers.*", "resid_post"),
+        ProbeRule("model.norm", "final_norm", "norm"),
+        ProbeRule("lm_head", "logits"),
+    ),
+    weight_norms=QWEN3_SPEC.weight_norms,
+)
 # The router (Qwen3MoeTopKRouter) returns (logits, top-k weights, top-k ids) over flattened tokens.
 QWEN3_MOE_SPEC = ProbeSpec(
     QWEN3_SPEC.rules + (ProbeRule("model.layers.*.mlp.gate", "router_logits", flat=True),
@@ -106,6 +128,7 @@ QWEN3_MOE_SPEC = ProbeSpec(
 )
 DEFAULT_SPECS: dict[str, ProbeSpec] = {
     "llama": LLAMA_SPEC, "mistral": LLAMA_SPEC, "qwen2": LLAMA_SPEC, "qwen3": QWEN3_SPEC, "qwen3_moe": QWEN3_MOE_SPEC,
+    "gemma3_text": GEMMA3_SPEC,
 }
 
 
