@@ -1,6 +1,7 @@
 """Digest capture: its cost against the same run unprobed, and its trace against a full one.
 
     python benchmarks/bench_digest.py [--model smollm2-135m] [--prompt-tokens 2000] [--pairs 3]
+    python benchmarks/bench_digest.py --scale 8000      # kvdiff compare end to end on an 8,000-token prompt
 
 Two requests of the reference path (transformers, greedy): prompt-heavy (`--prompt-tokens`
 prompt tokens, 4 generated) and decode-heavy (200 prompt tokens, `--decode-tokens` generated).
@@ -8,13 +9,16 @@ Each is run unprobed and with digest capture (`kvdiff.record(trace_mode="digest"
 of every point, layer and position hashed, the trace written and closed), in alternated pairs;
 the figure is the median of the pairs' ratios. The size row compares the full trace of the
 prompt-heavy request with its zoom trace (digests plus a window of 2 layers x 64 positions in
-full, as `compare` writes by default).
+full, as `compare` writes by default). `--scale N` instead runs `kvdiff.compare` (digest
+capture, isolated-local, so that there is a divergence to find) on an N-token prompt and prints
+the time to the first difference (the digest diff's end), the whole run's and its peak memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import statistics
 import tempfile
 import time
@@ -58,14 +62,39 @@ def ratio(model, tokenizer, messages, new_tokens: int, pairs: int, folder: Path,
     return statistics.median(d / p for p, d in runs), runs
 
 
+def scale(model_name: str, n_tokens: int) -> None:
+    """`kvdiff.compare` end to end on an `n_tokens`-token prompt: time to the first difference, total, peak RSS."""
+    _, tokenizer = kvdiff.load_model(model_name)
+    messages = messages_of(tokenizer, n_tokens - 16)
+    messages.append({"role": "user", "content": "What is the capital of France?"})
+    marks: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        result = kvdiff.compare(messages, model=model_name, strategy="isolated-local", max_new_tokens=4,
+                                out=Path(folder) / "run",
+                                progress=lambda what: marks.setdefault(what.split(":")[0], time.perf_counter()))
+        total = time.perf_counter() - start
+        report = result.report
+        first = report.first("first_bit_difference") or {}
+        sizes = report.section("digest").get("trace_bytes", {})
+    log.info("compare, %d-token prompt, isolated-local: first bit difference (layer %s, position %s) known after "
+             "%.1f s, whole run %.1f s (zoom: %s), traces %.1f MB, peak resident memory %.2f GB",
+             len(report.prompt_tokens), first.get("layer"), first.get("position"),
+             marks.get("zooming in", start + total) - start, total, report.section("digest").get("zoom"),
+             sum(sizes.values()) / 1e6, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--scale", type=int, default=None, help="run compare end to end on this many tokens")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.scale is not None:
+        return scale(args.model, args.scale)
 
     model, tokenizer = kvdiff.load_model(args.model)
     fingerprint = model_fingerprint(model)

@@ -147,11 +147,13 @@ class TraceRecorder:
         one-position forward's layout: one position, kept by the selection, and captures that
         stay the same tensors to the end of the forward (no autograd, not in inference mode)."""
         repeat = self._repeat
-        if repeat is None or len(positions) != 1 or repeat.reads_only != reads_only or self._digests is not None:
+        if repeat is None or len(positions) != 1 or repeat.reads_only != reads_only:
             return False
         if torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return False
-        _, mask = self._kept(positions)
+        kept, mask = self._kept(positions)
+        if self._digests is not None:           # a digest trace's step outside its window: digests only
+            return kept.size == 0
         return mask is None or bool(mask[0])
 
     def _kept(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
@@ -279,13 +281,15 @@ class TraceRecorder:
             return
         if (self._reads_only, self._fired) != self._checked:      # decode steps repeat one layout: checked once
             self._check_fired()
-        one_position = len(self._positions) == 1 and self._kept(self._positions)[0].size == 1
+        kept = self._kept(self._positions)[0].size
+        one_position = len(self._positions) == 1 and kept == (1 if self._digests is None else 0)
         self._positions = None
         if self._digests is not None:
             self._digests.end_forward()
         staged = self.writer.commit()
         if one_position:
-            self._repeat = _Repeat(self._reads_only, self._fired, staged) if staged is not None else None
+            digests_only = self._digests is not None
+            self._repeat = _Repeat(self._reads_only, self._fired, staged) if staged is not None or digests_only else None
 
     def _end_repeat(self) -> bool:
         """End a forward whose captures were logged: True when they repeat the layout and went to
@@ -293,7 +297,17 @@ class TraceRecorder:
         repeat, logging = self._repeat, self._logging
         logged, log, versions = self._logged, self._log, self._log_versions
         self._logging, self._logged, self._log, self._log_versions = None, [], [], []
-        if not self._fired and logged == repeat.fired and [rows.numel() for rows in log] == repeat.staged.numels:
+        if self._digests is not None and not self._fired and logged == repeat.fired:
+            self._fired = logged
+            if (self._reads_only, self._fired) != self._checked:
+                self._check_fired()
+            self._positions = None
+            self._digests.take_logged(logged, log, self._all_positions(logging))
+            self._digests.end_forward()
+            self.writer.commit()
+            return True
+        if self._digests is None and not self._fired and logged == repeat.fired \
+                and [rows.numel() for rows in log] == repeat.staged.numels:
             self._fired = logged
             if (self._reads_only, self._fired) != self._checked:
                 self._check_fired()
