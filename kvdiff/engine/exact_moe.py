@@ -26,8 +26,11 @@ def _router_forward(module: nn.Module):
         logits = invariant_linear(rows.to(module.weight.device), module.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         top, chosen = torch.topk(probs, module.top_k, dim=-1)
-        if module.norm_topk_prob:
-            top = top / top.sum(dim=-1, keepdim=True)
+        if module.norm_topk_prob:           # summed in slot order: no reduction kernel picks the order
+            total = top[:, :1]
+            for slot in range(1, module.top_k):
+                total = total + top[:, slot:slot + 1]
+            top = top / total
         return logits, top.to(logits.dtype), chosen
     return forward
 
