@@ -35,6 +35,10 @@ SHAPES = {
     "qwen3-moe": ("tiny-qwen3-moe", dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
                                          num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4,
                                          moe_intermediate_size=256, intermediate_size=1024)),
+    "gemma3": ("tiny-gemma3", dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                                   head_dim=64, query_pre_attn_scalar=64, intermediate_size=2048, sliding_window=4096,
+                                   layer_types=["full_attention" if i % 6 == 5 else "sliding_attention"
+                                                for i in range(8)])),
 }
 
 
@@ -43,7 +47,7 @@ def build(family: str):
     config = tiny_config(name)
     for key, value in shape.items():
         setattr(config, key, value)
-    config.max_position_embeddings = 4096
+    config.max_position_embeddings = 8192
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     return model, tiny_tokenizer(), sum(p.numel() for p in model.parameters())
