@@ -41,10 +41,11 @@ def test_a_hash_tells_one_flipped_bit_and_does_not_depend_on_the_batch(monkeypat
     assert torch.equal(blocked[0], hashes) and torch.equal(blocked[1], stats)
     bf16 = rows.to(torch.bfloat16)
     assert row_digests(bf16)[0].shape == (7,) and not torch.equal(row_digests(bf16)[0], hashes)
+    assert torch.equal(row_digests(bf16)[0], row_digests(bf16.float())[0])    # by value: an engine's float32 logits
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (see docs/gpu.md)")
-def test_a_row_hashes_the_same_on_a_gpu_as_on_the_host():
+def test_a_row_hashes_the_same_on_a_gpu_as_on_the_host():      # and whatever it widened 16-bit rows with
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         rows = torch.randn(33, 4, 64).to(dtype)
         host, on_gpu = row_digests(rows), row_digests(rows.cuda())

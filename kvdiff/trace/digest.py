@@ -9,7 +9,8 @@ itself; they bound the difference from below (analysis/digests.py), which tells 
 beyond tolerance without the rows.
 
 The hash of a row of W elements with bit patterns b_j (as signed integers of the element's
-width, widened to int64) is sum_j b_j * m_j mod 2^64, with m_j odd multipliers drawn from j
+width, widened to int64; bfloat16 and float16 rows are widened to float32 first, exactly, so a
+row hashes the same whichever of them an engine keeps it in) is sum_j b_j * m_j mod 2^64, with m_j odd multipliers drawn from j
 alone (splitmix64), so a row's hash does not depend on the device, the batch or which other
 rows were hashed with it: the engines' traces and kvdiff's compare.
 """
@@ -59,6 +60,8 @@ def row_digests(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _block_digests(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if flat.dtype in (torch.bfloat16, torch.float16):
+        flat = flat.float()         # exact: a row hashes by its values, as the diff compares float32 rows
     words = flat.view(_WORDS[flat.element_size()]).to(torch.int64)
     hashes = (words * multipliers(flat.shape[1], flat.device)).sum(1)
     values = flat if flat.is_floating_point() else flat.to(torch.float64)
