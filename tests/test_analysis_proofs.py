@@ -188,7 +188,7 @@ def test_a_changed_projection_is_an_operation_mismatch_at_every_position(traces,
         f.attrs["strategy"] = "prefix"
         f["layers/1/mlp_out"][:] = f["layers/1/mlp_out"][:] * np.float32(1.01)
     with open_trace(traces["reference"]) as ref, open_trace(cand) as c:
-        cmp = _compare(ref, c, None, str)
+        cmp, _ = _compare(ref, c, None, str)
         chunks = ChunkLookup.of(c)
         (op,) = diagnose_operation(DiagnosisInputs(ref, c, cmp, chunks, str), first_tolerance_breach(cmp, chunks))
     assert op.kind == "operation_mismatch" and op.details["operation"] == "MLP" and op.details["layer"] == 1

@@ -124,9 +124,10 @@ def _assert_sized_to_its_rows(path) -> None:
     import h5py
 
     with h5py.File(path) as f:
-        rows = f["positions"].shape[0]
+        digests = "digests" in f           # a digest trace: its digests are its rows
+        rows = f["digests/positions" if digests else "positions"].shape[0]
         sized = []
-        for group in ("layers", "final"):
+        for group in ("digests",) if digests else ("layers", "final"):
             def check(name, obj):
                 if isinstance(obj, h5py.Dataset) and obj.shape[:1] == (rows,):
                     assert obj.id.get_storage_size() <= obj.nbytes * (rows + 1) // rows, (path, name)
@@ -140,9 +141,10 @@ def test_a_short_trace_file_holds_no_room_for_rows_that_never_come(tiny_llama, t
     31 MB of rows; `record` and `compare` now size them to the prompt plus the new tokens."""
     model, tokenizer = tiny_llama
     _assert_sized_to_its_rows(record(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=3))
-    run = kvdiff.compare(MESSAGES, model="tiny-llama", max_new_tokens=3, out=tmp_path / "run")
-    _assert_sized_to_its_rows(run.reference_trace)
-    _assert_sized_to_its_rows(run.candidate_trace)
+    for mode in ("full", "digest"):
+        run = kvdiff.compare(MESSAGES, model="tiny-llama", max_new_tokens=3, out=tmp_path / mode, trace_mode=mode)
+        _assert_sized_to_its_rows(run.reference_trace)
+        _assert_sized_to_its_rows(run.candidate_trace)
 
 
 def test_selection_strings_are_parsed_and_checked():
