@@ -51,12 +51,14 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def ratio(model, tokenizer, messages, new_tokens: int, pairs: int, folder: Path, fingerprint: str) -> tuple[float, list]:
+def ratio(model, tokenizer, messages, new_tokens: int, pairs: int, folder: Path, fingerprint: str,
+          label: str) -> tuple[float, list]:
     """Median of `pairs` ratios (digest-captured / plain) and the raw (plain, digest) seconds."""
     runs = []
     for i in range(pairs):
         plain = timed(lambda: reference_generate(model, tokenizer, messages, new_tokens))
-        digest = timed(lambda: kvdiff.record(model, tokenizer, messages, folder / f"d{i}.h5", max_new_tokens=new_tokens,
+        digest = timed(lambda: kvdiff.record(model, tokenizer, messages, folder / f"{label}-{i}.h5",
+                                             max_new_tokens=new_tokens,
                                              trace_mode="digest", fingerprint=fingerprint))
         runs.append((plain, digest))
     return statistics.median(d / p for p, d in runs), runs
@@ -104,7 +106,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as name:
         folder = Path(name)
         for label, messages, new in (("prompt-heavy", heavy, 4), ("decode-heavy", light, args.decode_tokens)):
-            median, runs = ratio(model, tokenizer, messages, new, args.pairs, folder, fingerprint)
+            median, runs = ratio(model, tokenizer, messages, new, args.pairs, folder, fingerprint, label)
             n = len(render_prompt_ids(tokenizer, messages))
             log.info("%s (%d + %d tokens): digest capture %.3fx unprobed (median of %d pairs; plain %s s, digest %s s)",
                      label, n, new, median, len(runs), ", ".join(f"{p:.2f}" for p, _ in runs),
@@ -114,7 +116,7 @@ def main() -> None:
         zoom = kvdiff.record(model, tokenizer, heavy, folder / "zoom.h5", max_new_tokens=4, trace_mode="digest",
                              layers="10-11", positions=f"{n - 64}-{n - 1}", fingerprint=fingerprint)
         full_bytes, zoom_bytes = Path(full).stat().st_size, Path(zoom).stat().st_size
-        digest_bytes = (folder / "d0.h5").stat().st_size
+        digest_bytes = (folder / "prompt-heavy-0.h5").stat().st_size
         log.info("trace size, prompt-heavy: full %.1f MB, digests only %.2f MB, zoom trace (digests + 2 layers x 64 "
                  "positions) %.2f MB: %.0fx smaller than full", full_bytes / 1e6, digest_bytes / 1e6,
                  zoom_bytes / 1e6, full_bytes / zoom_bytes)

@@ -121,7 +121,9 @@ class TraceRecorder:
         if digested is not None:
             meta.trace_mode, meta.digest_points, meta.digest_layers = trace_mode, digested.points, digested.layers
         writer = TraceWriter(path, meta, compression=compression,
-                             max_positions=None if max_new_tokens is None else len(ids) + max_new_tokens)
+                             max_positions=None if max_new_tokens is None else len(ids) + max_new_tokens,
+                             window_positions=None if digested is None or selection.positions is None
+                             else max(1, len(selection.positions)))
         for (layer, norm), module in norm_modules(model, spec or default_spec(model)).items():
             writer.write_norm_weight(layer, norm, module.weight, norm_eps(module))
         return cls(writer, dims, selection, top_k, digested)

@@ -39,10 +39,11 @@ class TraceFile:
     """An open, incomplete trace at `tmp_path`: rows go in by global position; `finish` completes it."""
 
     def __init__(self, tmp_path: Path, input_ids: np.ndarray, compression: str | None,
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, window_positions: int | None = None):
         self.tmp_path = tmp_path
         self.compression = compression
         self.max_positions = max_positions
+        self.window_positions = window_positions      # a digest trace's zoom window: its full rows' most positions
         self._io = LatchingFile(tmp_path)
         try:
             self._file = h5py.File(self._io, "w", rdcc_nbytes=0)      # no chunk cache: see trace_column.py
@@ -76,7 +77,10 @@ class TraceFile:
             return col
         row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize)
         most_rows = max(128, _MIN_CHUNK_BYTES // row_bytes // 128 * 128)     # a multiple of 128, as the diff reads
-        chunk_rows = int(min(most_rows, max(1, _CHUNK_BYTES // row_bytes), self.max_positions or most_rows))
+        # a window's positions start anywhere: chunks of an eighth of it waste little at its two ends
+        window = max(8, self.window_positions // 8) if self.window_positions and \
+            not name.startswith(DIGEST_GROUP + "/") else None
+        chunk_rows = int(min(most_rows, max(1, _CHUNK_BYTES // row_bytes), window or self.max_positions or most_rows))
         first, consecutive = first_rows
         # rows from the first chunk on, with nothing between them: the chunks are allocated as the
         # column grows, and all of them will hold rows

@@ -81,14 +81,15 @@ class TraceWriter:
 
     def __init__(self, path: str | os.PathLike, meta: TraceMeta, compression: str | None = None,
                  max_queued_bytes: int = DEFAULT_QUEUED_BYTES, max_device_bytes: int | None = None,
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, window_positions: int | None = None):
         """`max_device_bytes`: GPU memory that copies of large captures may hold until written;
         None: a quarter of the free memory of the GPU of the first such capture, at most
         DEFAULT_DEVICE_BYTES; 0: captures go to host memory at once.
 
         `max_positions`: the most positions the run can reach (prompt plus new tokens), if known.
         A short trace's HDF5 chunks are then no longer than that, so its file holds no room for
-        rows that never come (a 44-token trace of the default model was 93 MB for 31 MB of rows)."""
+        rows that never come (a 44-token trace of the default model was 93 MB for 31 MB of rows).
+        `window_positions`: a digest trace's zoom window of that many positions sizes its full rows' chunks."""
         if compression not in _COMPRESSIONS:
             raise TraceError(f"unknown compression {compression!r}: use none, gzip or lzf")
         if max_queued_bytes <= 0 or (max_device_bytes is not None and max_device_bytes < 0):
@@ -105,7 +106,7 @@ class TraceWriter:
         self.compression = compression
         self.tmp_path = self.path.parent / f".{self.path.name}.{os.getpid()}.partial"
         try:
-            self._file = TraceFile(self.tmp_path, meta.input_ids, compression, max_positions)
+            self._file = TraceFile(self.tmp_path, meta.input_ids, compression, max_positions, window_positions)
         except OSError as exc:
             raise TraceError(f"cannot write trace {self.path}: {_reason(exc)}") from exc
         self._provenance: dict[int, Source] = {}
