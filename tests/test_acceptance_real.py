@@ -16,8 +16,9 @@ GATE_FILE = Path(__file__).parent / "gate" / "default.toml"
 
 
 @pytest.fixture(scope="module")
-def models():
-    return {}
+def models(default_model):
+    """compare's model cache, holding the session's default model (one copy in a whole test run)."""
+    return {("smollm2-135m", "float32", "cpu", None): default_model}
 
 
 def run(tmp_path, models, strategy, numerics="exact", **options):
@@ -85,9 +86,12 @@ def test_blend_divergence_shrinks_as_the_recompute_ratio_grows(tmp_path, models)
 
 
 def test_project_gate_passes_and_its_negative_control_fails(tmp_path, models):
-    outcomes = run_cases(load_cases(GATE_FILE), tmp_path / "gate")
+    def loaded_once(messages, model_cache, **options):     # the gate's cases on the module's model
+        return compare(messages, model_cache=models, **options)
+
+    outcomes = run_cases(load_cases(GATE_FILE), tmp_path / "gate", compare_fn=loaded_once)
     assert [o.status for o in outcomes] == ["passed"] * len(outcomes), [o.message for o in outcomes]
     control = load_cases(GATE_FILE)[0]
     control.options["strategy"] = "isolated-local"
-    (outcome,) = run_cases([control], tmp_path / "control")
+    (outcome,) = run_cases([control], tmp_path / "control", compare_fn=loaded_once)
     assert outcome.status == "failed"

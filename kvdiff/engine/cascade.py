@@ -8,15 +8,16 @@ every log and exp is natural, consistently). An empty or fully masked segment is
 and merges as the identity.
 
 Groups whose first key segment is the same shared chunk attend to it together (one partial
-attention over the chunk's pages for all their rows); each group attends to the rest of its
-keys with groups of similar size, padded into one batch (a bucket); the two partial states are
-merged by log-sum-exp. Buckets bound the padding: a bucket's padded score cells (groups x its
-longest group's rows x its most keys) are at most twice its groups' own, or PAD_SLACK cells,
-so one long prompt among short ones is not padded into every short one (which cost 12 x 1,177
-x 1,177 scores per layer, 9 GB, in a mixed prefill of the test suite). Groups of one size form
-one bucket. Every index the layers need (padding, key slots, masks, shared rows) is built once
-per forward, so a layer costs a fixed handful of kernels per bucket whatever the number of
-groups: 32 requests of one shape run as one batch.
+attention over the chunk's pages for all their rows). Each group attends to the rest of its keys
+in a bucket of groups of similar size, padded into one batch: as a partial state, merged with
+the shared one by log-sum-exp, where the group shares a first segment; through SDPA where it
+does not. Buckets bound the padding: a bucket's padded score cells (groups x its longest
+group's rows x its most keys) are at most twice its groups' own, or PAD_SLACK cells, so one
+1,177-token prompt among eleven short ones is no longer padded into each of them (12 x 1,177 x
+1,177 scores a layer, 2.6 GB of temporaries). `partial_attention` takes query rows in blocks of
+at most SCORE_BUDGET scores. Every index the layers need (padding, key slots, masks, shared
+rows) is built once per forward, so a layer costs a fixed handful of kernels per bucket
+whatever the number of groups: 32 requests of one shape run as one batch.
 """
 
 from __future__ import annotations

@@ -199,6 +199,22 @@
     });
   }
 
+  function blendErrors() {
+    const be = R.blend_errors, names = ["blend", "isolated-local", "isolated-global"];
+    const box = document.getElementById("blend-summary");
+    const ok = be && Array.isArray(be.positions) && be.positions.length && be.positions.every(Number.isInteger) &&
+      Array.isArray(be.recomputed) && names.every((n) => Array.isArray(be[n]) && be[n].length === be.positions.length);
+    if (!ok) { box.parentNode.hidden = true; return; }
+    const again = be.positions.map((_, i) => i).filter((i) => be.recomputed[i] === true);
+    const mended = again.filter((i) => typeof num(be.blend[i]) === "number" &&
+      names.slice(1).every((n) => typeof num(be[n][i]) === "number" && num(be.blend[i]) <= num(be[n][i])));
+    box.textContent = "blend's error is at most both isolated strategies' at " + mended.length + " of " +
+      again.length + " recomputed positions (of " + be.positions.length + " placed)";
+    table("blend", ["position", "chunk", "recomputed", ...names], be.positions.map((p, i) =>
+      [p + " " + JSON.stringify(String(tokenAt(p))), chunkAt(p), be.recomputed[i] === true ? "yes" : "no",
+        ...names.map((n) => fmt(be[n][i]))]));
+  }
+
   function metadata() {
     const meta = R.metadata || {}, ref = meta.reference || {}, cand = meta.candidate || {};
     const keys = [...new Set([...Object.keys(ref), ...Object.keys(cand)])];
@@ -230,6 +246,7 @@
     engine();
     diagnoses();
     timeline();
+    blendErrors();
     metadata();
     document.body.setAttribute("data-ready", "1");
   }

@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvdiff.errors import InputError
+from kvdiff.reports.blend import blend_errors_text
 from kvdiff.reports.heatmap_text import heatmap_text
 from kvdiff.analysis.report import Report
 from kvdiff.reports.printable import printable
@@ -279,6 +280,9 @@ def render_terminal(view: Report, console: Console, point: str | None = None) ->
     recomputed = view.section("recomputed")
     if recomputed:
         console.print(Text(printable(recomputed_line(recomputed))))
+    blend = blend_errors_text(view.raw.get("blend_errors"), view.chunk_at, parts.plain)
+    if blend is not None:
+        console.print(blend)
     digest = view.section("digest")
     if digest:
         console.print(Text(printable(digest_line(digest))))

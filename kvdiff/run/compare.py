@@ -101,6 +101,7 @@ def compare(
     from kvdiff.engine.chunks import split_conversation
     from kvdiff.engine.loading import load_model
     from kvdiff.probes.recorder import TraceRecorder
+    from kvdiff.run.blend_errors import blend_errors_section
     from kvdiff.run.record import record
 
     if engine != "kvdiff":
@@ -164,6 +165,7 @@ def compare(
         candidate_path = out_dir / "candidate.h5"
         skipped = {"skipped_messages": [{"index": s.message_index, "role": s.role, "reason": s.reason}
                                         for s in chunked.skipped]}
+        skipped.update(blend_errors_section(loaded, tokenizer, chunked.messages, options, step))
         if options.trace_mode is TraceMode.FULL:
             run_both(reference_path, candidate_path, TraceMode.FULL, options.layers, None)
             step("diffing")

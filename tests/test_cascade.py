@@ -1,0 +1,121 @@
+"""Cascade attention's length buckets: bounded padding, the same attention as each group alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kvdiff.engine.cascade as cascade
+import kvdiff.engine.runner as runner
+from kvdiff.engine import Engine
+from kvdiff.engine.cascade import PAD_SLACK, CascadePlan, partial_attention, plan_buckets
+from kvdiff.engine.kv_cache import BlockPool
+from kvdiff.engine.runner import _Keys
+
+H, KVH, D = 4, 2, 8
+
+
+def _cells(bucket, rows, keys):
+    return len(bucket) * max(rows[i] for i in bucket) * max(keys[i] for i in bucket)
+
+
+def test_groups_of_one_size_form_one_bucket():
+    assert plan_buckets([16] * 32, [80] * 32) == [list(range(32))]
+
+
+def test_one_long_group_is_not_padded_into_the_short_ones():
+    rows = [37, 21, 28, 31, 1177, 13, 53, 16, 16, 13, 15, 15]
+    buckets = plan_buckets(rows, rows)
+    assert [4] in buckets
+    assert sorted(i for b in buckets for i in b) == list(range(12))
+    # the old single batch: 12 x 1177 x 1177 cells; now at most twice the groups' own, or PAD_SLACK a bucket
+    own = sum(r * r for r in rows)
+    padded = sum(_cells(b, rows, rows) for b in buckets)
+    assert padded <= 2 * own + PAD_SLACK * len(buckets) < 12 * 1177 * 1177 // 5
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_bucket_keeps_within_its_bound(seed):
+    rnd = random.Random(seed)
+    n = rnd.randint(1, 40)
+    rows = [rnd.choice([1, rnd.randint(1, 64), rnd.randint(1, 2000)]) for _ in range(n)]
+    keys = [r + rnd.randint(0, 500) for r in rows]
+    buckets = plan_buckets(rows, keys)
+    assert sorted(i for b in buckets for i in b) == list(range(n))
+    for b in buckets:
+        assert b == sorted(b)
+        own = sum(rows[i] * keys[i] for i in b)
+        assert len(b) == 1 or _cells(b, rows, keys) <= max(2 * own, PAD_SLACK)
+
+
+def _pool_and_keys(lengths, shared_len):
+    """Groups of `lengths` rows after an optional `shared_len`-key chunk shared by every group but the last."""
+    torch.manual_seed(0)
+    pool = BlockPool(1, KVH, D, num_blocks=400, dtype=torch.float32, device=torch.device("cpu"))
+    pool.k[0].normal_()
+    pool.v[0].normal_()
+    shared_slots = torch.arange(shared_len)
+    spans, keys, start, nxt = [], [], 0, shared_len
+    for i, T in enumerate(lengths):
+        share = shared_len and i < len(lengths) - 1
+        prefix = shared_slots if share else torch.arange(nxt, nxt + shared_len)
+        nxt += 0 if share else shared_len
+        own = torch.arange(nxt, nxt + T)
+        nxt += T
+        slots = torch.cat([prefix, own])
+        kpos = torch.arange(shared_len + T)
+        visible = kpos.unsqueeze(0) <= (shared_len + torch.arange(T)).unsqueeze(1)
+        keys.append(_Keys(slots, visible, "sys" if share else None, shared_len if share else 0, False))
+        spans.append(slice(start, start + T))
+        start += T
+    return pool, spans, keys
+
+
+@pytest.mark.parametrize("shared_len", [0, 20])
+def test_bucketed_attention_equals_each_group_alone(shared_len):
+    lengths = [3, 5, 300, 4, 1, 6, 2]
+    pool, spans, keys = _pool_and_keys(lengths, shared_len)
+    plan = CascadePlan.build(spans, keys, torch.device("cpu"))
+    assert len(plan.buckets) >= 2 and len(plan.shared) == (1 if shared_len else 0)
+    assert max(b.groups * b.width for b in plan.buckets if b.width == 300) == 300   # the long group alone
+    q = torch.randn(sum(lengths), H, D)
+    out = plan.attend(pool, 0, q, 0.3)
+    for span, kk in zip(spans, keys):
+        k, v = pool.read(0, kk.slots)
+        want, _ = partial_attention(q[span][None], k[None], v[None], kk.visible[None], 0.3)
+        torch.testing.assert_close(out[span], want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_partial_attention_in_row_blocks_equals_one_block(monkeypatch):
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 50, H, D), torch.randn(2, 70, KVH, D), torch.randn(2, 70, KVH, D)
+    visible = torch.rand(2, 50, 70) > 0.3
+    whole, lse = partial_attention(q, k, v, visible, 0.3)
+    monkeypatch.setattr(cascade, "SCORE_BUDGET", 2 * H * 70 * 7)     # blocks of 7 rows
+    blocked, blse = partial_attention(q, k, v, visible, 0.3)
+    torch.testing.assert_close(blocked, whole, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(blse, lse, rtol=1e-6, atol=1e-6)
+
+
+def test_a_long_prompt_among_short_ones_is_planned_alone_with_the_same_tokens(tiny_llama, monkeypatch):
+    model, tok = tiny_llama
+    long_system = " ".join(f"Rule {i}: answer briefly." for i in range(40))
+    convs = [[{"role": "system", "content": long_system}, {"role": "user", "content": "Hi"}]] + [
+        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": f"Question {i}?"}] for i in range(5)]
+    alone = [Engine(model, tok).generate([c], max_new_tokens=6)[0].token_ids for c in convs]
+    plans, build = [], CascadePlan.build
+
+    def spy(spans, keys, device):
+        plans.append(build(spans, keys, device))
+        return plans[-1]
+
+    monkeypatch.setattr(runner.CascadePlan, "build", staticmethod(spy))
+    together = Engine(model, tok).generate(convs, max_new_tokens=6)
+    assert [o.token_ids for o in together] == alone
+    prefill = plans[0]
+    long_rows = together[0].stats.prompt_tokens
+    assert long_rows > 300
+    widths = sorted(b.width for b in prefill.buckets)
+    assert widths[-1] == long_rows and [b.groups for b in prefill.buckets if b.width == long_rows] == [1]
