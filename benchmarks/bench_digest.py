@@ -8,8 +8,8 @@ prompt tokens, 4 generated) and decode-heavy (200 prompt tokens, `--decode-token
 Each is run unprobed and with digest capture (`kvdiff.record(trace_mode="digest")`: every row
 of every point, layer and position hashed, the trace written and closed), in alternated pairs;
 the figure is the median of the pairs' ratios. The size row compares the full trace of the
-prompt-heavy request with its zoom trace (digests plus a window of 2 layers x 64 positions in
-full, as `compare` writes by default). `--scale N` instead runs `kvdiff.compare` (digest
+prompt-heavy request with its zoom trace (digests plus a window of 3 layers x 64 positions in
+full, as `compare` writes by default where the first difference is past layer 0). `--scale N` instead runs `kvdiff.compare` (digest
 capture, isolated-local, so that there is a divergence to find) on an N-token prompt and prints
 the time to the first difference (the digest diff's end), the whole run's and its peak memory.
 """
@@ -114,10 +114,10 @@ def main() -> None:
         full = kvdiff.record(model, tokenizer, heavy, folder / "full.h5", max_new_tokens=4, fingerprint=fingerprint)
         n = len(render_prompt_ids(tokenizer, heavy))
         zoom = kvdiff.record(model, tokenizer, heavy, folder / "zoom.h5", max_new_tokens=4, trace_mode="digest",
-                             layers="10-11", positions=f"{n - 64}-{n - 1}", fingerprint=fingerprint)
+                             layers="9-11", positions=f"{n - 64}-{n - 1}", fingerprint=fingerprint)
         full_bytes, zoom_bytes = Path(full).stat().st_size, Path(zoom).stat().st_size
         digest_bytes = (folder / "prompt-heavy-0.h5").stat().st_size
-        log.info("trace size, prompt-heavy: full %.1f MB, digests only %.2f MB, zoom trace (digests + 2 layers x 64 "
+        log.info("trace size, prompt-heavy: full %.1f MB, digests only %.2f MB, zoom trace (digests + 3 layers x 64 "
                  "positions) %.2f MB: %.0fx smaller than full", full_bytes / 1e6, digest_bytes / 1e6,
                  zoom_bytes / 1e6, full_bytes / zoom_bytes)
 

@@ -35,7 +35,7 @@ def _chunk(report: dict, name: str) -> dict:
 
 def test_a_warm_prefix_run_reads_every_chunk_from_the_cache_and_stays_bitwise(tmp_path):
     result = compare(MESSAGES, model="tiny-llama", strategy="prefix", numerics="exact", warm=True,
-                     max_new_tokens=5, out=tmp_path / "run")
+                     max_new_tokens=5, out=tmp_path / "run", trace_mode="full")    # the full format's K/V-only rows
     report = result.report.to_json()
     assert report["verdict"] == "identical" and report["first_bit_difference"] is None
     assert {c["cache"] for c in report["chunks"]} == {"hit"}
@@ -51,7 +51,7 @@ def test_a_warm_prefix_run_reads_every_chunk_from_the_cache_and_stays_bitwise(tm
     assert report["final"]["logits"]["tiers"][:prompt] == [None] * (prompt - 1) + ["bitwise"]
 
     cold = compare(MESSAGES, model="tiny-llama", strategy="prefix", numerics="exact", max_new_tokens=5,
-                   out=tmp_path / "cold")
+                   out=tmp_path / "cold", trace_mode="full")
     assert {c["cache"] for c in cold.report.to_json()["chunks"]} == {"miss"}
     with open_trace(cold.candidate_trace) as cand:
         assert cand.meta.schema_version == 1 and cand.meta.kv_only_positions.size == 0
@@ -75,7 +75,7 @@ def test_warm_with_another_conversation_hits_only_the_chunks_they_share(tmp_path
 
 def test_a_warm_run_recording_neither_k_nor_v_leaves_the_cached_positions_out(tmp_path):
     result = compare(MESSAGES, model="tiny-llama", warm=True, capture="resid_pre,logits", max_new_tokens=3,
-                     out=tmp_path / "run")
+                     out=tmp_path / "run", trace_mode="full")
     prompt = len(result.report.to_json()["prompt"]["token_ids"])
     with open_trace(result.candidate_trace) as cand:
         assert cand.meta.schema_version == 1 and cand.positions[0] == prompt - 1    # only computed positions
@@ -188,7 +188,7 @@ def test_the_writer_records_kv_only_positions_under_schema_2_and_refuses_other_r
      "kv_only_positions must be strictly increasing"),
     (lambda f: (f.__delitem__("kv_only_positions"), f.create_dataset("kv_only_positions", data=np.array([9]))),
      "kv_only_positions holds positions that /positions does not"),
-    (lambda f: f.attrs.__setitem__("schema_version", 3), r"has schema 3, newer than this kvdiff reads \(1 and 2\)"),
+    (lambda f: f.attrs.__setitem__("schema_version", 4), r"has schema 4, newer than this kvdiff reads \(1 to 3\)"),
 ])
 def test_the_reader_refuses_kv_only_positions_that_break_the_format(tmp_path, change, words):
     path = tmp_path / "t.h5"

@@ -26,7 +26,8 @@ class ChunkLookup:
 
     @classmethod
     def of(cls, trace: TraceReader) -> "ChunkLookup":
-        return cls(list(trace.meta.chunks), trace.positions, trace.provenance)
+        positions = trace.digest_positions if trace.meta.trace_mode == "digest" else trace.positions
+        return cls(list(trace.meta.chunks), positions, trace.provenance_at(positions))
 
     def _row(self, position: int) -> int | None:
         i = int(np.searchsorted(self.positions, position))

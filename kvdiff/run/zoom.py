@@ -2,8 +2,8 @@
 the zoom run repeated the first one.
 
 A first pass records digests only; where they part, both sides run again recording full rows in
-a window of layers x positions. The window starts at the first layer whose digests differ at or
-after the first differing position, and spans `positions` positions from the first differing
+a window of layers x positions. The window holds `layers` layers from the first whose digests
+differ at or after the first differing position, and the one before it (where they agree), and spans `positions` positions from the first differing
 one; when that position is early (below ZOOM_FROM_START) the window starts at position 0
 instead, so that attention at its positions can be recomputed from keys that are all recorded
 (the missing_context proofs). The zoom run records digests too: where they are not the first
@@ -63,7 +63,8 @@ def zoom_window(first_pass: Divergence, num_layers: int, layers: int = ZOOM_LAYE
                  if ((pmap.tier[row] != Tier.BITWISE) & (pmap.tier[row] >= 0)
                      & (pmap.tier[row] != Tier.INCOMPARABLE) & in_window).any()]
     low = min(differing, default=num_layers - 1)
-    return ZoomWindow((low, min(low + layers - 1, num_layers - 1)), (start, end))
+    # and the layer before, where the rows still agree: the cached-context proofs read K/V there
+    return ZoomWindow((max(low - 1, 0), min(low + layers - 1, num_layers - 1)), (start, end))
 
 
 def repeat_findings(first_pass: tuple[Path, ...], zoom: tuple[Path, ...],

@@ -203,14 +203,19 @@ class TraceReader:
 
     @property
     def provenance(self) -> ProvenanceRecords | None:
-        """Per-position provenance (engine paths), or None when the path reported none."""
+        """Per-position provenance (engine paths), aligned with `positions`, or None when the path
+        reported none."""
+        return self.provenance_at(self.positions)
+
+    def provenance_at(self, positions: np.ndarray) -> ProvenanceRecords | None:
+        """The provenance aligned with `positions` (a digest trace's `digest_positions`, say)."""
         if "provenance" not in self._file:
             return None
         g = self._file["provenance"]
         index = {int(p): i for i, p in enumerate(self._read(g["positions"]))}
         chunk = [name.decode("utf-8", "replace") for name in self._read(g["chunk"])]
         prefill, encoded, reused = self._read(g["prefill_id"]), self._read(g["encoded_position"]), self._read(g["reused"])
-        rows = [index.get(int(p)) for p in self.positions]
+        rows = [index.get(int(p)) for p in positions]
         return ProvenanceRecords(
             chunk=[str(chunk[r]) if r is not None else "" for r in rows],
             prefill_id=np.array([prefill[r] if r is not None else -1 for r in rows], dtype=np.int64),
