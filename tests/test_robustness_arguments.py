@@ -55,7 +55,7 @@ def test_cuda_without_a_gpu(tmp_path):
     ("3-1", "bad layer range '3-1'"),
 ], ids=["beyond-last", "huge-range", "some-beyond", "not-a-number", "reversed"])
 def test_layers_out_of_range_or_malformed(tmp_path, layers, message):
-    assert_error(cli(*compare_args(tmp_path / "run", "--layers", layers)), 2, message)
+    assert_error(cli(*compare_args(tmp_path / "run", "--trace-mode", "full", "--layers", layers)), 2, message)
     assert_no_finished_run(tmp_path / "run")
     assert not (tmp_path / "run").exists()   # the folder the run created is removed again
 

@@ -101,7 +101,7 @@ def test_disk_full_during_capture(tmp_path):
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
 
-    result = run_kvdiff(*compare_args(tmp_path / "run"), preexec_fn=limit)
+    result = run_kvdiff(*compare_args(tmp_path / "run", "--trace-mode", "full"), preexec_fn=limit)   # MBs of rows
     assert_error(result, 3, "File too large")
     assert_no_finished_run(tmp_path / "run")
     assert not (tmp_path / "run").exists()

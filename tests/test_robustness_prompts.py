@@ -74,7 +74,8 @@ def test_nul_characters_in_the_prompt_and_the_generated_text(tmp_path):
     result = compare(messages, model="tiny-llama", max_new_tokens=2, out=tmp_path / "run")
     assert result.exit_code == 0
     with open_trace(result.reference_trace) as trace:
-        meta = replace(trace.meta, text="a\x00b", points=("logits",), layers=(), generated_ids=np.zeros(0, np.int64))
+        meta = replace(trace.meta, text="a\x00b", points=("logits",), layers=(), generated_ids=np.zeros(0, np.int64),
+                       trace_mode="full", digest_points=(), digest_layers=())
     with TraceWriter(tmp_path / "nul.h5", meta) as writer:   # a model may generate NUL: stored as U+2400
         writer.write_rows("final", "logits", [0], torch.zeros(1, meta.dims.vocab_size))
     with open_trace(tmp_path / "nul.h5") as trace:
