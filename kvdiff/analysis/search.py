@@ -70,9 +70,13 @@ def first_where(comparison: Comparison, chunks: ChunkLookup,
     return None if best is None else location(comparison, chunks, best[1], best[2], best[3])
 
 
+def bits_differ(pmap: PointMap) -> np.ndarray:
+    """The cells whose bits differ: noise, divergent, or (a digest trace's) different."""
+    return (pmap.tier == Tier.NOISE) | (pmap.tier == Tier.DIVERGENT) | (pmap.tier == Tier.DIFFERENT)
+
+
 def first_bit_difference(comparison: Comparison, chunks: ChunkLookup) -> Location | None:
-    return first_where(comparison, chunks, lambda m: (m.tier == Tier.NOISE) | (m.tier == Tier.DIVERGENT)
-                       | (m.tier == Tier.DIFFERENT))
+    return first_where(comparison, chunks, bits_differ)
 
 
 def first_tolerance_breach(comparison: Comparison, chunks: ChunkLookup) -> Location | None:

@@ -38,7 +38,6 @@ class DigestTaker:
         self._seen: set[tuple[str, int | None]] = set()
         self._cloned: set[tuple[str, int | None]] = set()
         self._watched: list[tuple[str, int | None, torch.Tensor, int, bool]] = []
-        self._widths: dict[tuple[str, int | None], int] = {}        # a logged capture's elements per position
 
     def take(self, point: str, layer: int | None, rows: torch.Tensor, positions: np.ndarray) -> None:
         """Digest `rows` (one row per position, any trailing shape) of `point` at `layer`; every
@@ -57,22 +56,6 @@ class DigestTaker:
             self._seen.add(key)
             rows = rows.clone()
         taken[point] = self._batch.add(rows)
-
-    def take_logged(self, keys: list[tuple[str, int | None]], tensors: list[torch.Tensor],
-                    positions: np.ndarray) -> None:
-        """`take` for a decode step's captures logged by the recorder: (point, layer) keys, in
-        order, and their tensors (a norm's statistics key, "stats:<norm>", has two, which digest
-        traces do not keep outside their window)."""
-        pending = iter(tensors)
-        for point, layer in keys:
-            rows = next(pending)
-            if point.startswith("stats:"):
-                next(pending)
-            elif rows.numel() != positions.size * self._widths.setdefault((point, layer), rows.numel()):
-                raise ProbeIntegrityError(f"probe {point!r} of layer {layer}: {rows.numel()} elements in a step "
-                                          f"after {self._widths[point, layer]}")
-            else:
-                self.take(point, layer, rows, positions)
 
     def end_forward(self) -> None:
         """Hash the forward's small captures together and write each layer's digests."""

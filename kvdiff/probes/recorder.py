@@ -299,24 +299,25 @@ class TraceRecorder:
         repeat, logging = self._repeat, self._logging
         logged, log, versions = self._logged, self._log, self._log_versions
         self._logging, self._logged, self._log, self._log_versions = None, [], [], []
-        if self._digests is not None and not self._fired and logged == repeat.fired:
+        owners = [key for key in logged for _ in range(2 if key[0].startswith("stats:") else 1)]   # a norm logs two
+        if not self._fired and logged == repeat.fired and (
+                [rows.numel() for rows in log] == repeat.staged.numels if self._digests is None else
+                all(key[0].startswith("stats:") or rows.numel() == self._targets[key].size
+                    for key, rows in zip(owners, log))):
             self._fired = logged
             if (self._reads_only, self._fired) != self._checked:
                 self._check_fired()
             self._positions = None
-            self._digests.take_logged(logged, log, self._all_positions(logging))
+            if self._digests is None:
+                self.writer.commit_repeat(repeat.staged, log, versions, self._kept(logging)[0])
+                return True
+            positions = self._all_positions(logging)
+            for key, rows in zip(owners, log):
+                if not key[0].startswith("stats:"):         # digest traces keep norm statistics in their window
+                    self._digests.take(*key, rows, positions)
             self._digests.end_forward()
             self.writer.commit()
             return True
-        if self._digests is None and not self._fired and logged == repeat.fired \
-                and [rows.numel() for rows in log] == repeat.staged.numels:
-            self._fired = logged
-            if (self._reads_only, self._fired) != self._checked:
-                self._check_fired()
-            self._positions = None
-            self.writer.commit_repeat(repeat.staged, log, versions, self._kept(logging)[0])
-            return True
-        owners = [key for key in logged for _ in range(2 if key[0].startswith("stats:") else 1)]
         for owner, rows, version in zip(owners, log, versions):
             if version is not None and rows._version != version:
                 self.writer.abort()

@@ -13,8 +13,8 @@ from kvdiff.conversation import Messages, validate_messages
 from kvdiff.options import DEFAULT_RECOMPUTE_RATIO, Numerics, Strategy, TraceMode
 from kvdiff.run.folder import ARTEFACTS, check_report_copies, claimed_out_dir, discarded_on_failure
 from kvdiff.run.options import RunOptions
-from kvdiff.run.zoom import (FIRST_PASS, ZOOM_LAYERS, ZOOM_POSITIONS, diagnoses_with, digest_section,
-                             repeat_findings, zoom_window)
+from kvdiff.run.zoom import (FIRST_PASS, ZOOM_LAYERS, ZOOM_POSITIONS, checked_repeat, diagnoses_with,
+                             digest_section, zoom_window)
 
 log = logging.getLogger(__name__)
 
@@ -198,10 +198,7 @@ def _digest_then_zoom(run_both: Callable, out_dir: Path, options: RunOptions, nu
         step(f"zooming in: layers {window.layer_range}, positions {window.position_range} in full")
         run_both(*final, TraceMode.DIGEST, window.layer_range, window.position_range)
         sizes["zoom"] = sum(p.stat().st_size for p in final)
-        findings = repeat_findings(first, final)
-        if not findings:
-            for path in first:
-                path.unlink()
+        findings = checked_repeat(first, final)
         step("diffing")
         divergence = diff(*final, tokenizer=tokenizer)
         diagnoses_with(divergence, findings)

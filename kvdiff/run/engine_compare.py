@@ -31,8 +31,8 @@ from kvdiff.options import TraceMode
 from kvdiff.run.compare import CompareResult, write_reports
 from kvdiff.run.folder import check_report_copies, claimed_out_dir, discarded_on_failure
 from kvdiff.run.options import RunOptions
-from kvdiff.run.zoom import (ZOOM_LAYERS, ZOOM_POSITIONS, ZoomWindow, diagnoses_with, digest_section,
-                             repeat_findings, zoom_window)
+from kvdiff.run.zoom import (ZOOM_LAYERS, ZOOM_POSITIONS, ZoomWindow, checked_repeat, diagnoses_with,
+                             digest_section, zoom_window)
 from kvdiff.targets.protocol import Target, TargetRun
 from kvdiff.targets.registry import EngineName, open_target
 
@@ -141,11 +141,8 @@ def _zoom(target: Target, recorded: _Recorded, warm_messages: Messages, window: 
     step(f"zooming in: layers {window.layer_range}, positions {positions} in full")
     runs = _cold_cold_warm(target, recorded, warm_messages, step, ("cold", "warm"),
                            dict(layers=window.layer_range, positions=positions, window_final=True))
-    findings = repeat_findings(tuple(out_dir / name for name in FIRST_PASS),
-                               (out_dir / "cold.h5", out_dir / "warm.h5"), ("cold run", "warm run"))
-    if not findings:
-        for name in FIRST_PASS:
-            (out_dir / name).unlink()
+    findings = checked_repeat(tuple(out_dir / name for name in FIRST_PASS),
+                              (out_dir / "cold.h5", out_dir / "warm.h5"), ("cold run", "warm run"))
     main = diff(out_dir / "cold.h5", out_dir / "warm.h5", tokenizer=recorded.tokenizer)
     diagnoses_with(main, findings)
     return main, findings, runs

@@ -20,7 +20,7 @@ import numpy as np
 from kvdiff.analysis import Divergence
 from kvdiff.analysis.diagnosis import Diagnosis
 from kvdiff.analysis.digests import first_digest_mismatch
-from kvdiff.analysis.tolerance import Tier
+from kvdiff.analysis.search import bits_differ
 from kvdiff.trace import open_trace
 
 ZOOM_LAYERS = 2
@@ -60,8 +60,7 @@ def zoom_window(first_pass: Divergence, num_layers: int, layers: int = ZOOM_LAYE
     end = min(first.position + positions - 1, last_position)
     in_window = (cmp.alignment.positions >= first.position) & (cmp.alignment.positions <= end)
     differing = [layer for pmap in cmp.points.values() for row, layer in enumerate(pmap.layers)
-                 if ((pmap.tier[row] != Tier.BITWISE) & (pmap.tier[row] >= 0)
-                     & (pmap.tier[row] != Tier.INCOMPARABLE) & in_window).any()]
+                 if (bits_differ(pmap)[row] & in_window).any()]
     low = min(differing, default=num_layers - 1)
     # and the layer before, where the rows still agree: the cached-context proofs read K/V there
     return ZoomWindow((max(low - 1, 0), min(low + layers - 1, num_layers - 1)), (start, end))
@@ -88,6 +87,17 @@ def repeat_findings(first_pass: tuple[Path, ...], zoom: tuple[Path, ...],
             proof=f"the {side} ran the same request twice; the row hashes of {at} at position {position} "
                   "differ between the runs (equal hashes are equal bits)"))
     return out
+
+
+def checked_repeat(first_pass: tuple[Path, ...], zoom: tuple[Path, ...],
+                   sides: tuple[str, ...] = ("reference", "candidate")) -> list[Diagnosis]:
+    """`repeat_findings`; the first pass's traces are deleted when every side repeated itself,
+    and kept beside the zoom run's otherwise."""
+    findings = repeat_findings(first_pass, zoom, sides)
+    if not findings:
+        for path in first_pass:
+            path.unlink()
+    return findings
 
 
 def diagnoses_with(divergence: Divergence, findings: list[Diagnosis]) -> None:
