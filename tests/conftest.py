@@ -63,3 +63,21 @@ def tiny_model(request):
 @pytest.fixture(scope="session")
 def tiny_llama():
     return kvdiff.load_model("tiny-llama")
+
+
+def assert_every_strategy_runs(model, tokenizer, strategy: str, numerics: str, messages: list, other: list) -> None:
+    """A family's engine test: `messages`, then `other` sharing its system chunk, 6 tokens each;
+    strategies none and prefix give the reference path's tokens, every reusing one hits the chunk."""
+    import torch
+
+    from kvdiff.engine import Engine
+    from kvdiff.engine.numerics import exact_numerics
+    from kvdiff.engine.reference import reference_generate
+
+    outs = Engine(model, tokenizer, strategy=strategy, numerics=numerics).generate([messages, other], max_new_tokens=6)
+    assert all(len(o.token_ids) == 6 for o in outs)
+    if strategy in ("none", "prefix"):
+        with exact_numerics(model) if numerics == "exact" else torch.no_grad():
+            assert outs[0].token_ids == reference_generate(model, tokenizer, messages, 6).token_ids
+    if strategy != "none":
+        assert outs[1].chunks[0].cache == "hit"

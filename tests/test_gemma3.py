@@ -12,7 +12,6 @@ import kvdiff
 from kvdiff.conversation import render_prompt_ids
 from kvdiff.engine import Engine
 from kvdiff.engine.numerics import exact_numerics
-from kvdiff.engine.reference import reference_generate
 from kvdiff.engine.tiny import tiny_config
 from kvdiff.errors import UnsupportedModelError
 from kvdiff.options import Strategy
@@ -23,7 +22,7 @@ from kvdiff.run.record import record
 from kvdiff.trace import open_trace
 from kvdiff.trace.points import MOE_POINTS, POST_NORM_POINTS
 
-from conftest import SEED_PROMPT, SEED_SYSTEM
+from conftest import SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs
 
 MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
 OTHER = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": "La capitale de la France est Paris."}]
@@ -48,14 +47,7 @@ def test_the_tiny_model_has_both_layer_kinds_and_declares_the_post_norms(gemma):
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
 @pytest.mark.parametrize("strategy", [s.value for s in Strategy])
 def test_every_strategy_runs(gemma, strategy, numerics):
-    model, tok = gemma
-    outs = Engine(model, tok, strategy=strategy, numerics=numerics).generate([MESSAGES, OTHER], max_new_tokens=6)
-    assert all(len(o.token_ids) == 6 for o in outs)
-    if strategy in ("none", "prefix"):
-        with exact_numerics(model) if numerics == "exact" else torch.no_grad():
-            assert outs[0].token_ids == reference_generate(model, tok, MESSAGES, 6).token_ids
-    if strategy != "none":
-        assert outs[1].chunks[0].cache == "hit"
+    assert_every_strategy_runs(*gemma, strategy, numerics, MESSAGES, OTHER)
 
 
 def test_reference_probes_hold_the_four_norms(gemma, tmp_path):
