@@ -36,10 +36,7 @@ def _copied_event(device: torch.device) -> torch.cuda.Event:
 def version_of(rows: torch.Tensor) -> int | None:
     """`rows`' version counter; None for an inference tensor, which has none (and which nothing
     outside inference mode can change in place)."""
-    try:
-        return rows._version
-    except RuntimeError:        # cheaper than asking first
-        return None
+    return None if rows.is_inference() else rows._version   # asking costs ~0.1 us, the error ~6 us
 
 
 @dataclass(frozen=True)
