@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import kvdiff.engine.cascade as cascade
-import kvdiff.engine.runner as runner
+import kvdiff.engine.attention_plan as attention_plan
 from kvdiff.engine import Engine
+from kvdiff.engine.attention_plan import KeySet
 from kvdiff.engine.cascade import PAD_SLACK, CascadePlan, partial_attention, plan_buckets
 from kvdiff.engine.kv_cache import BlockPool
-from kvdiff.engine.runner import _Keys
 
 H, KVH, D = 4, 2, 8
 
@@ -67,7 +67,7 @@ def _pool_and_keys(lengths, shared_len):
         slots = torch.cat([prefix, own])
         kpos = torch.arange(shared_len + T)
         visible = kpos.unsqueeze(0) <= (shared_len + torch.arange(T)).unsqueeze(1)
-        keys.append(_Keys(slots, visible, "sys" if share else None, shared_len if share else 0, False))
+        keys.append(KeySet(slots, visible, "sys" if share else None, shared_len if share else 0, False))
         spans.append(slice(start, start + T))
         start += T
     return pool, spans, keys
@@ -111,7 +111,7 @@ def test_a_long_prompt_among_short_ones_is_planned_alone_with_the_same_tokens(ti
         plans.append(build(spans, keys, device))
         return plans[-1]
 
-    monkeypatch.setattr(runner.CascadePlan, "build", staticmethod(spy))
+    monkeypatch.setattr(attention_plan.CascadePlan, "build", staticmethod(spy))
     together = Engine(model, tok).generate(convs, max_new_tokens=6)
     assert [o.token_ids for o in together] == alone
     prefill = plans[0]

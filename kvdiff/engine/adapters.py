@@ -37,6 +37,8 @@ class LayerModules:
     attn_post_norm: nn.Module | None = None   # Gemma 3: norms of o_proj's and the MLP's outputs, before
     mlp_post_norm: nn.Module | None = None    # their residual adds
     rope_kind: str | None = None       # which of the adapter's `rope_kinds` rotates this layer
+    window: int | None = None          # a sliding-window layer: a query at p sees keys p-window+1..p
+    sinks: torch.Tensor | None = None  # gpt-oss: per-head sink logits, one more term in softmax's denominator
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -74,9 +76,7 @@ class Adapter:
         self.scaling = float(attn.scaling)
         self.hidden_size = config.hidden_size
         self.max_positions = int(config.max_position_embeddings)
-        # Sequences never longer than a sliding window attend exactly as with full attention.
-        window = sliding_window(config)
-        self.max_length = min(self.max_positions, window) if window else self.max_positions
+        self.windows = tuple(dict.fromkeys(layer.window for layer in self.layers))   # distinct, None: global
 
     def _layer(self, layer: nn.Module) -> LayerModules:
         attn = layer.self_attn
@@ -87,7 +87,14 @@ class Adapter:
             post_attention_layernorm=layer.post_attention_layernorm,
             mlp=layer.mlp,
             device=layer.input_layernorm.weight.device,
+            window=self._window(attn),
         )
+
+    def _window(self, attn: nn.Module) -> int | None:
+        """The layer's sliding window (its own attribute where the family has one, else the config's;
+        None for a global layer or a window no shorter than the context)."""
+        window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(self.config, "sliding_window", None)
+        return int(window) if window is not None and window < self.config.max_position_embeddings else None
 
     def qkv(self, layer: LayerModules, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (T, H, D), k before RoPE (T, KVH, D), v (T, KVH, D) from normed rows h (T, hidden)."""
@@ -159,15 +166,6 @@ class Gemma3Adapter(Qwen3Adapter):
 
 ADAPTERS: dict[str, type[Adapter]] = {family: cls for cls in (Adapter, Qwen3Adapter, Qwen3MoeAdapter, Gemma3Adapter)
                                       for family in cls.families}
-
-
-def sliding_window(config) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    if config.model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(config, "use_sliding_window", False):
-        return None
-    if window is not None and window < config.max_position_embeddings:
-        return int(window)
-    return None
 
 
 def get_adapter(model: nn.Module) -> Adapter:

@@ -87,6 +87,14 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     return o_a * w_a + o_b * w_b, lse
 
 
+def with_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention output `o` (N, H, D) over keys of log-sum-exp `lse` (N, H) with one more logit per
+    head, `sinks` (H,), in the softmax's denominator (gpt-oss's attention sinks): the merge with a
+    state of no values whose log-sum-exp is the sink."""
+    sink = sinks.to(lse.device, torch.float32).expand_as(lse)
+    return merge_states(o, lse, torch.zeros_like(o), sink)[0]
+
+
 def single_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
                      scale: float) -> torch.Tensor:
     """One-segment attention through SDPA (every row must see at least one key).
@@ -207,7 +215,7 @@ class CascadePlan:
 
     @classmethod
     def build(cls, spans: list[slice], keys: list, device: torch.device) -> "CascadePlan":
-        """`keys[i]` (runner._Keys) has slots, visible, shared and shared_len for group i."""
+        """`keys[i]` (attention_plan.KeySet) has slots, visible, shared and shared_len for group i."""
         rows = [s.stop - s.start for s in spans]
         own_keys = [max(1, int(kk.slots.shape[0]) - kk.shared_len) for kk in keys]
         members = []     # groups with a shared segment need partial states, the others only SDPA's output
@@ -236,10 +244,12 @@ class CascadePlan:
                            [SharedPart(p.slots.to(device), p.q_rows.to(device), p.visible.to(device))
                             for p in self.shared])
 
-    def attend(self, pool: BlockPool, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention output (N, H, D) in q's dtype for the forward's rows q (N, H, D)."""
+    def attend(self, pool: BlockPool, layer: int, q: torch.Tensor, scale: float,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output (N, H, D) in q's dtype for the forward's rows q (N, H, D); `sinks` (H,):
+        per-head sink logits (every bucket then gives partial states, to fold them in)."""
         if self.buckets[0].rows is None:      # one bucket holds every group
-            if not self.buckets[0].shares:
+            if not self.buckets[0].shares and sinks is None:
                 return self.buckets[0].single(pool, layer, q, scale)
             o, lse = self.buckets[0].partial(pool, layer, q, scale)
         else:
@@ -247,7 +257,7 @@ class CascadePlan:
             o = q.new_empty((N, H, D), dtype=torch.float32)
             lse = q.new_empty((N, H), dtype=torch.float32)     # read only at the shared parts' rows
             for b in self.buckets:
-                if b.shares:
+                if b.shares or sinks is not None:
                     ob, lb = b.partial(pool, layer, q, scale)
                     o.index_copy_(0, b.rows, ob)
                     lse.index_copy_(0, b.rows, lb)
@@ -261,4 +271,6 @@ class CascadePlan:
             merged, merged_lse = merge_states(o.index_select(0, rows), lse.index_select(0, rows), os_[0], lses[0])
             o.index_copy_(0, rows, merged)
             lse.index_copy_(0, rows, merged_lse)
+        if sinks is not None:
+            o = with_sinks(o, lse, sinks)
         return o.to(q.dtype)

@@ -86,7 +86,7 @@ class Engine:
 
     def check_fits(self, prompt: ChunkedPrompt, max_new_tokens: int, where: str = "") -> None:
         """InputError when the prompt plus `max_new_tokens` would run past the model's context."""
-        check_fits(len(prompt), max_new_tokens, self.adapter.max_length, where)
+        check_fits(len(prompt), max_new_tokens, self.adapter.max_positions, where)
 
     def _forward(self, groups: list[RowGroup], num_layers: int | None = None) -> list[torch.Tensor | None]:
         self._forwards += 1

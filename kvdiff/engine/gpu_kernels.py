@@ -50,12 +50,24 @@ def online_softmax_tile(q, k, v, visible, m_i, l_i, acc, scale, IEEE: tl.constex
     return m_new, l_i, acc
 
 
+@triton.jit
+def finish_softmax(m_i, l_i, acc, sink, HAS_SINKS: tl.constexpr):
+    """The online softmax's output acc / l_i; with HAS_SINKS, each row's `sink` logit is one more
+    term in its denominator (gpt-oss's attention sinks), both rescaled to the larger maximum.
+    Shared by the exact attention kernel and the paged decode kernel."""
+    if HAS_SINKS:
+        top = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - top)
+        return acc * alpha[:, None] / (l_i * alpha + tl.exp(sink - top))[:, None]
+    return acc / l_i[:, None]
+
+
 # Triton compiles a variant per integer argument divisible by 16; the row and key counts and
 # the mask's row stride vary from call to call, and a variant must never change a row's bits.
 @triton.jit(do_not_specialize=["T", "L", "svis_t"])
-def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, T, L, scale,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, sink_ptr, o_ptr, T, L, scale,
                       sq_t, sq_h, sk_l, sk_h, sv_l, sv_h, svis_t, so_t, so_h,
-                      GROUPS: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
+                      GROUPS: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr):
     block, head = tl.program_id(0), tl.program_id(1)
     kv_head = head // GROUPS
@@ -73,7 +85,10 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, T, L, scale,
         vis = tl.load(vis_ptr + rows[:, None] * svis_t + cols[None, :],
                       mask=(rows[:, None] < T) & in_keys[None, :], other=0)
         m_i, l_i, acc = online_softmax_tile(q, k, v, vis != 0, m_i, l_i, acc, scale, IEEE)
-    out = acc / l_i[:, None]
+    sink = 0.0
+    if HAS_SINKS:
+        sink = tl.load(sink_ptr + head).to(tl.float32)
+    out = finish_softmax(m_i, l_i, acc, sink, HAS_SINKS)
     tl.store(o_ptr + rows[:, None] * so_t + head * so_h + dims[None, :], out.to(o_ptr.dtype.element_ty),
              mask=rows[:, None] < T)
 
@@ -84,9 +99,10 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention of one sequence: q (T, H, D); k, v (L, KVH, D) with key j at position j;
-    visible (T, L) bool. Returns (T, H, D) in q's dtype."""
+    visible (T, L) bool; sinks (H,) per-head sink logits or None. Returns (T, H, D) in q's dtype."""
     T, H, D = q.shape
     L, KVH, _ = k.shape
     q, k, v, vis = (_unit_last_stride(t) for t in (q, k, v, visible))   # a bool mask loads as is
@@ -95,10 +111,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.
     # leaves its state bit-for-bit unchanged, so the number of keys never changes a row's bits.
     with torch.cuda.device(q.device):   # Triton launches on the current device, not the tensors'
         _attention_kernel[(-(-T // BLOCK_M), H)](
-            q, k, v, vis, out, T, L, scale,
+            q, k, v, vis, out if sinks is None else sinks.contiguous(), out, T, L, scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), vis.stride(0),
             out.stride(0), out.stride(1),
-            GROUPS=H // KVH, D=D, IEEE=q.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N)
+            GROUPS=H // KVH, D=D, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None, BM=BLOCK_M, BN=BLOCK_N)
     return out
 
 

@@ -77,17 +77,18 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Batch-invariant attention of one sequence.
 
-    q (T, H, D); k, v (L, KVH, D) with key j at sequence position j; visible (T, L) bool.
-    Returns (T, H, D) in q's dtype. Computed in float32.
+    q (T, H, D); k, v (L, KVH, D) with key j at sequence position j (or j plus a multiple of
+    KEY_TILE); visible (T, L) bool; sinks (H,): per-head sink logits, one more term in each row's
+    softmax denominator (gpt-oss), or None. Returns (T, H, D) in q's dtype. Computed in float32.
     """
     T, H, D = q.shape
     if q.is_cuda and D & (D - 1) == 0:
         from kvdiff.engine import gpu_kernels
 
-        return gpu_kernels.attention(q, k, v, visible, scale)
+        return gpu_kernels.attention(q, k, v, visible, scale, sinks)
     L, KVH, _ = k.shape
     groups = H // KVH
     multiple = CUDA_ROW_TILE if q.device.type == "cuda" else CPU_ROW_TILE
@@ -107,17 +108,21 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
     # A key tile hidden from every row of a block leaves those rows' state bit-for-bit unchanged
     # (scores -inf: alpha 1, p 0), so each block skips such tiles (half of a causal prefill).
     reaches = vis.view(Tp, ntiles, KEY_TILE).any(-1)
+    sink_rows = None if sinks is None else \
+        sinks.float().to(q.device).view(KVH, 1, groups).expand(KVH, Tp, groups).reshape(KVH, Tp * groups, 1)
     out = torch.empty((KVH, Tp * groups, D), device=q.device)
     for first in range(0, Tp, QUERY_BLOCK):
         rows = slice(first * groups, min(Tp, first + QUERY_BLOCK) * groups)
-        out[:, rows] = _online_softmax(qf[:, rows], kf, vf, hidden[rows], reaches[first:first + QUERY_BLOCK], scale)
+        out[:, rows] = _online_softmax(qf[:, rows], kf, vf, hidden[rows], reaches[first:first + QUERY_BLOCK], scale,
+                                       None if sink_rows is None else sink_rows[:, rows])
     out = out.view(KVH, Tp, groups, D).permute(1, 0, 2, 3).reshape(Tp, H, D)
     return out[:T].to(q.dtype)
 
 
 def _online_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,
-                    reaches: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of one block of rows over the key tiles any of them can see, in key order."""
+                    reaches: torch.Tensor, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention of one block of rows over the key tiles any of them can see, in key order; `sinks`
+    (kvh, n, 1): each row's sink logit, folded into the denominator after the last tile."""
     neg_inf = float("-inf")
     kvh, n, d = q.shape
     m = torch.full((kvh, n, 1), neg_inf, device=q.device)
@@ -134,7 +139,11 @@ def _online_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: t
         l = l * alpha + p.sum(-1, keepdim=True)
         acc = acc * alpha + torch.bmm(p, v[:, cols])
         m = m_new
-    return acc / l
+    if sinks is None:
+        return acc / l
+    top = torch.maximum(m, sinks)
+    alpha = torch.exp(m - top)
+    return acc * alpha / (l * alpha + torch.exp(sinks - top))
 
 
 def _exact_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -144,17 +153,18 @@ def _exact_attention_forward(module, query, key, value, attention_mask, scaling=
     B, H, T, D = query.shape
     if scaling is None:
         scaling = D ** -0.5
+    sinks = kwargs.get("s_aux")      # gpt-oss's attention sinks
     if B == 1:      # the reference path's one sequence: no per-row loop or stack
         mask = attention_mask[0, 0] if attention_mask.dim() == 4 else attention_mask[0]
         return exact_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                               mask if mask.dtype == torch.bool else mask == 0, scaling).unsqueeze(0), None
+                               mask if mask.dtype == torch.bool else mask == 0, scaling, sinks).unsqueeze(0), None
     outs = []
     for b in range(B):
         mask = attention_mask[b, 0] if attention_mask.dim() == 4 else attention_mask[b]
         if mask.dtype != torch.bool:
             mask = mask == 0
         outs.append(exact_attention(query[b].transpose(0, 1), key[b].transpose(0, 1),
-                                    value[b].transpose(0, 1), mask, scaling))
+                                    value[b].transpose(0, 1), mask, scaling, sinks))
     return torch.stack(outs), None
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvdiff.engine.cascade import single_attention
+from kvdiff.engine.cascade import partial_attention, single_attention, with_sinks
 from kvdiff.engine.kv_cache import BlockPool
 
 
@@ -46,16 +46,21 @@ class PagedDecode:
             return self
         return PagedDecode(self.table.to(device), self.lengths.to(device), self.new_slots.to(device))
 
-    def attend(self, pool: BlockPool, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention output (G, H, D) in q's dtype for the rows q (G, H, D)."""
+    def attend(self, pool: BlockPool, layer: int, q: torch.Tensor, scale: float,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output (G, H, D) in q's dtype for the rows q (G, H, D); `sinks` (H,): per-head
+        sink logits (gpt-oss)."""
         k_pool, v_pool = pool.k[layer], pool.v[layer]
         if q.is_cuda:
             from kvdiff.engine import paged_kernel
 
             if paged_kernel.available:
-                return paged_kernel.paged_decode(q, k_pool, v_pool, self.table, self.lengths, scale)
+                return paged_kernel.paged_decode(q, k_pool, v_pool, self.table, self.lengths, scale, sinks)
         G, width = self.table.shape
         k = k_pool.index_select(0, self.table.reshape(-1)).view(G, width, *k_pool.shape[1:])
         v = v_pool.index_select(0, self.table.reshape(-1)).view(G, width, *v_pool.shape[1:])
         visible = (torch.arange(width, device=q.device) < self.lengths.unsqueeze(1)).unsqueeze(1)
-        return single_attention(q.unsqueeze(1), k, v, visible, scale).squeeze(1)
+        if sinks is None:
+            return single_attention(q.unsqueeze(1), k, v, visible, scale).squeeze(1)
+        o, lse = partial_attention(q.unsqueeze(1), k, v, visible, scale)
+        return with_sinks(o.squeeze(1), lse.squeeze(1), sinks).to(q.dtype)

@@ -47,7 +47,10 @@ def reference_generate(model, tokenizer, messages: Messages, max_new_tokens: int
     if context is not None:
         check_fits(len(input_ids), max_new_tokens, int(context))
     stops = stop_token_ids(model, tokenizer)
-    cache = DynamicCache(config=model.config)
+    # Every layer's cache keeps every key at its position (no config: no layer drops keys that left
+    # a sliding window); sliding-window layers still mask them out. Exact numerics align key tiles
+    # to position 0, as the engine does, which a cache holding only the window's keys would shift.
+    cache = DynamicCache()
     step_input = torch.tensor([input_ids], device=model.device)
     start = 0
     generated: list[int] = []

@@ -14,10 +14,8 @@ import numpy as np
 import torch
 
 from kvdiff.engine.adapters import Adapter, apply_rope
-from kvdiff.engine.cascade import CascadePlan
+from kvdiff.engine.attention_plan import ForwardAttention
 from kvdiff.engine.kv_cache import BlockPool, Segment
-from kvdiff.engine.numerics import exact_attention
-from kvdiff.engine.paged_decode import PagedDecode
 from kvdiff.engine.strategies import rerotate_keys
 from kvdiff.trace.sink import ProbeSink, Provenance
 
@@ -39,17 +37,6 @@ class RowGroup:
     key_slots: np.ndarray | None = None   # a decode row: the slots of all its keys, its own last, on the host
 
 
-@dataclass
-class _Keys:
-    """Per-group key slots, positions and visibility, prepared once per forward."""
-
-    slots: torch.Tensor           # (L,)
-    visible: torch.Tensor         # (T, L) bool
-    shared: str | None            # key of a first segment shared with another group in this forward
-    shared_len: int
-    sees_all: bool                # every row sees every key (decode): attention needs no mask
-
-
 class ModelRunner:
     """Runs the model's modules through an Adapter with the engine's attention and KV cache.
 
@@ -61,32 +48,6 @@ class ModelRunner:
         self.adapter = adapter
         self.pool = pool
         self.exact = exact
-
-    def _keys(self, groups: list[RowGroup]) -> list[_Keys]:
-        first_shared: dict[str, int] = {}
-        for g in groups:
-            if g.segments and g.segments[0].shared_key:
-                first_shared[g.segments[0].shared_key] = first_shared.get(g.segments[0].shared_key, 0) + 1
-        out = []
-        dev = self.pool.device
-        for g in groups:
-            slots = torch.cat([s.slots for s in g.segments])
-            kpos = torch.cat([torch.arange(s.start, s.end, device=dev) for s in g.segments])
-            qpos = torch.tensor(g.positions, device=dev)
-            visible = (kpos.unsqueeze(0) <= qpos.unsqueeze(1)) & (kpos.unsqueeze(0) >= g.lo)
-            key = g.segments[0].shared_key
-            cascade = not self.exact and key is not None and first_shared[key] > 1
-            sees_all = min(g.positions) >= g.segments[-1].end - 1 and g.lo <= g.segments[0].start
-            out.append(_Keys(slots, visible, key if cascade else None,
-                             int(g.segments[0].slots.shape[0]) if cascade else 0, sees_all))
-        return out
-
-    def _exact_attention(self, layer: int, q: torch.Tensor, spans: list[slice], keys: list[_Keys]) -> torch.Tensor:
-        outs = []
-        for span, kk in zip(spans, keys):
-            k, v = self.pool.read(layer, kk.slots)
-            outs.append(exact_attention(q[span], k, v, kk.visible.to(q.device), self.adapter.scaling))
-        return torch.cat(outs)
 
     def place(self, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor) -> None:
         """Copy cached K/V rows from slots `src` to `dst` on every layer, K rotated by `delta` positions."""
@@ -108,11 +69,9 @@ class ModelRunner:
         tokens = torch.tensor([t for g in groups for t in g.token_ids], device=dev)
         positions = [p for g in groups for p in g.positions]
         encoded = torch.tensor([p for g in groups for p in g.encoded], device=dev)
-        keys: list[_Keys] = []
-        plan: CascadePlan | PagedDecode | None = None
-        if not self.exact and all(g.key_slots is not None for g in groups):
-            plan = PagedDecode.build([g.key_slots for g in groups], dev)
-            read = write_slots = plan.new_slots
+        attention = ForwardAttention.build(groups, spans, a.windows, self.exact, dev)
+        if attention.decode_slots is not None:
+            read = write_slots = attention.decode_slots
             write_rows, writes_all = None, True
         else:
             write = torch.cat([g.write_slots for g in groups])
@@ -120,8 +79,6 @@ class ModelRunner:
             write_rows = (write >= 0).nonzero().squeeze(1)
             write_slots = write[write_rows]
             writes_all = write_rows.numel() == tokens.numel()
-            keys = self._keys(groups)
-            plan = None if self.exact else CascadePlan.build(spans, keys, dev)
         x = a.embed_tokens(tokens)
         ropes = {kind: a.rope(x, encoded, kind) for kind in a.rope_kinds}
         probes = _Probes(groups, spans, positions)
@@ -131,7 +88,7 @@ class ModelRunner:
             if x.device != layer.device:   # a model split across GPUs: follow its layers
                 x = x.to(layer.device)
                 write_rows = write_rows.to(layer.device) if write_rows is not None else None
-                plan = plan.to(layer.device) if plan is not None else None
+                attention = attention.to(layer.device)
             probes.capture("resid_pre", i, x)
             h = layer.input_layernorm(x)
             probes.capture("attn_norm", i, h)
@@ -147,10 +104,7 @@ class ModelRunner:
                 self.pool.write(i, write_slots, k, v)
             elif write_rows.numel():
                 self.pool.write(i, write_slots, k[write_rows], v[write_rows])
-            if plan is None:
-                o = self._exact_attention(i, q, spans, keys)
-            else:
-                o = plan.attend(self.pool, i, q, a.scaling)
+            o = attention.attend(self.pool, i, layer.window, q, a.scaling, layer.sinks)
             probes.capture("q", i, q)
             if probes.active and (probes.wants("k", i) or probes.wants("v", i)):
                 kr, vr = self.pool.read(i, read)

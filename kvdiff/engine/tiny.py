@@ -115,8 +115,9 @@ def tiny_config(name: str, num_layers: int = 3) -> PretrainedConfig:
     return cls(**common)
 
 
-def build_tiny_model(name: str, num_layers: int = 3, seed: int | None = None):
-    """A deterministic random-initialised model of family `name`, with the tiny tokenizer.
+def build_tiny_model(name: str, num_layers: int = 3, seed: int | None = None, **overrides):
+    """A deterministic random-initialised model of family `name`, with the tiny tokenizer;
+    `overrides` set config attributes (e.g. sliding_window=32) before the weights are drawn.
 
     Weights are drawn with a larger std than the default init so that different inputs give
     clearly different greedy tokens (the default 0.02 makes every output the same token).
@@ -125,6 +126,8 @@ def build_tiny_model(name: str, num_layers: int = 3, seed: int | None = None):
     if seed is None:
         seed = SEED + list(TINY_FAMILIES).index(name)
     config = tiny_config(name, num_layers)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     config.initializer_range = 0.2
     tokenizer = tiny_tokenizer()
     with torch.random.fork_rng(devices=[]):

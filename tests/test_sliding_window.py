@@ -1,0 +1,113 @@
+"""Sliding windows past their end (tiny-gemma3 with a 32-position window): the reference matches
+transformers' own generation, the engine masks (and skips) keys that left a windowed layer's window
+in every attention path, prefix exact stays bitwise the reference, and a cached system chunk the
+windowed layers have moved past is reused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvdiff.conversation import render_prompt_ids
+from kvdiff.engine import Engine
+from kvdiff.engine.attention_plan import ForwardAttention
+from kvdiff.engine.kv_cache import Segment
+from kvdiff.engine.numerics import KEY_TILE, exact_numerics
+from kvdiff.engine.reference import reference_generate
+from kvdiff.engine.runner import RowGroup
+from kvdiff.engine.tiny import build_tiny_model
+from kvdiff.options import Strategy
+from kvdiff.run.compare import compare
+
+from conftest import SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs
+
+WINDOW = 32
+LONG_USER = SEED_PROMPT + " The quick brown fox jumps over the lazy dog, and the key and value cache of a system prompt." * 5
+MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": LONG_USER}]
+OTHER = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": "La capitale de la France est Paris."}]
+NAME = "tiny-gemma3-window32"
+KEY = (NAME, "float32", "cpu", None)
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    return build_tiny_model("tiny-gemma3", sliding_window=WINDOW)
+
+
+def test_the_conversation_runs_past_the_window(windowed):
+    model, tok = windowed
+    n = len(render_prompt_ids(tok, MESSAGES))
+    system = len(render_prompt_ids(tok, MESSAGES[:1]))
+    assert n > system + WINDOW and n > 2 * KEY_TILE     # the user chunk alone is longer than the window
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [WINDOW, WINDOW, None]
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_the_reference_is_transformers_own_generation(windowed, numerics):
+    """transformers' generate keeps only the window in its sliding layers' cache; the reference keeps
+    every key and masks: the same tokens, and in exact numerics logits within float tolerance."""
+    model, tok = windowed
+    ids = render_prompt_ids(tok, MESSAGES)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+        plain = model(input_ids=torch.tensor([ids])).logits[0]
+    with exact_numerics(model) if numerics == "exact" else torch.no_grad():
+        got = reference_generate(model, tok, MESSAGES, 24).token_ids
+        logits = model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache()).logits[0]
+    assert got == want[:len(got)] and len(got) == 24
+    assert torch.allclose(logits, plain, atol=1e-4)
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+@pytest.mark.parametrize("strategy", [s.value for s in Strategy])
+def test_every_strategy_runs_past_the_window(windowed, strategy, numerics):
+    assert_every_strategy_runs(*windowed, strategy, numerics, MESSAGES, OTHER)
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_the_window_is_what_the_engine_attends(windowed, numerics):
+    """With the windowed layers made global the engine's tokens part from the reference's: the
+    window, not luck, makes them agree."""
+    model, tok = windowed
+    with exact_numerics(model) if numerics == "exact" else torch.no_grad():
+        want = reference_generate(model, tok, MESSAGES, 12).token_ids
+    eng = Engine(model, tok, numerics=numerics)
+    assert eng.generate([MESSAGES], max_new_tokens=12)[0].token_ids == want
+    for layer in eng.adapter.layers:
+        layer.window = None
+    eng.adapter.windows = (None,)
+    assert eng.generate([MESSAGES], max_new_tokens=12)[0].token_ids != want
+
+
+def test_prefix_exact_is_bitwise_with_a_system_chunk_the_window_moved_past(windowed, tmp_path):
+    result = compare(MESSAGES, model=NAME, strategy="prefix", numerics="exact", warm=OTHER, max_new_tokens=8,
+                     out=tmp_path / "run", model_cache={KEY: windowed})
+    report = result.report.to_json()
+    assert result.exit_code == 0 and report["first_bit_difference"] is None
+    assert [c["cache"] for c in report["chunks"]] == ["hit", "miss", "miss"]
+    system = report["chunks"][0]["positions"]
+    assert report["chunks"][2]["positions"][1] - WINDOW >= system[1]      # the last rows see none of it
+
+
+def _group(positions: list[int], length: int) -> RowGroup:
+    slots = torch.arange(length)
+    return RowGroup([0] * len(positions), positions, positions, slots[positions], slots[positions],
+                    [Segment(0, slots, None)], key_slots=np.arange(length) if len(positions) == 1 else None)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_keys_out_of_every_rows_window_are_not_read(exact):
+    prefill = _group(list(range(100, 140)), 140)
+    plans = ForwardAttention.build([prefill], [slice(0, 40)], (WINDOW, None), exact, torch.device("cpu")).plans
+    first = 64 if exact else 100 - WINDOW + 1             # exact cuts on a key tile: tiles stay aligned
+    windowed, full = plans[WINDOW].keys[0], plans[None].keys[0]
+    assert torch.equal(windowed.slots, torch.arange(first, 140)) and first % (KEY_TILE if exact else 1) == 0
+    assert torch.equal(full.slots, torch.arange(140))
+    rows = torch.arange(100, 140).unsqueeze(1)
+    assert torch.equal(windowed.visible, (windowed.slots <= rows) & (windowed.slots > rows - WINDOW))
+    if not exact:
+        decode = ForwardAttention.build([_group([200], 201)], [slice(0, 1)], (WINDOW, None), False, torch.device("cpu"))
+        assert decode.plans[WINDOW].plan.lengths.tolist() == [WINDOW] and decode.plans[None].plan.lengths.tolist() == [201]
+        assert torch.equal(decode.plans[WINDOW].plan.table[0], torch.arange(201 - WINDOW, 201))
