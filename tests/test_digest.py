@@ -44,6 +44,40 @@ def test_a_hash_tells_one_flipped_bit_and_does_not_depend_on_the_batch(monkeypat
     assert torch.equal(row_digests(bf16)[0], row_digests(bf16.float())[0])    # by value: an engine's float32 logits
 
 
+def _splitmix64(j: int) -> int:
+    mask = (1 << 64) - 1
+    x = (j * 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
+
+
+@pytest.mark.parametrize("width", [4, 7])
+def test_a_row_hash_is_the_documented_sum_of_its_little_endian_words(width):
+    """The hash written in docs/trace-format.md, in plain integers: a trace's digests mean that."""
+    rows = torch.randn(3, width)
+    raw = rows.numpy().tobytes()
+    expected = []
+    for r in range(3):
+        row = raw[r * width * 4:(r + 1) * width * 4]
+        row += bytes(-len(row) % 8)                     # zero-padded to whole 8-byte words
+        words = [int.from_bytes(row[k:k + 8], "little") for k in range(0, len(row), 8)]
+        total = sum(w * (_splitmix64(k + 1) | 1) for k, w in enumerate(words)) % (1 << 64)
+        expected.append(total - (1 << 64) if total >= 1 << 63 else total)
+    assert row_digests(rows)[0].tolist() == expected
+    wide = torch.randn(3, width + 1)
+    assert torch.equal(row_digests(wide[:, 1:])[0], row_digests(wide[:, 1:].contiguous())[0])   # not word-aligned
+
+
+def test_a_digest_trace_hashed_another_way_is_refused(tiny_llama, tmp_path):
+    import h5py
+    path = kvdiff.record(*tiny_llama, SEEDS, tmp_path / "t.h5", max_new_tokens=1, trace_mode="digest")
+    with h5py.File(path, "a") as f:
+        f["digests"].attrs["row_hash"] = "elements-widened"
+    with pytest.raises(kvdiff.errors.TraceError, match="hashed by 'elements-widened'.*record it again"):
+        open_trace(path)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (see docs/gpu.md)")
 def test_a_row_hashes_the_same_on_a_gpu_as_on_the_host():      # and whatever it widened 16-bit rows with
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

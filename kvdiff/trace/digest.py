@@ -8,11 +8,14 @@ exactly (it is one of a float32, bfloat16 or float16 row's elements) and `rms` t
 itself; they bound the difference from below (analysis/digests.py), which tells a difference
 beyond tolerance without the rows.
 
-The hash of a row of W elements with bit patterns b_j (as signed integers of the element's
-width, widened to int64; bfloat16 and float16 rows are widened to float32 first, exactly, so a
-row hashes the same whichever of them an engine keeps it in) is sum_j b_j * m_j mod 2^64, with m_j odd multipliers drawn from j
-alone (splitmix64), so a row's hash does not depend on the device, the batch or which other
-rows were hashed with it: the engines' traces and kvdiff's compare.
+The hash of a row is sum_k w_k * m_k mod 2^64 over the row's bytes read as little-endian 64-bit
+words w_k (two float32 elements a word; a row zero-padded to a multiple of 8 bytes; bfloat16
+and float16 rows are widened to float32 first, exactly, so a row hashes the same whichever of
+them an engine keeps it in), with m_k odd multipliers drawn from k alone (splitmix64), so a
+row's hash does not depend on the device, the batch or which other rows were hashed with it:
+the engines' traces and kvdiff's compare. The words are a view of the row, not a widened copy:
+the hash reads each byte once. `ROW_HASH` names this hash in the traces, which older ones
+(each element widened to its own word) do not.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ _GOLDEN = -7046029254386353131          # 0x9E3779B97F4A7C15 as int64
 _MIX1, _MIX2 = -4658895280553007687, -7723592293110705685    # splitmix64's constants as int64
 _multipliers: dict[tuple[int, torch.device], torch.Tensor] = {}
 BLOCK_ELEMENTS = 1 << 24
+ROW_HASH = "le-words64-splitmix"      # the /digests group's `row_hash`: how its rows were hashed
 
 
 def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -47,7 +51,7 @@ def multipliers(width: int, device: torch.device) -> torch.Tensor:
 def row_digests(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(hash int64 (T,), statistics float32 (T, 2): rms and max_abs) of the T rows of `rows`
     (T, ...), on the rows' device; rows are flattened to T vectors. Hashed BLOCK_ELEMENTS at a
-    time: the widened words take 8 bytes an element (a 32k-token prompt's logits are GBs)."""
+    time: the products take 4 bytes a float32 element (a 32k-token prompt's logits are GBs)."""
     flat = rows.detach().reshape(rows.shape[0], -1)
     if flat.shape[1] == 0:
         zeros = torch.zeros(flat.shape[0], device=flat.device)
@@ -59,11 +63,25 @@ def row_digests(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _block_digests(flat)
 
 
+def _words(flat: torch.Tensor) -> torch.Tensor:
+    """The bytes of each row of `flat` (T, W) as little-endian int64 words, a row zero-padded to a
+    multiple of 8 bytes. A row of 8-byte multiples is viewed in place; others are copied."""
+    nbytes = flat.shape[1] * flat.element_size()
+    if nbytes % 8 == 0:
+        try:
+            return flat.view(torch.int64)
+        except RuntimeError:        # a view whose offset or row stride is not a whole word
+            return flat.contiguous().view(torch.int64)
+    padded = torch.zeros(flat.shape[0], nbytes + 8 - nbytes % 8, dtype=torch.uint8, device=flat.device)
+    padded[:, :nbytes] = flat.contiguous().view(torch.uint8)
+    return padded.view(torch.int64)
+
+
 def _block_digests(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if flat.dtype in (torch.bfloat16, torch.float16):
         flat = flat.float()         # exact: a row hashes by its values, as the diff compares float32 rows
-    words = flat.view(_WORDS[flat.element_size()]).to(torch.int64)
-    hashes = (words * multipliers(flat.shape[1], flat.device)).sum(1)
+    words = _words(flat)
+    hashes = (words * multipliers(words.shape[1], flat.device)).sum(1)
     values = flat if flat.is_floating_point() else flat.to(torch.float64)
     rms = torch.linalg.vector_norm(values, dim=1, dtype=torch.float64) / flat.shape[1] ** 0.5
     max_abs = values.abs().amax(1).to(torch.float64)

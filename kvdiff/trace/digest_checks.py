@@ -10,7 +10,8 @@ import h5py
 import numpy as np
 
 from kvdiff.trace.checks import _dataset, _member, malformed, read_positions
-from kvdiff.trace.digest import DIGEST_STATS
+from kvdiff.errors import TraceError
+from kvdiff.trace.digest import DIGEST_STATS, ROW_HASH
 from kvdiff.trace.format import DIGEST_GROUP, FINAL_GROUP, TraceMeta, digest_tables
 
 
@@ -38,6 +39,10 @@ def check_digests(path: Path, f: h5py.File, meta: TraceMeta, positions: np.ndarr
             raise malformed(path, f"/{DIGEST_GROUP} in a trace of trace_mode {meta.trace_mode!r}")
         return np.zeros(0, dtype=np.int64)
     root = _member(path, f, DIGEST_GROUP, h5py.Group)
+    row_hash = root.attrs.get("row_hash")
+    if row_hash != ROW_HASH:
+        raise TraceError(f"{path}'s digests were hashed by " + (f"{row_hash!r}" if isinstance(row_hash, str) else
+                         "an earlier kvdiff") + f", not by this kvdiff's {ROW_HASH!r}: record it again")
     digested = read_positions(path, root)
     if np.setdiff1d(positions, digested).size or np.setdiff1d(meta.kv_only_positions, digested).size:
         raise malformed(path, "positions or kv_only_positions hold positions that /digests/positions does not")

@@ -19,6 +19,7 @@ from typing import Mapping
 import h5py
 import numpy as np
 
+from kvdiff.trace.digest import ROW_HASH
 from kvdiff.trace.points import READ_POINTS
 from kvdiff.trace.ranges import format_ranges
 from kvdiff.trace.sink import ProbeIntegrityError
@@ -254,7 +255,9 @@ class TraceFile:
             self._file.create_dataset("kv_only_positions", data=kv_only)
             self._file.attrs["schema_version"] = KV_ONLY_SCHEMA_VERSION
         if meta.trace_mode == "digest":
-            self._file.require_group(DIGEST_GROUP).create_dataset("positions", data=digested)
+            group = self._file.require_group(DIGEST_GROUP)
+            group.create_dataset("positions", data=digested)
+            group.attrs["row_hash"] = ROW_HASH
             self._file.attrs["schema_version"] = DIGEST_SCHEMA_VERSION
         self._write_meta(meta)
         self._file.attrs["complete"] = True
