@@ -788,10 +788,11 @@ def plant_mask(ctx: Ctx, rule: str, **kw) -> Undo:
         undo = _restore_attr(runner, "_keys")
         keys_of = type(runner)._keys.__get__(runner)
 
-        def planted(groups):
-            out = keys_of(groups)
-            for g, kk in zip(groups, out):
-                kpos = torch.cat([torch.arange(s.start, s.end) for s in g.segments]).to(kk.visible.device)
+        def planted(groups, window):
+            out = keys_of(groups, window)
+            for g, kk in zip(groups, out):       # a window cuts keys from the front only
+                kpos = torch.cat([torch.arange(s.start, s.end) for s in g.segments])[-kk.slots.shape[0]:]
+                kpos = kpos.to(kk.visible.device)
                 kk.visible = fn(torch.tensor(g.positions, device=kk.visible.device), kpos, kk.visible)
                 kk.sees_all = False
             return out

@@ -81,3 +81,137 @@ def assert_every_strategy_runs(model, tokenizer, strategy: str, numerics: str, m
             assert outs[0].token_ids == reference_generate(model, tokenizer, messages, 6).token_ids
     if strategy != "none":
         assert outs[1].chunks[0].cache == "hit"
+
+
+def _routing(router, logits):
+    """(weights, ids) a router gives a row of `logits`: gpt-oss's softmax over the top k, else the
+    top k of the softmax renormalised."""
+    if type(router).__name__ == "GptOssTopKRouter":
+        top, ids = logits.topk(router.top_k)
+        return top.softmax(-1), ids
+    top, ids = logits.softmax(-1).topk(router.top_k)
+    return top / top.sum(), ids
+
+
+def plant_router_logit(model, layer: int, position: int, offset: float):
+    """A hook on `layer`'s router (`mlp.gate`, gpt-oss's `mlp.router`): at `position` of a prefill,
+    the logit ranked k+1 is set to the k-th's plus `offset` (> 0: it takes the k-th's place), and
+    that row's choice recomputed."""
+    mlp = model.model.layers[layer].mlp
+    gate = mlp.gate if hasattr(mlp, "gate") else mlp.router
+    k = gate.top_k
+
+    def hook(module, args, output):
+        logits, weights, chosen = output
+        if logits.shape[0] <= position:
+            return None
+        logits, weights, chosen = logits.clone(), weights.clone(), chosen.clone()
+        ranked = logits[position].argsort(descending=True)
+        logits[position, ranked[k]] = logits[position, ranked[k - 1]] + offset
+        weights[position], chosen[position] = _routing(module, logits[position])
+        return logits, weights, chosen
+
+    return gate.register_forward_hook(hook)
+
+
+def planted_flip(model, tok, messages: list, tmp_path, ref_offset, cand_offset, layer: int, position: int):
+    """Reference traces (exact) of `messages` with `plant_router_logit(offset)` in each (None: no
+    plant); their diff's report, the first trace's experts and router logits at (layer, position)."""
+    from kvdiff.run.record import record
+    from kvdiff.trace import open_trace
+
+    paths = []
+    for name, offset in (("ref", ref_offset), ("cand", cand_offset)):
+        handle = plant_router_logit(model, layer, position, offset) if offset is not None else None
+        try:
+            paths.append(record(model, tok, messages, tmp_path / f"{name}.h5", max_new_tokens=4, numerics="exact"))
+        finally:
+            if handle is not None:
+                handle.remove()
+    with open_trace(paths[0]) as tr:
+        ref_experts = tr.point(layer, "experts", [position])[0].astype(int).tolist()
+        logits = tr.point(layer, "router_logits", [position])[0]
+    return kvdiff.diff(*paths, tokenizer=tok).to_json(), ref_experts, logits
+
+
+def moved_router_flip(model, tok, messages: list, tmp_path, layer: int, expert: int):
+    """The engine (prefix, exact) on a copy of `model` whose `layer` router (`mlp.gate`) has `expert`'s
+    weights moved, diffed against the reference (exact). Returns the report, the prompt positions
+    where the moved router, run on the reference's router inputs (mlp_norm), chooses another set of
+    experts, and its choices there."""
+    import copy
+
+    import numpy as np
+    import torch
+
+    from kvdiff.engine import Engine
+    from kvdiff.engine.numerics import exact_numerics
+    from kvdiff.probes.recorder import TraceRecorder
+    from kvdiff.run.record import record
+    from kvdiff.trace import open_trace
+
+    changed = copy.deepcopy(model)
+    gate = changed.model.layers[layer].mlp.gate
+    with torch.no_grad():
+        gate.weight[expert] += 0.4 * torch.randn(gate.weight.shape[1], generator=torch.Generator().manual_seed(1))
+    ref = record(model, tok, messages, tmp_path / "ref.h5", max_new_tokens=4, numerics="exact")
+    recorder = TraceRecorder.for_model(changed, tok, messages, tmp_path / "cand.h5", strategy="prefix", numerics="exact")
+    output = Engine(changed, tok, numerics="exact").generate([messages], max_new_tokens=4, sinks={0: recorder})[0]
+    recorder.finish(output.token_ids, output.text, output.chunks)
+    with open_trace(ref) as tr:
+        prompt = np.arange(tr.meta.input_ids.size)
+        h = torch.from_numpy(tr.point(layer, "mlp_norm", prompt))
+        ref_sets = np.sort(tr.point(layer, "experts", prompt), axis=1)
+    with exact_numerics(changed), torch.no_grad():
+        moved = gate(h)[2]
+    flipped = np.flatnonzero((np.sort(moved.numpy(), axis=1) != ref_sets).any(axis=1))
+    return kvdiff.diff(ref, tmp_path / "cand.h5", tokenizer=tok).to_json(), flipped, moved
+
+
+def prefix_exact_run(model, tok, name: str, messages: list, other: list, tmp_path, **forward):
+    """A family's prefix-exact test: `compare` of `messages` (prefix, exact), warmed with `other` whose
+    system chunk it then reads from the cache, must be bitwise the reference's. Returns the engine's
+    trace of `messages` after `other` (path), its output, and transformers' forward of the prompt in
+    exact numerics (with `forward`'s arguments and hidden states) with its cache, to hold the rows to."""
+    import torch
+    from transformers import DynamicCache
+
+    from kvdiff.conversation import render_prompt_ids
+    from kvdiff.engine import Engine
+    from kvdiff.engine.numerics import exact_numerics
+    from kvdiff.probes.recorder import TraceRecorder
+    from kvdiff.run.compare import compare
+
+    result = compare(messages, model=name, strategy="prefix", numerics="exact", warm=other, max_new_tokens=6,
+                     out=tmp_path / "run", model_cache={(name, "float32", "cpu", None): (model, tok)})
+    report = result.report.to_json()
+    assert result.exit_code == 0 and report["first_bit_difference"] is None
+    assert [c["cache"] for c in report["chunks"]] == ["hit", "miss", "miss"]
+    eng = Engine(model, tok, numerics="exact")
+    eng.generate([other], max_new_tokens=1)
+    recorder = TraceRecorder.for_model(model, tok, messages, tmp_path / "c.h5", strategy="prefix", numerics="exact")
+    output = eng.generate([messages], max_new_tokens=4, sinks={0: recorder})[0]
+    recorder.finish(output.token_ids, output.text, output.chunks)
+    cache = DynamicCache(config=model.config)
+    with exact_numerics(model), torch.no_grad():
+        ref = model(input_ids=torch.tensor([render_prompt_ids(tok, messages)]), past_key_values=cache,
+                    output_hidden_states=True, **forward)
+    return tmp_path / "c.h5", output, ref, cache
+
+
+def assert_isolated_local_is_a_position_mismatch(model, tok, name: str, messages: list, tmp_path) -> dict:
+    """A family's position test: `compare` of `messages` under isolated-local (exact) differs first at
+    layer 0 where the user chunk starts, leads with position_mismatch and names the user chunk's
+    offset (minus its start). Returns the report."""
+    from kvdiff.run.compare import compare
+
+    result = compare(messages, model=name, strategy="isolated-local", numerics="exact", max_new_tokens=6,
+                     out=tmp_path / "run", model_cache={(name, "float32", "cpu", None): (model, tok)})
+    report = result.report.to_json()
+    user = next(c for c in report["chunks"] if c["name"] == "user")
+    assert result.exit_code == 1
+    assert (report["first_bit_difference"]["layer"], report["first_bit_difference"]["position"]) == (0, user["positions"][0])
+    mismatch = [d for d in report["diagnoses"] if d["kind"] == "position_mismatch" and d["chunk"] == "user"]
+    assert mismatch and mismatch[0]["offset"] == -user["positions"][0]
+    assert report["diagnoses"][report["top_diagnosis"]]["kind"] == "position_mismatch"
+    return report

@@ -6,27 +6,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache, Gemma3ForCausalLM
+from transformers import Gemma3ForCausalLM
 
 import kvdiff
 from kvdiff.conversation import render_prompt_ids
 from kvdiff.engine import Engine
-from kvdiff.engine.numerics import exact_numerics
 from kvdiff.engine.tiny import tiny_config
 from kvdiff.errors import UnsupportedModelError
 from kvdiff.options import Strategy
 from kvdiff.probes.model_meta import model_dims
 from kvdiff.probes.recorder import TraceRecorder
-from kvdiff.run.compare import compare
 from kvdiff.run.record import record
 from kvdiff.trace import open_trace
 from kvdiff.trace.points import MOE_POINTS, POST_NORM_POINTS
 
-from conftest import SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs
+from conftest import SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_isolated_local_is_a_position_mismatch, prefix_exact_run
 
 MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
 OTHER = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": "La capitale de la France est Paris."}]
-KEY = ("tiny-gemma3", "float32", "cpu", None)
 
 
 @pytest.fixture(scope="module")
@@ -74,22 +71,9 @@ def test_reference_probes_hold_the_four_norms(gemma, tmp_path):
 
 def test_prefix_exact_is_bitwise_the_reference_with_a_cached_system_prompt(gemma, tmp_path):
     model, tok = gemma
-    result = compare(MESSAGES, model="tiny-gemma3", strategy="prefix", numerics="exact", warm=OTHER,
-                     max_new_tokens=6, out=tmp_path / "run", model_cache={KEY: gemma})
-    report = result.report.to_json()
-    assert result.exit_code == 0 and report["first_bit_difference"] is None
-    assert [c["cache"] for c in report["chunks"]] == ["hit", "miss", "miss"]
-    eng = Engine(model, tok, numerics="exact")
-    eng.generate([OTHER], max_new_tokens=1)
-    recorder = TraceRecorder.for_model(model, tok, MESSAGES, tmp_path / "c.h5", strategy="prefix", numerics="exact")
-    output = eng.generate([MESSAGES], max_new_tokens=4, sinks={0: recorder})[0]
-    recorder.finish(output.token_ids, output.text, output.chunks)
-    ids = render_prompt_ids(tok, MESSAGES)
-    with exact_numerics(model), torch.no_grad():
-        ref = model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache(config=model.config),
-                    output_hidden_states=True)
-    computed = np.arange(output.chunks[1].positions[0], len(ids))
-    with open_trace(tmp_path / "c.h5") as tr:
+    trace, output, ref, _ = prefix_exact_run(model, tok, "tiny-gemma3", MESSAGES, OTHER, tmp_path)
+    computed = np.arange(output.chunks[1].positions[0], len(output.prompt_ids))
+    with open_trace(trace) as tr:
         rows = np.searchsorted(tr.positions, computed)
         for layer in range(model.config.num_hidden_layers):
             assert np.array_equal(tr.point(layer, "resid_pre", rows), ref.hidden_states[layer][0, computed].numpy())
@@ -97,15 +81,7 @@ def test_prefix_exact_is_bitwise_the_reference_with_a_cached_system_prompt(gemma
 
 
 def test_isolated_local_is_a_position_mismatch(gemma, tmp_path):
-    result = compare(MESSAGES, model="tiny-gemma3", strategy="isolated-local", numerics="exact",
-                     max_new_tokens=6, out=tmp_path / "run", model_cache={KEY: gemma})
-    report = result.report.to_json()
-    user = next(c for c in report["chunks"] if c["name"] == "user")
-    assert result.exit_code == 1
-    assert (report["first_bit_difference"]["layer"], report["first_bit_difference"]["position"]) == (0, user["positions"][0])
-    mismatch = [d for d in report["diagnoses"] if d["kind"] == "position_mismatch" and d["chunk"] == "user"]
-    assert mismatch and mismatch[0]["offset"] == -user["positions"][0]
-    assert report["diagnoses"][report["top_diagnosis"]]["kind"] == "position_mismatch"
+    report = assert_isolated_local_is_a_position_mismatch(*gemma, "tiny-gemma3", MESSAGES, tmp_path)
     # The four norms recompute from the recorded inputs and weights: their differences come from the inputs.
     assert all(d["source"] == "inputs" for d in report["diagnoses"] if d["kind"] == "norm_consistency")
 

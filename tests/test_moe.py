@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import kvdiff
 from kvdiff.conversation import render_prompt_ids
@@ -16,14 +14,12 @@ from kvdiff.engine.numerics import exact_numerics
 from kvdiff.errors import InputError, UnsupportedModelError
 from kvdiff.options import Strategy
 from kvdiff.probes.model_meta import model_dims
-from kvdiff.probes.recorder import TraceRecorder
 from kvdiff.probes.selection import Selection
-from kvdiff.run.compare import compare
 from kvdiff.run.record import record
 from kvdiff.trace import open_trace
 from kvdiff.trace.points import ALL_POINTS, MOE_POINTS
 
-from conftest import SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs
+from conftest import SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_isolated_local_is_a_position_mismatch, moved_router_flip, planted_flip, prefix_exact_run
 
 MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
 OTHER = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": "La capitale de la France est Paris."}]
@@ -80,24 +76,11 @@ def test_reference_probes_hold_the_routers_logits_and_choices(moe, tmp_path):
 
 def test_prefix_exact_is_bitwise_the_reference_with_a_cached_system_prompt(moe, tmp_path):
     model, tok = moe
-    result = compare(MESSAGES, model="tiny-qwen3-moe", strategy="prefix", numerics="exact", warm=OTHER,
-                     max_new_tokens=6, out=tmp_path / "run", model_cache={("tiny-qwen3-moe", "float32", "cpu", None): moe})
-    report = result.report.to_json()
-    assert result.exit_code == 0 and report["tokens_identical"]
-    assert report["first_bit_difference"] is None
-    assert [c["cache"] for c in report["chunks"]] == ["hit", "miss", "miss"]
     # The engine's own rows against transformers' forward, in exact numerics: the positions it computed.
-    eng = Engine(model, tok, numerics="exact")
-    eng.generate([OTHER], max_new_tokens=1)
-    recorder = TraceRecorder.for_model(model, tok, MESSAGES, tmp_path / "c.h5", strategy="prefix", numerics="exact")
-    output = eng.generate([MESSAGES], max_new_tokens=4, sinks={0: recorder})[0]
-    recorder.finish(output.token_ids, output.text, output.chunks)
-    ids = render_prompt_ids(tok, MESSAGES)
-    with exact_numerics(model), torch.no_grad():
-        ref = model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache(config=model.config),
-                    output_router_logits=True, output_hidden_states=True)
-    computed = np.arange(output.chunks[1].positions[0], len(ids))
-    with open_trace(tmp_path / "c.h5") as tr:
+    trace, output, ref, _ = prefix_exact_run(model, tok, "tiny-qwen3-moe", MESSAGES, OTHER, tmp_path,
+                                             output_router_logits=True)
+    computed = np.arange(output.chunks[1].positions[0], len(output.prompt_ids))
+    with open_trace(trace) as tr:
         rows = np.searchsorted(tr.positions, computed)
         for layer in range(model.config.num_hidden_layers):
             for point, want in (("router_logits", ref.router_logits[layer][computed]),
@@ -119,54 +102,14 @@ def test_exact_numerics_make_the_experts_row_invariant(moe):
 
 
 def test_isolated_local_is_a_position_mismatch(tmp_path, moe):
-    result = compare(MESSAGES, model="tiny-qwen3-moe", strategy="isolated-local", numerics="exact",
-                     max_new_tokens=6, out=tmp_path / "run", model_cache={("tiny-qwen3-moe", "float32", "cpu", None): moe})
-    report = result.report.to_json()
-    user = next(c for c in report["chunks"] if c["name"] == "user")
-    assert result.exit_code == 1
-    assert report["first_bit_difference"]["layer"] == 0
-    assert report["first_bit_difference"]["position"] == user["positions"][0]
-    mismatch = [d for d in report["diagnoses"] if d["kind"] == "position_mismatch" and d["chunk"] == "user"]
-    assert mismatch and mismatch[0]["offset"] == -user["positions"][0]
-    assert report["diagnoses"][report["top_diagnosis"]]["kind"] == "position_mismatch"
+    report = assert_isolated_local_is_a_position_mismatch(*moe, "tiny-qwen3-moe", MESSAGES, tmp_path)
     flips = [d for d in report["diagnoses"] if d["kind"] == "expert_flip"]
     assert all(d["cause"] == "upstream" for d in flips)      # a consequence, named as one
 
 
-def _plant_router_logit(model, layer: int, position: int, offset: float):
-    """A hook on `layer`'s router: at `position` of a prefill, the logit ranked k+1 is set to the
-    k-th's plus `offset` (> 0: it takes the k-th's place), and that row's choice recomputed."""
-    gate = model.model.layers[layer].mlp.gate
-    k = gate.top_k
-
-    def hook(module, args, output):
-        logits, weights, chosen = output
-        if logits.shape[0] <= position:
-            return None
-        logits, weights, chosen = logits.clone(), weights.clone(), chosen.clone()
-        ranked = logits[position].argsort(descending=True)
-        logits[position, ranked[k]] = logits[position, ranked[k - 1]] + offset
-        top, ids = logits[position].softmax(-1).topk(k)
-        weights[position], chosen[position] = top / top.sum(), ids
-        return logits, weights, chosen
-
-    return gate.register_forward_hook(hook)
-
-
 def _flip(moe, tmp_path, ref_offset: float, cand_offset: float, layer=1, position=20):
     model, tok = moe
-    paths = []
-    for name, offset in (("ref", ref_offset), ("cand", cand_offset)):
-        handle = _plant_router_logit(model, layer, position, offset) if offset is not None else None
-        try:
-            paths.append(record(model, tok, MESSAGES, tmp_path / f"{name}.h5", max_new_tokens=4, numerics="exact"))
-        finally:
-            if handle is not None:
-                handle.remove()
-    with open_trace(paths[0]) as tr:
-        ref_experts = tr.point(layer, "experts", [position])[0].astype(int).tolist()
-        logits = tr.point(layer, "router_logits", [position])[0]
-    report = kvdiff.diff(*paths, tokenizer=tok).to_json()
+    report, ref_experts, logits = planted_flip(model, tok, MESSAGES, tmp_path, ref_offset, cand_offset, layer, position)
     return report, ref_experts, logits, tok
 
 
@@ -201,22 +144,8 @@ def test_a_perturbed_router_weight_in_the_engine_flips_where_the_weights_say(moe
     expert's weights moved; the first flip is where top-k of the moved logits first differs."""
     model, tok = moe
     layer, expert = model.config.num_hidden_layers - 1, 3
-    changed = copy.deepcopy(model)
-    with torch.no_grad():
-        changed.model.layers[layer].mlp.gate.weight[expert] += 0.4 * torch.randn(
-            model.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    ref = record(model, tok, MESSAGES, tmp_path / "ref.h5", max_new_tokens=4, numerics="exact")
-    recorder = TraceRecorder.for_model(changed, tok, MESSAGES, tmp_path / "cand.h5", strategy="prefix", numerics="exact")
-    output = Engine(changed, tok, numerics="exact").generate([MESSAGES], max_new_tokens=4, sinks={0: recorder})[0]
-    recorder.finish(output.token_ids, output.text, output.chunks)
-    with open_trace(ref) as tr:
-        prompt = np.arange(tr.meta.input_ids.size)
-        h = torch.from_numpy(tr.point(layer, "mlp_norm", prompt))
-        ref_sets = np.sort(tr.point(layer, "experts", prompt), axis=1)
-    moved = (h @ changed.model.layers[layer].mlp.gate.weight.detach().T).topk(2).indices
-    flipped = np.flatnonzero((np.sort(moved.numpy(), axis=1) != ref_sets).any(axis=1))
+    report, flipped, moved = moved_router_flip(model, tok, MESSAGES, tmp_path, layer, expert)
     assert flipped.size                                       # the planted change flips some tokens
-    report = kvdiff.diff(ref, tmp_path / "cand.h5", tokenizer=tok).to_json()
     (d,) = [d for d in report["diagnoses"] if d["kind"] == "expert_flip"]
     assert (d["layer"], d["positions"][0], d["cause"]) == (layer, int(flipped[0]), "router")
     assert d["candidate_experts"] == moved[flipped[0]].tolist() and expert in d["candidate_experts"] + d["reference_experts"]

@@ -5,6 +5,8 @@ windowed layers have moved past is reused."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from transformers import DynamicCache
 
 from kvdiff.conversation import render_prompt_ids
 from kvdiff.engine import Engine
-from kvdiff.engine.attention_plan import ForwardAttention
+from kvdiff.engine.attention_plan import ForwardAttention, key_sets
 from kvdiff.engine.kv_cache import Segment
 from kvdiff.engine.numerics import KEY_TILE, exact_numerics
 from kvdiff.engine.reference import reference_generate
@@ -100,7 +102,9 @@ def _group(positions: list[int], length: int) -> RowGroup:
 @pytest.mark.parametrize("exact", [False, True])
 def test_keys_out_of_every_rows_window_are_not_read(exact):
     prefill = _group(list(range(100, 140)), 140)
-    plans = ForwardAttention.build([prefill], [slice(0, 40)], (WINDOW, None), exact, torch.device("cpu")).plans
+    cpu = torch.device("cpu")
+    keys_of = functools.partial(key_sets, exact=exact, device=cpu)
+    plans = ForwardAttention.build([prefill], [slice(0, 40)], (WINDOW, None), keys_of, exact, cpu).plans
     first = 64 if exact else 100 - WINDOW + 1             # exact cuts on a key tile: tiles stay aligned
     windowed, full = plans[WINDOW].keys[0], plans[None].keys[0]
     assert torch.equal(windowed.slots, torch.arange(first, 140)) and first % (KEY_TILE if exact else 1) == 0
@@ -108,6 +112,6 @@ def test_keys_out_of_every_rows_window_are_not_read(exact):
     rows = torch.arange(100, 140).unsqueeze(1)
     assert torch.equal(windowed.visible, (windowed.slots <= rows) & (windowed.slots > rows - WINDOW))
     if not exact:
-        decode = ForwardAttention.build([_group([200], 201)], [slice(0, 1)], (WINDOW, None), False, torch.device("cpu"))
+        decode = ForwardAttention.build([_group([200], 201)], [slice(0, 1)], (WINDOW, None), keys_of, False, cpu)
         assert decode.plans[WINDOW].plan.lengths.tolist() == [WINDOW] and decode.plans[None].plan.lengths.tolist() == [201]
         assert torch.equal(decode.plans[WINDOW].plan.table[0], torch.arange(201 - WINDOW, 201))

@@ -5,7 +5,7 @@ itself; only attention, positions, KV cache and scheduling are its own. An adapt
 where each module lives and the few per-family differences (Qwen2 q/k/v bias is inside the
 projections; Qwen3 normalises q and k per head before RoPE; Qwen3-MoE routes each token to
 experts in place of the MLP; Gemma 3 also normalises attention's and the MLP's outputs, and its
-sliding-window and global layers rotate with RoPE bases of their own).
+sliding-window and global layers rotate with RoPE bases of their own; gpt-oss adds attention sinks).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvdiff.engine.latent_cache import latent_qkv
 from kvdiff.errors import UnsupportedModelError
 
 
@@ -38,6 +39,8 @@ class LayerModules:
     mlp_post_norm: nn.Module | None = None    # their residual adds
     rope_kind: str | None = None       # which of the adapter's `rope_kinds` rotates this layer
     window: int | None = None          # a sliding-window layer: a query at p sees keys p-window+1..p
+    shared_experts: nn.Module | None = None   # DeepSeek: an MLP every token runs beside its experts
+    latent: nn.Module | None = None    # multi-head latent attention: the layer's attention module
     sinks: torch.Tensor | None = None  # gpt-oss: per-head sink logits, one more term in softmax's denominator
 
 
@@ -58,6 +61,8 @@ class Adapter:
 
     families: tuple[str, ...] = ("llama", "mistral", "qwen2")
     rope_kinds: tuple[str | None, ...] = (None,)     # one RoPE for every layer
+    latent_attention = False      # MLA: the cache holds a latent and a RoPE key (latent_cache.py)
+    value_point = "v"             # the probe point of what the cache holds beside k
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -72,11 +77,15 @@ class Adapter:
         attn = inner.layers[0].self_attn
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = attn.head_dim
+        self.head_dim = self._head_dim(attn)
         self.scaling = float(attn.scaling)
         self.hidden_size = config.hidden_size
         self.max_positions = int(config.max_position_embeddings)
         self.windows = tuple(dict.fromkeys(layer.window for layer in self.layers))   # distinct, None: global
+
+    def _head_dim(self, attn: nn.Module) -> int:
+        """The width of a query head."""
+        return int(attn.head_dim)
 
     def _layer(self, layer: nn.Module) -> LayerModules:
         attn = layer.self_attn
@@ -103,6 +112,10 @@ class Adapter:
         k = layer.k_proj(h).view(T, self.num_kv_heads, self.head_dim)
         v = layer.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
         return q, k, v
+
+    def rotate_q(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q after RoPE."""
+        return apply_rope(q, cos, sin)
 
     def rope(self, like: torch.Tensor, positions: torch.Tensor,
              kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +177,64 @@ class Gemma3Adapter(Qwen3Adapter):
         return modules
 
 
-ADAPTERS: dict[str, type[Adapter]] = {family: cls for cls in (Adapter, Qwen3Adapter, Qwen3MoeAdapter, Gemma3Adapter)
+class GptOssAdapter(Adapter):
+    """gpt-oss: biased q/k/v/o projections (inside the modules), sliding-window and global layers in
+    turn, per-head attention sinks (a learned logit in each head's softmax denominator), a router
+    (GptOssTopKRouter: top-k of the logits, softmax over those k) and experts in place of the MLP,
+    and RoPE (YaRN) rotating the two halves of a head with cos/sin of half its width."""
+
+    families = ("gpt_oss",)
+
+    def _layer(self, layer: nn.Module) -> LayerModules:
+        modules = super()._layer(layer)
+        modules.router, modules.experts = layer.mlp.router, layer.mlp.experts
+        modules.sinks = layer.self_attn.sinks
+        return modules
+
+    def rope(self, like, positions, kind=None):
+        """cos, sin (T, D): the model's (T, D/2), repeated for both halves (its first half rotates
+        as x1 cos - x2 sin, rotate_half's x1 cos + (-x2) sin, bit for bit)."""
+        cos, sin = super().rope(like, positions, kind)
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+
+class DeepseekV3Adapter(Adapter):
+    """DeepSeek-V3: multi-head latent attention (latent_cache.py: per token the cache holds a latent and
+    one RoPE key all heads share; only the last qk_rope_head_dim columns of each query head are
+    rotated) and, after `first_k_dense_replace` dense layers, routed experts beside a shared one."""
+
+    families = ("deepseek_v3",)
+    latent_attention = True
+    value_point = "kv_latent"
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self.num_kv_heads = 1
+        self.rope_dim = int(self.config.qk_rope_head_dim)
+
+    def _head_dim(self, attn: nn.Module) -> int:
+        return int(attn.qk_head_dim)
+
+    def _layer(self, layer: nn.Module) -> LayerModules:
+        attn, mlp = layer.self_attn, layer.mlp
+        moe = hasattr(mlp, "gate")
+        return LayerModules(
+            input_layernorm=layer.input_layernorm, q_proj=None, k_proj=None, v_proj=None, o_proj=attn.o_proj,
+            q_norm=None, k_norm=None, post_attention_layernorm=layer.post_attention_layernorm, mlp=mlp,
+            device=layer.input_layernorm.weight.device, router=mlp.gate if moe else None,
+            experts=mlp.experts if moe else None, shared_experts=mlp.shared_experts if moe else None, latent=attn)
+
+    def qkv(self, layer, h):
+        """q (T, H, nope + rope), the RoPE key before RoPE (T, 1, rope) and the latent (T, kv_lora_rank)."""
+        return latent_qkv(layer.latent, h, self.num_heads, bool(self.config.rope_interleave))
+
+    def rotate_q(self, q, cos, sin):
+        nope = q.shape[-1] - self.rope_dim
+        return torch.cat((q[..., :nope], apply_rope(q[..., nope:], cos, sin)), dim=-1)
+
+
+ADAPTERS: dict[str, type[Adapter]] = {family: cls for cls in (Adapter, Qwen3Adapter, Qwen3MoeAdapter, Gemma3Adapter,
+                                                              GptOssAdapter, DeepseekV3Adapter)
                                       for family in cls.families}
 
 

@@ -16,6 +16,7 @@ table (fast decode: each row's last `window` slots).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -84,10 +85,11 @@ class ForwardAttention:
         self.decode_slots = decode_slots      # fast decode: each row's own slot, where its K/V go
 
     @classmethod
-    def build(cls, groups: list, spans: list[slice], windows: tuple[int | None, ...], exact: bool,
-              device: torch.device) -> "ForwardAttention":
+    def build(cls, groups: list, spans: list[slice], windows: tuple[int | None, ...],
+              keys_of: Callable[[list, int | None], list[KeySet]], exact: bool, device: torch.device) -> "ForwardAttention":
         """Plans for `windows`: a paged decode table per window when every group is a fast decode
-        row, else key sets (and in fast numerics a cascade plan) per window."""
+        row, else the key sets `keys_of(groups, window)` (`key_sets`, or a test's plant) and in fast
+        numerics a cascade plan, per window."""
         plans: dict[int | None, WindowPlan] = {}
         if not exact and all(g.key_slots is not None for g in groups):
             for w in windows:
@@ -95,7 +97,7 @@ class ForwardAttention:
                 plans[w] = WindowPlan([], PagedDecode.build(table, device))
             return cls(plans, spans, plans[windows[0]].plan.new_slots)
         for w in windows:
-            keys = key_sets(groups, w, exact, device)
+            keys = keys_of(groups, w)
             plans[w] = WindowPlan(keys, None if exact else CascadePlan.build(spans, keys, device))
         return cls(plans, spans, None)
 

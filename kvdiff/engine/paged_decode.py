@@ -51,14 +51,14 @@ class PagedDecode:
         """Attention output (G, H, D) in q's dtype for the rows q (G, H, D); `sinks` (H,): per-head
         sink logits (gpt-oss)."""
         k_pool, v_pool = pool.k[layer], pool.v[layer]
-        if q.is_cuda:
+        if q.is_cuda and pool.holds_kv:      # (an MLA pool's rows are expanded first: the gathering path)
             from kvdiff.engine import paged_kernel
 
             if paged_kernel.available:
                 return paged_kernel.paged_decode(q, k_pool, v_pool, self.table, self.lengths, scale, sinks)
         G, width = self.table.shape
-        k = k_pool.index_select(0, self.table.reshape(-1)).view(G, width, *k_pool.shape[1:])
-        v = v_pool.index_select(0, self.table.reshape(-1)).view(G, width, *v_pool.shape[1:])
+        k, v = pool.read(layer, self.table.reshape(-1))
+        k, v = k.view(G, width, *k.shape[1:]), v.view(G, width, *v.shape[1:])
         visible = (torch.arange(width, device=q.device) < self.lengths.unsqueeze(1)).unsqueeze(1)
         if sinks is None:
             return single_attention(q.unsqueeze(1), k, v, visible, scale).squeeze(1)

@@ -14,9 +14,11 @@ import numpy as np
 import torch
 
 from kvdiff.engine.adapters import Adapter, apply_rope
-from kvdiff.engine.attention_plan import ForwardAttention
+from kvdiff.engine.attention_plan import ForwardAttention, KeySet, key_sets
 from kvdiff.engine.kv_cache import BlockPool, Segment
 from kvdiff.engine.strategies import rerotate_keys
+from kvdiff.trace.format import dense_router_rows
+from kvdiff.trace.points import MOE_POINTS
 from kvdiff.trace.sink import ProbeSink, Provenance
 
 
@@ -48,13 +50,19 @@ class ModelRunner:
         self.adapter = adapter
         self.pool = pool
         self.exact = exact
+        routers = [layer.router for layer in adapter.layers if layer.router is not None]
+        self.experts_shape = (int(routers[0].num_experts), int(routers[0].top_k)) if routers else None
+
+    def _keys(self, groups: list[RowGroup], window: int | None) -> list[KeySet]:
+        """The keys each group reads under `window` (tests/catalogue.py plants masks here)."""
+        return key_sets(groups, window, self.exact, self.pool.device)
 
     def place(self, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor) -> None:
         """Copy cached K/V rows from slots `src` to `dst` on every layer, K rotated by `delta` positions."""
         k0 = self.pool.k[0]
         rotations = {kind: self.adapter.rope(k0[:1], delta, kind) for kind in self.adapter.rope_kinds}
         for i, layer in enumerate(self.adapter.layers):
-            k, v = self.pool.read(i, src)
+            k, v = self.pool.rows(i, src)
             cos, sin = rotations[layer.rope_kind]
             self.pool.write(i, dst, rerotate_keys(k, cos.to(k.device), sin.to(k.device)), v)
 
@@ -69,7 +77,7 @@ class ModelRunner:
         tokens = torch.tensor([t for g in groups for t in g.token_ids], device=dev)
         positions = [p for g in groups for p in g.positions]
         encoded = torch.tensor([p for g in groups for p in g.encoded], device=dev)
-        attention = ForwardAttention.build(groups, spans, a.windows, self.exact, dev)
+        attention = ForwardAttention.build(groups, spans, a.windows, self._keys, self.exact, dev)
         if attention.decode_slots is not None:
             read = write_slots = attention.decode_slots
             write_rows, writes_all = None, True
@@ -98,7 +106,7 @@ class ModelRunner:
                 cos, sin = ropes[layer.rope_kind] = cos.to(x.device), sin.to(x.device)
             q, k, v = a.qkv(layer, h)
             probes.capture("k_pre_rope", i, k)
-            q = apply_rope(q, cos, sin)
+            q = a.rotate_q(q, cos, sin)
             k = apply_rope(k, cos, sin)
             if writes_all:
                 self.pool.write(i, write_slots, k, v)
@@ -106,10 +114,10 @@ class ModelRunner:
                 self.pool.write(i, write_slots, k[write_rows], v[write_rows])
             o = attention.attend(self.pool, i, layer.window, q, a.scaling, layer.sinks)
             probes.capture("q", i, q)
-            if probes.active and (probes.wants("k", i) or probes.wants("v", i)):
-                kr, vr = self.pool.read(i, read)
+            if probes.active and (probes.wants("k", i) or probes.wants(a.value_point, i)):
+                kr, vr = self.pool.rows(i, read)
                 probes.capture("k", i, kr)
-                probes.capture("v", i, vr)
+                probes.capture(a.value_point, i, vr)
             attn_out = layer.o_proj(o.reshape(o.shape[0], -1))
             probes.capture("attn_out", i, attn_out)
             if layer.attn_post_norm is not None:
@@ -119,7 +127,7 @@ class ModelRunner:
             h = layer.post_attention_layernorm(x)
             probes.capture("mlp_norm", i, h)
             probes.norm("mlp_norm", i, x, h)
-            m = layer.mlp(h) if layer.router is None else self._experts(i, layer, h, probes)
+            m = self._dense(i, layer, h, probes) if layer.router is None else self._experts(i, layer, h, probes)
             probes.capture("mlp_out", i, m)
             if layer.mlp_post_norm is not None:
                 m = self._post_norm("mlp_post_norm", i, layer.mlp_post_norm, m, probes)
@@ -139,12 +147,22 @@ class ModelRunner:
 
     @staticmethod
     def _experts(i: int, layer, h: torch.Tensor, probes: "_Probes") -> torch.Tensor:
-        """A mixture-of-experts layer: the router chooses each row's experts, the experts mix."""
+        """A mixture-of-experts layer: the router chooses each row's experts, the experts mix (and
+        DeepSeek's shared expert adds its output)."""
         router_logits, weights, chosen = layer.router(h)
         probes.capture("router_logits", i, router_logits)
         if probes.active and probes.wants("experts", i):
             probes.capture("experts", i, chosen.float())
-        return layer.experts(h, chosen, weights)
+        out = layer.experts(h, chosen, weights)
+        return out if layer.shared_experts is None else out + layer.shared_experts(h)
+
+    def _dense(self, i: int, layer, h: torch.Tensor, probes: "_Probes") -> torch.Tensor:
+        """A dense MLP; in a model mixing it with mixture-of-experts layers, its router points get
+        `dense_router_rows`."""
+        if probes.active and self.experts_shape and any(probes.wants(p, i) for p in MOE_POINTS):
+            for point, rows in zip(MOE_POINTS, dense_router_rows(h, *self.experts_shape)):
+                probes.capture(point, i, rows)
+        return layer.mlp(h)
 
     def _final(self, x: torch.Tensor, groups: list[RowGroup], spans: list[slice], probes: "_Probes"):
         rows: set[int] = set()

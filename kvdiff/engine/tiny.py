@@ -11,7 +11,9 @@ import functools
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -47,6 +49,8 @@ TINY_FAMILIES: dict[str, type[PretrainedConfig]] = {
     "tiny-qwen3": Qwen3Config,
     "tiny-qwen3-moe": Qwen3MoeConfig,
     "tiny-gemma3": Gemma3TextConfig,
+    "tiny-gpt-oss": GptOssConfig,
+    "tiny-deepseek-v3": DeepseekV3Config,
 }
 
 SEED = 1234
@@ -101,7 +105,7 @@ def tiny_config(name: str, num_layers: int = 3) -> PretrainedConfig:
         pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
     )
     cls = TINY_FAMILIES[name]
-    if cls in (Qwen3Config, Qwen3MoeConfig, Gemma3TextConfig):
+    if cls in (Qwen3Config, Qwen3MoeConfig, Gemma3TextConfig, GptOssConfig):
         common["head_dim"] = 16
     if cls is Gemma3TextConfig:    # every third layer global, the others sliding-window (512 positions)
         common.update(query_pre_attn_scalar=16, sliding_window=512,
@@ -110,6 +114,18 @@ def tiny_config(name: str, num_layers: int = 3) -> PretrainedConfig:
     if cls is Qwen3MoeConfig:      # every layer sparse: 8 experts of width 32, 2 chosen per token
         common.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[])
+    if cls is GptOssConfig:        # sliding (128 positions) and global layers in turn, 8 experts of width 32, 2 a token
+        common.update(sliding_window=128, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                      rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                           original_max_position_embeddings=64, rope_theta=150000.0),
+                      layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)])
+    if cls is DeepseekV3Config:    # MLA: a latent of 32 and a RoPE key of 8 a token (YaRN, interleaved pairs); layer 0
+        # dense, then 8 routed experts in 4 groups (2 groups, then 2 experts chosen a token) beside a shared one
+        common.update(num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                      v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, n_group=4, topk_group=2,
+                      num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, rope_interleave=True,
+                      rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+                                           beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=512))
     if cls is MistralConfig:
         common["sliding_window"] = None
     return cls(**common)
@@ -133,6 +149,10 @@ def build_tiny_model(name: str, num_layers: int = 3, seed: int | None = None, **
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
+        if isinstance(config, GptOssConfig):    # its init zeroes the biases: draw them too, so they count
+            for pname, param in model.named_parameters():
+                if pname.endswith("bias"):
+                    torch.nn.init.normal_(param, std=config.initializer_range)
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.bos_token_id = None

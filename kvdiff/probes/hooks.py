@@ -15,7 +15,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from kvdiff.trace.format import dense_router_rows, rope_pairs
+from kvdiff.trace.points import MOE_POINTS
 from kvdiff.trace.sink import ProbeIntegrityError, ProbeSink, Provenance
+from kvdiff.probes.model_meta import model_dims
 from kvdiff.probes.spec import ProbeSpec, default_spec
 
 log = logging.getLogger(__name__)
@@ -59,13 +62,31 @@ class ModelProbes:
                 self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
             else:
                 hook = self._output_hook(rule.point, layer, with_norm=rule.kind == "norm", index=rule.index,
-                                         flat=rule.flat, heads_first=rule.heads_first)
+                                         flat=rule.flat, heads_first=rule.heads_first, rope_key=rule.rope_key)
                 self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        self._attach_dense_layers()
         log.debug("attached %d probe hooks to %s", len(self._handles), type(self.model).__name__)
         unmatched = [f"{r.pattern!r} ({r.point})" for r, n in matched.items() if n == 0]
         if unmatched:
             raise ProbeIntegrityError(f"probe spec rule(s) {', '.join(unmatched)} match no module of "
                                       f"{type(self.model).__name__}: fix the patterns or pass spec=")
+
+    def _attach_dense_layers(self) -> None:
+        """In a model mixing dense and mixture-of-experts layers, a dense layer's MLP gives its
+        router points `dense_router_rows` (no router ran there)."""
+        dims = model_dims(self.model)
+        for layer, block in enumerate(self.model.model.layers[: dims.num_layers]) if dims.num_experts else ():
+            routed = hasattr(block.mlp, "gate") or hasattr(block.mlp, "router")     # gpt-oss's is `router`
+            if routed or not any(self.sink.wants(p, layer) for p in MOE_POINTS):
+                continue
+
+            def hook(module, args, output, layer=layer):
+                logits, experts = dense_router_rows(output[0], dims.num_experts, dims.experts_per_token)
+                for point, rows in zip(MOE_POINTS, (logits, experts)):
+                    if self.sink.wants(point, layer):
+                        self.sink.capture(point, layer, rows.unsqueeze(0), self._at(output, point))
+
+            self._handles.append(block.mlp.register_forward_hook(hook))
 
     def _attach_attention(self) -> None:
         from transformers import AttentionInterface
@@ -114,13 +135,17 @@ class ModelProbes:
         return hook
 
     def _output_hook(self, point: str, layer: int | None, with_norm: bool, index: int = 0,
-                     flat: bool = False, heads_first: bool = False) -> Callable:
+                     flat: bool = False, heads_first: bool = False, rope_key: bool = False) -> Callable:
+        config = self.model.config
+
         def hook(module, args, kwargs, output):
             out = output[index] if isinstance(output, tuple) else output
             if flat:        # (T, ...) rows of the forward's one sequence
                 out = out.unsqueeze(0)
             if heads_first:     # (1, heads, T, head_dim) -> (1, T, heads, head_dim)
                 out = out.transpose(1, 2)
+            if rope_key:        # MLA's (1, T, latent + rope) -> the RoPE key (1, T, 1, rope), rotate_half order
+                out = rope_pairs(out[..., -config.qk_rope_head_dim:], config.rope_interleave).unsqueeze(2)
             if not out.is_floating_point():
                 out = out.float()
             positions = self._at(out, point)
@@ -147,7 +172,9 @@ class ModelProbes:
                 self.sink.capture("q", layer, query.transpose(1, 2), positions)
             if layer in k_layers:
                 # With a cache, attention reads every cached key: the current rows are the last n.
-                self.sink.capture("k", layer, key[:, :, -n:].transpose(1, 2), self._at(key, "k"))
+                # MLA's: the RoPE key its heads share, the last columns of every head's key.
+                rows = key[:, :1, -n:, module.qk_nope_head_dim:] if self.spec.latent_attention else key[:, :, -n:]
+                self.sink.capture("k", layer, rows.transpose(1, 2), self._at(key, "k"))
             eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
             inner = interface.get_interface(previous, eager)
             return inner(module, query, key, value, attention_mask, *args, **kwargs)

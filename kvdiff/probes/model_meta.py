@@ -19,10 +19,19 @@ def model_dims(model: torch.nn.Module) -> ModelDims:
     c = model.config
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    latent = dict(latent_dim=int(c.kv_lora_rank), rope_dim=int(c.qk_rope_head_dim)) if _latent(model) else {}
+    if latent:      # the query's heads are qk_nope_head_dim + qk_rope_head_dim wide; one RoPE key for all
+        head_dim, kv_heads = int(c.qk_nope_head_dim) + latent["rope_dim"], 1
     scales = [m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")]
-    return ModelDims(c.num_hidden_layers, heads, getattr(c, "num_key_value_heads", None) or heads, head_dim,
+    return ModelDims(c.num_hidden_layers, heads, kv_heads, head_dim,
                      c.hidden_size, c.vocab_size, float(scales[0]) if scales else head_dim ** -0.5,
-                     *experts_shape(model), post_norms=int(_post_norms(model)))
+                     *experts_shape(model), post_norms=int(_post_norms(model)), **latent)
+
+
+def _latent(model: torch.nn.Module) -> bool:
+    """Whether the model's attention is multi-head latent attention (DeepSeek-V2/V3's kv_lora_rank)."""
+    return getattr(model.config, "kv_lora_rank", None) is not None
 
 
 def _post_norms(model: torch.nn.Module) -> bool:
@@ -32,12 +41,12 @@ def _post_norms(model: torch.nn.Module) -> bool:
 
 
 def experts_shape(model: torch.nn.Module) -> tuple[int, int]:
-    """(experts per layer, experts chosen per token) of a model whose every layer routes to
-    experts; (0, 0) for a dense model or one mixing dense layers in (its router points are not
-    recorded). Routers are the modules with `num_experts`, `top_k` and a weight."""
+    """(experts per layer, experts chosen per token) of a model with routers; (0, 0) for a dense
+    model. In a model mixing dense layers in, those hold the fixed rows of `dense_router_rows`.
+    Routers are the modules with `num_experts`, `top_k` and a weight."""
     routers = [m for m in model.modules()
                if hasattr(m, "num_experts") and hasattr(m, "top_k") and isinstance(getattr(m, "weight", None), torch.Tensor)]
-    if len(routers) != model.config.num_hidden_layers:
+    if not routers:
         return 0, 0
     return int(routers[0].num_experts), int(routers[0].top_k)
 

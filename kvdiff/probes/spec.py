@@ -28,7 +28,9 @@ class ProbeRule:
     its output as the point plus input and output for the norm statistics. `index`: which element
     of a tuple output; `flat`: the module sees the tokens as rows (T, ...) with no batch dimension
     (a router); `heads_first`: its output is (batch, heads, T, head_dim) (Gemma's k_norm runs after
-    the transpose). Integer outputs (expert ids) are captured as float32.
+    the transpose). `rope_key`: the output ends with MLA's RoPE key (kv_a_proj_with_mqa): its last
+    qk_rope_head_dim columns are taken, as one head, in rotate_half order. Integer outputs (expert
+    ids) are captured as float32.
     """
 
     pattern: str
@@ -37,6 +39,7 @@ class ProbeRule:
     index: int = 0
     flat: bool = False
     heads_first: bool = False
+    rope_key: bool = False
 
     def __post_init__(self) -> None:
         if self.point not in KNOWN_POINTS:
@@ -65,6 +68,7 @@ class ProbeSpec:
     rules: tuple[ProbeRule, ...]
     attention_points: tuple[str, ...] = ("q", "k")      # captured inside the attention function
     weight_norms: dict[str, str] = field(default_factory=dict)  # extra norms whose weights are kept
+    latent_attention: bool = False    # MLA: k is the attention key's shared RoPE part (last columns, one head)
 
     def matches(self, model: torch.nn.Module) -> Iterator[tuple[ProbeRule, str, torch.nn.Module, int | None]]:
         """(rule, module name, module, layer) for every module a rule matches."""
@@ -126,9 +130,24 @@ QWEN3_MOE_SPEC = ProbeSpec(
                         ProbeRule("model.layers.*.mlp.gate", "experts", index=2, flat=True)),
     weight_norms=QWEN3_SPEC.weight_norms,
 )
+# DeepSeek-V3 (multi-head latent attention): the RoPE key before RoPE is the end of kv_a_proj_with_mqa's
+# output, the latent kv_a_layernorm's; its router (DeepseekV3TopkRouter) returns what Qwen3-MoE's does.
+DEEPSEEK_V3_SPEC = ProbeSpec(
+    tuple(r for r in LLAMA_SPEC.rules if r.point not in ("k_pre_rope", "v"))
+    + (ProbeRule("model.layers.*.self_attn.kv_a_proj_with_mqa", "k_pre_rope", rope_key=True),
+       ProbeRule("model.layers.*.self_attn.kv_a_layernorm", "kv_latent")) + QWEN3_MOE_SPEC.rules[-2:],
+    latent_attention=True,
+)
+# gpt-oss: Llama's modules (k_proj's output, its bias added, is k before RoPE); the router
+# (GptOssTopKRouter) returns (logits, top-k weights, top-k ids) as Qwen3-MoE's does; the MLP returns
+# (output, router scores).
+GPT_OSS_SPEC = ProbeSpec(
+    LLAMA_SPEC.rules + (ProbeRule("model.layers.*.mlp.router", "router_logits", flat=True),
+                        ProbeRule("model.layers.*.mlp.router", "experts", index=2, flat=True)),
+)
 DEFAULT_SPECS: dict[str, ProbeSpec] = {
     "llama": LLAMA_SPEC, "mistral": LLAMA_SPEC, "qwen2": LLAMA_SPEC, "qwen3": QWEN3_SPEC, "qwen3_moe": QWEN3_MOE_SPEC,
-    "gemma3_text": GEMMA3_SPEC,
+    "gemma3_text": GEMMA3_SPEC, "deepseek_v3": DEEPSEEK_V3_SPEC, "gpt_oss": GPT_OSS_SPEC,
 }
 
 

@@ -24,7 +24,7 @@ import torch
 
 from kvdiff.trace.points import FINAL_POINTS, READ_POINTS
 
-from kvdiff.trace.points import ALL_POINTS, KNOWN_POINTS, MOE_POINTS, POST_NORM_POINTS
+from kvdiff.trace.points import ALL_POINTS, KNOWN_POINTS, MLA_POINTS, MOE_POINTS, POST_NORM_POINTS
 
 FORMAT_NAME = "kvdiff-trace"
 SCHEMA_VERSION = 1            # every recorded position holds a row of every recorded point
@@ -69,15 +69,23 @@ class ModelDims:
     num_experts: int = 0            # mixture of experts: experts per layer (0: a dense model)
     experts_per_token: int = 0      # experts the router chooses per token
     post_norms: int = 0             # 1: norms after attention and after the MLP too (Gemma 3), else 0
+    latent_dim: int = 0             # multi-head latent attention: the cached latent's width (0: K/V cached)
+    rope_dim: int = 0               # multi-head latent attention: the shared RoPE key's width
 
     def points(self) -> tuple[str, ...]:
         """The probe points a model of these dims has: the router's only with experts, the post-norms
-        only with post-norms."""
-        return tuple(p for p in KNOWN_POINTS if p in ALL_POINTS or (p in MOE_POINTS and self.num_experts)
-                     or (p in POST_NORM_POINTS and self.post_norms))
+        only with post-norms, kv_latent instead of v with latent attention."""
+        mla = bool(self.latent_dim)
+        return tuple(p for p in KNOWN_POINTS if (p in ALL_POINTS and not (mla and p == "v"))
+                     or (p in MOE_POINTS and self.num_experts) or (p in POST_NORM_POINTS and self.post_norms)
+                     or (p in MLA_POINTS and mla))
 
     def point_shape(self, point: str) -> tuple[int, ...]:
         """Row shape of a probe point (rows are (T, *shape))."""
+        if point == "kv_latent":
+            return (self.latent_dim,)
+        if point in ("k_pre_rope", "k") and self.latent_dim:
+            return (self.num_kv_heads, self.rope_dim)
         if point == "router_logits":
             return (self.num_experts,)
         if point == "experts":
@@ -89,6 +97,24 @@ class ModelDims:
         if point == "logits":
             return (self.vocab_size,)
         return (self.hidden_size,)
+
+
+DENSE_EXPERT = -1.0      # the experts row of a dense layer: no expert
+
+
+def rope_pairs(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """RoPE columns in rotate_half order, as traces hold them (pairs (i, i + d/2)): DeepSeek's
+    interleaved pairs (0, 1), (2, 3), ... de-interleaved, evens then odds (a copy, bits unchanged)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1) if interleaved else x
+
+
+def dense_router_rows(like: torch.Tensor, num_experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits and experts rows for the tokens of `like` (T, ...) at a dense layer of a model
+    that mixes dense and mixture-of-experts layers (DeepSeek-V3's first layers): no router ran, so
+    every logit is 0 and every expert DENSE_EXPERT."""
+    rows = like.shape[0]
+    return (like.new_zeros((rows, num_experts), dtype=torch.float32),
+            like.new_full((rows, top_k), DENSE_EXPERT, dtype=torch.float32))
 
 
 @dataclass

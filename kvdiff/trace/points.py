@@ -38,9 +38,17 @@ POST_NORM_POINTS: tuple[str, ...] = (
     "mlp_post_norm",   # (T, hidden)  post_feedforward_layernorm of mlp_out
 )
 
+# Multi-head latent attention (DeepSeek-V3) caches no V: a compressed latent per token, expanded
+# into every head's K and V where attention reads it. Its models have this point instead of v; their
+# k_pre_rope and k are the RoPE key all heads share (T, 1, qk_rope_head_dim), before and after RoPE,
+# in rotate_half order (DeepSeek's interleaved pairs (0, 1), (2, 3), ... de-interleaved).
+MLA_POINTS: tuple[str, ...] = (
+    "kv_latent",   # (T, kv_lora_rank)  kv_a_layernorm output: what the cache holds beside k
+)
+
 # Every layer point a model may have, in dataflow order.
 KNOWN_LAYER_POINTS: tuple[str, ...] = (
-    "resid_pre", "attn_norm", "q", "k_pre_rope", "k", "v", "attn_out", "attn_post_norm", "resid_mid", "mlp_norm",
+    "resid_pre", "attn_norm", "q", "k_pre_rope", "k", "kv_latent", "v", "attn_out", "attn_post_norm", "resid_mid", "mlp_norm",
     "router_logits", "experts", "mlp_out", "mlp_post_norm", "resid_post",
 )
 
@@ -52,7 +60,7 @@ ALL_POINTS: tuple[str, ...] = LAYER_POINTS + FINAL_POINTS
 KNOWN_POINTS: tuple[str, ...] = KNOWN_LAYER_POINTS + FINAL_POINTS
 
 # What a reads-only bracket records: the cache rows attention reads, computed elsewhere.
-READ_POINTS: tuple[str, ...] = ("k", "v")
+READ_POINTS: tuple[str, ...] = ("k", "v", "kv_latent")
 
 # Norm modules whose per-token statistics are recorded: per layer, and once after the last layer.
 LAYER_NORMS: tuple[str, ...] = ("attn_norm", "mlp_norm") + POST_NORM_POINTS

@@ -1,0 +1,109 @@
+"""DeepSeek-V3 (tiny-deepseek-v3): multi-head latent attention, whose cache holds a latent and a RoPE
+key per token, and a mixture of experts after a dense first layer; every strategy, exact numerics,
+the MLA probe points, position_mismatch and expert_flip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import DeepseekV3ForCausalLM
+
+import kvdiff
+from kvdiff.conversation import render_prompt_ids
+from kvdiff.engine import Engine
+from kvdiff.engine.latent_cache import LatentPool
+from kvdiff.options import Strategy
+from kvdiff.probes.model_meta import model_dims
+from kvdiff.run.record import record
+from kvdiff.trace import open_trace
+from kvdiff.trace.format import DENSE_EXPERT
+from kvdiff.trace.points import MOE_POINTS
+
+from conftest import SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_isolated_local_is_a_position_mismatch, moved_router_flip, prefix_exact_run
+
+MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
+OTHER = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": "La capitale de la France est Paris."}]
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    return kvdiff.load_model("tiny-deepseek-v3")
+
+
+def test_the_tiny_model_has_latent_attention_a_dense_layer_and_routed_ones(deepseek):
+    model, tok = deepseek
+    c, dims = model.config, model_dims(model)
+    assert isinstance(model, DeepseekV3ForCausalLM) and c.rope_parameters["rope_type"] == "yarn" and c.rope_interleave
+    assert not hasattr(model.model.layers[0].mlp, "gate") and hasattr(model.model.layers[1].mlp, "shared_experts")
+    assert (dims.latent_dim, dims.rope_dim, dims.num_kv_heads, dims.head_dim) == (32, 8, 1, 24)
+    assert (dims.num_experts, dims.experts_per_token) == (8, 2)
+    assert "kv_latent" in dims.points() and "v" not in dims.points() and set(MOE_POINTS) <= set(dims.points())
+    assert dims.point_shape("k") == dims.point_shape("k_pre_rope") == (1, 8) and dims.point_shape("q") == (4, 24)
+    pool = Engine(model, tok).pool         # the cache holds a latent and a RoPE key a token, no per-head K or V
+    assert isinstance(pool, LatentPool) and pool.k[0].shape[1:] == (1, 8) and pool.v[0].shape[1:] == (32,)
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+@pytest.mark.parametrize("strategy", [s.value for s in Strategy])
+def test_every_strategy_runs(deepseek, strategy, numerics):
+    assert_every_strategy_runs(*deepseek, strategy, numerics, MESSAGES, OTHER)
+
+
+def test_the_engine_generates_what_transformers_generate_does(deepseek):
+    model, tok = deepseek
+    ids = render_prompt_ids(tok, MESSAGES)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    want = out[0, len(ids):].tolist()
+    got = Engine(model, tok).generate([MESSAGES], max_new_tokens=8)[0].token_ids
+    assert got == want[: len(got)] and len(got) == min(8, len(want))
+
+
+def test_reference_probes_hold_what_the_cache_holds(deepseek, tmp_path):
+    model, tok = deepseek
+    path = record(model, tok, MESSAGES, tmp_path / "t.h5", max_new_tokens=3)
+    ids = render_prompt_ids(tok, MESSAGES)
+    attn = model.model.layers[1].self_attn
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), use_cache=True, output_router_logits=True)
+    latent, rope_key = out.past_key_values.layers[1].keys, out.past_key_values.layers[1].values
+    with open_trace(path) as tr, torch.no_grad():
+        prompt = np.arange(len(ids))
+        assert np.array_equal(tr.point(1, "kv_latent", prompt), latent[0, 0].numpy())
+        assert np.array_equal(tr.point(1, "k", prompt)[:, 0], rope_key[0, 0].numpy())
+        # before RoPE: kv_a_proj_with_mqa's last 8 columns, its interleaved pairs in rotate_half order
+        pre = attn.kv_a_proj_with_mqa(torch.from_numpy(tr.point(1, "attn_norm", prompt)))[:, 32:]
+        assert np.array_equal(tr.point(1, "k_pre_rope", prompt)[:, 0], torch.cat((pre[:, 0::2], pre[:, 1::2]), 1).numpy())
+        assert np.array_equal(tr.point(1, "router_logits", prompt), out.router_logits[0].numpy())
+        assert (tr.point(0, "experts", prompt) == DENSE_EXPERT).all() and not tr.point(0, "router_logits", prompt).any()
+
+
+def test_prefix_exact_is_bitwise_the_reference_with_a_cached_system_prompt(deepseek, tmp_path):
+    model, tok = deepseek
+    trace, output, ref, cache = prefix_exact_run(model, tok, "tiny-deepseek-v3", MESSAGES, OTHER, tmp_path)
+    computed = np.arange(output.chunks[1].positions[0], len(output.prompt_ids))
+    with open_trace(trace) as tr:
+        rows = np.searchsorted(tr.positions, computed)
+        for layer in range(model.config.num_hidden_layers):
+            assert np.array_equal(tr.point(layer, "resid_pre", rows), ref.hidden_states[layer][0, computed].numpy())
+            assert np.array_equal(tr.point(layer, "kv_latent", rows), cache.layers[layer].keys[0, 0, computed].numpy())
+        # the cached system prompt's rows were read, not computed: its latents are the reference's too
+        cached = np.arange(output.chunks[0].positions[1] + 1)
+        assert np.array_equal(tr.point(2, "kv_latent", np.searchsorted(tr.positions, cached)),
+                              cache.layers[2].keys[0, 0, cached].numpy())
+        assert np.array_equal(tr.point(None, "logits", rows), ref.logits[0, computed].numpy())
+
+
+def test_isolated_local_is_a_position_mismatch(deepseek, tmp_path):
+    assert_isolated_local_is_a_position_mismatch(*deepseek, "tiny-deepseek-v3", MESSAGES, tmp_path)
+
+
+def test_a_moved_router_weight_in_the_engine_is_named_expert_flip(deepseek, tmp_path):
+    model, tok = deepseek
+    layer = model.config.num_hidden_layers - 1
+    report, flipped, moved = moved_router_flip(model, tok, MESSAGES, tmp_path, layer, expert=3)
+    assert flipped.size                                       # the moved weights flip some tokens
+    (d,) = [d for d in report["diagnoses"] if d["kind"] == "expert_flip"]
+    assert (d["layer"], d["positions"][0], d["cause"]) == (layer, int(flipped[0]), "router")
+    assert d["candidate_experts"] == moved[flipped[0]].tolist()
