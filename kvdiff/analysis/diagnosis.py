@@ -10,7 +10,7 @@ import numpy as np
 
 from kvdiff.analysis.chunks import ChunkLookup
 from kvdiff.analysis.compare import Comparison, PointMap
-from kvdiff.analysis.keys import KeyRows, key_rows
+from kvdiff.analysis.keys import KeyRows, key_rows, rope_scale
 from kvdiff.analysis.rope import estimate_thetas
 from kvdiff.analysis.tolerance import Tier
 from kvdiff.trace import TraceReader
@@ -107,8 +107,10 @@ class DiagnosisInputs:
         cols = np.flatnonzero((kp_ok & al.computed | cached) & k_bad & al.comparable)
         tol = self.comparison.tolerances.for_point("k")
         horizon = 2 * int(al.positions.max()) + 64
-        return key_rows(self.rows(layer, "k_pre_rope")[0], self.rows(layer, "k")[1], cols, al.kv_only[cols],
-                        self.thetas, horizon, tol.atol, tol.rtol, (self.reference.meta.dtype, self.candidate.meta.dtype))
+        (k_pre, _), (k_ref, k_cand) = self.rows(layer, "k_pre_rope"), self.rows(layer, "k")
+        scale = rope_scale(k_pre[al.comparable], k_ref[al.comparable])
+        return key_rows(k_pre, k_cand, cols, al.kv_only[cols], self.thetas, horizon, tol.atol, tol.rtol,
+                        (self.reference.meta.dtype, self.candidate.meta.dtype), scale)
 
     def ok(self, point: str, row: int) -> np.ndarray | None:
         """Bool per aligned position: `point` at layer row `row` is bitwise or noise (None if not recorded)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvdiff.analysis.rope import _complex, estimate_positions, estimate_thetas
+from kvdiff.analysis.rope import _complex, _finite_rows, estimate_positions, estimate_thetas
 
 ROTATION, SCALED, CONTENT = "rotation", "scaled", "content"
 # 1 - fit quality that rounding of the traces' dtype allows for an exact rotation.
@@ -52,9 +52,11 @@ def pair_magnitudes(x: np.ndarray) -> np.ndarray:
     return np.abs(z).reshape(z.shape[0], int(np.prod(z.shape[1:])))
 
 
-def classify(k_pre: np.ndarray, k: np.ndarray, atol: float, rtol: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row: kind, common magnitude factor, and the magnitude residual relative to the row's largest."""
-    m_ref, m_cand = pair_magnitudes(k_pre), pair_magnitudes(k)
+def classify(k_pre: np.ndarray, k: np.ndarray, atol: float, rtol: float,
+             scale: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: kind, common magnitude factor, and the magnitude residual relative to the row's largest;
+    `scale`: the factor RoPE itself applies (rope_scale), which a rotation keeps."""
+    m_ref, m_cand = pair_magnitudes(k_pre) * scale, pair_magnitudes(k)
     with np.errstate(invalid="ignore", divide="ignore"):
         factor = (m_ref * m_cand).sum(1) / (m_ref * m_ref).sum(1)
         top = np.abs(m_ref).max(axis=1)
@@ -66,9 +68,20 @@ def classify(k_pre: np.ndarray, k: np.ndarray, atol: float, rtol: float) -> tupl
         return kind, np.where(np.isfinite(factor), factor, np.nan), residual / np.maximum(top, 1e-300)
 
 
+def rope_scale(k_pre: np.ndarray, k: np.ndarray) -> float:
+    """The factor RoPE multiplies every pair's magnitude by, measured on the reference's own keys:
+    1 for plain RoPE, YaRN's attention scaling where cos and sin carry it (gpt-oss)."""
+    finite = _finite_rows(k_pre, k)
+    if not finite.any():
+        return 1.0
+    _, factor, _ = classify(k_pre[finite], k[finite], 0.0, 0.0)
+    factor = factor[np.isfinite(factor)]
+    return float(np.median(factor)) if factor.size else 1.0
+
+
 def key_rows(k_pre_ref: np.ndarray, k_cand: np.ndarray, cols: np.ndarray, cached: np.ndarray, thetas: np.ndarray | None,
-             horizon: int, atol: float, rtol: float, dtypes: tuple[str, ...]) -> KeyRows:
-    kind, factor, rel = classify(k_pre_ref[cols], k_cand[cols], atol, rtol)
+             horizon: int, atol: float, rtol: float, dtypes: tuple[str, ...], scale: float = 1.0) -> KeyRows:
+    kind, factor, rel = classify(k_pre_ref[cols], k_cand[cols], atol, rtol, scale)
     if thetas is not None and cols.size:
         encoded, quality = estimate_positions(k_pre_ref[cols], k_cand[cols], thetas, horizon)
     else:

@@ -1,0 +1,139 @@
+"""gpt-oss (tiny-gpt-oss): sliding-window and global layers in turn, attention sinks, biased
+projections, a top-k-then-softmax router and biased experts; every strategy, exact numerics,
+router probes, position_mismatch and expert_flip named."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvdiff
+from kvdiff.conversation import render_prompt_ids
+from kvdiff.engine import Engine
+from kvdiff.engine.numerics import exact_numerics
+from kvdiff.engine.reference import reference_generate
+from kvdiff.engine.tiny import build_tiny_model
+from kvdiff.options import Strategy
+from kvdiff.probes.model_meta import model_dims
+from kvdiff.run.record import record
+from kvdiff.trace import open_trace
+from kvdiff.trace.points import ALL_POINTS, MOE_POINTS
+
+from conftest import (SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_isolated_local_is_a_position_mismatch,
+                      planted_flip, prefix_exact_run)
+
+MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
+OTHER = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": "La capitale de la France est Paris."}]
+LONG = [{"role": "system", "content": SEED_SYSTEM},
+        {"role": "user", "content": SEED_PROMPT + " The quick brown fox jumps over the lazy dog." * 6}]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss():
+    return kvdiff.load_model("tiny-gpt-oss")
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    return build_tiny_model("tiny-gpt-oss", sliding_window=16)
+
+
+def test_the_tiny_model_has_sinks_biases_both_layer_kinds_and_the_router_points(gpt_oss):
+    model, _ = gpt_oss
+    dims = model_dims(model)
+    assert type(model).__name__ == "GptOssForCausalLM"
+    assert model.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    attn = model.model.layers[0].self_attn
+    assert all(p.abs().sum() > 0 for p in (attn.sinks, attn.q_proj.bias, attn.k_proj.bias, attn.o_proj.bias,
+                                          model.model.layers[0].mlp.experts.down_proj_bias))
+    assert (dims.num_experts, dims.experts_per_token) == (8, 2)
+    assert set(dims.points()) >= set(ALL_POINTS + MOE_POINTS)
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+@pytest.mark.parametrize("strategy", [s.value for s in Strategy])
+def test_every_strategy_runs(gpt_oss, strategy, numerics):
+    assert_every_strategy_runs(*gpt_oss, strategy, numerics, MESSAGES, OTHER)
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+@pytest.mark.parametrize("strategy", ["prefix", "isolated-global", "blend"])
+def test_strategies_run_past_a_16_position_window(windowed, strategy, numerics):
+    model, tok = windowed
+    assert len(render_prompt_ids(tok, LONG)) - len(render_prompt_ids(tok, LONG[:1])) > 16
+    assert_every_strategy_runs(model, tok, strategy, numerics, LONG, OTHER)
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_the_reference_is_transformers_own_generation_past_the_window(windowed, numerics):
+    model, tok = windowed
+    ids = render_prompt_ids(tok, LONG)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        plain = model(input_ids=torch.tensor([ids])).logits[0]
+    with exact_numerics(model) if numerics == "exact" else torch.no_grad():
+        got = reference_generate(model, tok, LONG, 12).token_ids
+        logits = model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache()).logits[0]
+    assert got == want[:len(got)]
+    assert torch.allclose(logits, plain, atol=1e-4)
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_the_engine_applies_the_sinks(gpt_oss, numerics):
+    """Without its sinks the engine's tokens part from the reference's: the sinks are in every path."""
+    model, tok = gpt_oss
+    with exact_numerics(model) if numerics == "exact" else torch.no_grad():
+        want = reference_generate(model, tok, MESSAGES, 12).token_ids
+    eng = Engine(model, tok, numerics=numerics)
+    for layer in eng.adapter.layers:
+        layer.sinks = None
+    assert eng.generate([MESSAGES], max_new_tokens=12)[0].token_ids != want
+
+
+def test_prefix_exact_is_bitwise_the_reference_with_a_cached_system_prompt(gpt_oss, tmp_path):
+    model, tok = gpt_oss
+    trace, output, ref, _ = prefix_exact_run(model, tok, "tiny-gpt-oss", MESSAGES, OTHER, tmp_path,
+                                             output_router_logits=True)
+    computed = np.arange(output.chunks[1].positions[0], len(output.prompt_ids))
+    with open_trace(trace) as tr:
+        rows = np.searchsorted(tr.positions, computed)
+        for layer in range(model.config.num_hidden_layers):
+            for point, want in (("router_logits", ref.router_logits[layer][computed]),
+                                ("resid_pre", ref.hidden_states[layer][0, computed])):
+                assert np.array_equal(tr.point(layer, point, rows), want.numpy())
+        assert np.array_equal(tr.point(None, "logits", rows), ref.logits[0, computed].numpy())
+
+
+def test_reference_probes_hold_the_routers_logits_and_choices(gpt_oss, tmp_path):
+    model, tok = gpt_oss
+    path = record(model, tok, MESSAGES, tmp_path / "t.h5", max_new_tokens=3)
+    ids = render_prompt_ids(tok, MESSAGES)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+    with open_trace(path) as tr:
+        prompt = np.arange(len(ids))
+        for layer in range(model.config.num_hidden_layers):
+            logits = tr.point(layer, "router_logits", prompt)
+            assert np.array_equal(logits, out.router_logits[layer].numpy())
+            assert np.array_equal(tr.point(layer, "experts", prompt), torch.from_numpy(logits).topk(2).indices.numpy())
+
+
+def test_isolated_local_is_a_position_mismatch(gpt_oss, tmp_path):
+    report = assert_isolated_local_is_a_position_mismatch(*gpt_oss, "tiny-gpt-oss", MESSAGES, tmp_path)
+    # YaRN scales RoPE's cos and sin: the keys' rotation is measured against the reference's own scale.
+    assert not [d for d in report["diagnoses"] if d["kind"] == "rope_mismatch"]
+
+
+def test_a_router_boosting_one_expert_at_one_token_is_named_expert_flip(gpt_oss, tmp_path):
+    model, tok = gpt_oss
+    layer, position = 1, 20
+    report, ref_experts, logits = planted_flip(model, tok, MESSAGES, tmp_path, None, 1.0, layer, position)
+    (d,) = [d for d in report["diagnoses"] if d["kind"] == "expert_flip"]
+    ranked = np.argsort(-logits)
+    assert (d["layer"], d["positions"], d["cause"]) == (layer, [position, position], "router")
+    assert d["reference_experts"] == ref_experts == ranked[:2].tolist()
+    assert d["candidate_experts"] == [int(ranked[2]), int(ranked[0])]
+    assert d["router_margin"] == pytest.approx(float(logits[ranked[1]] - logits[ranked[2]]), rel=1e-6)
+    assert report["first_divergence"]["tensor"] == "router_logits" and report["first_divergence"]["layer"] == layer
