@@ -215,3 +215,43 @@ def assert_isolated_local_is_a_position_mismatch(model, tok, name: str, messages
     assert mismatch and mismatch[0]["offset"] == -user["positions"][0]
     assert report["diagnoses"][report["top_diagnosis"]]["kind"] == "position_mismatch"
     return report
+
+
+def assert_prefix_exact_rows_are_the_forwards(model, tok, name: str, messages: list, other: list, tmp_path) -> None:
+    """`prefix_exact_run` of a mixture of experts: at the positions the engine computed (after the
+    cached system chunk), its router logits, layer inputs and logits are transformers' forward's bits."""
+    import numpy as np
+
+    from kvdiff.trace import open_trace
+
+    trace, output, ref, _ = prefix_exact_run(model, tok, name, messages, other, tmp_path, output_router_logits=True)
+    computed = np.arange(output.chunks[1].positions[0], len(output.prompt_ids))
+    with open_trace(trace) as tr:
+        rows = np.searchsorted(tr.positions, computed)
+        for layer in range(model.config.num_hidden_layers):
+            for point, want in (("router_logits", ref.router_logits[layer][computed]),
+                                ("resid_pre", ref.hidden_states[layer][0, computed])):
+                assert np.array_equal(tr.point(layer, point, rows), want.numpy())
+        assert np.array_equal(tr.point(None, "logits", rows), ref.logits[0, computed].numpy())
+
+
+def assert_reference_is_transformers_generation(model, tok, messages: list, new_tokens: int, numerics: str) -> None:
+    """transformers' generate keeps only a sliding window's keys in those layers' cache; the reference
+    path keeps every key and masks: the same greedy tokens, and (exact numerics too) its prefill's
+    logits within float tolerance of a plain forward's."""
+    import torch
+    from transformers import DynamicCache
+
+    from kvdiff.conversation import render_prompt_ids
+    from kvdiff.engine.numerics import exact_numerics
+    from kvdiff.engine.reference import reference_generate
+
+    ids = render_prompt_ids(tok, messages)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)[0, len(ids):].tolist()
+        plain = model(input_ids=torch.tensor([ids])).logits[0]
+    with exact_numerics(model) if numerics == "exact" else torch.no_grad():
+        got = reference_generate(model, tok, messages, new_tokens).token_ids
+        logits = model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache()).logits[0]
+    assert got == want[:len(got)] and len(got) == new_tokens
+    assert torch.allclose(logits, plain, atol=1e-4)

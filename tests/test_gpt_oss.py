@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache
 
 import kvdiff
 from kvdiff.conversation import render_prompt_ids
@@ -22,7 +21,8 @@ from kvdiff.trace import open_trace
 from kvdiff.trace.points import ALL_POINTS, MOE_POINTS
 
 from conftest import (SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_isolated_local_is_a_position_mismatch,
-                      planted_flip, prefix_exact_run)
+                      assert_prefix_exact_rows_are_the_forwards, assert_reference_is_transformers_generation,
+                      planted_flip)
 
 MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
 OTHER = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": "La capitale de la France est Paris."}]
@@ -68,16 +68,7 @@ def test_strategies_run_past_a_16_position_window(windowed, strategy, numerics):
 
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
 def test_the_reference_is_transformers_own_generation_past_the_window(windowed, numerics):
-    model, tok = windowed
-    ids = render_prompt_ids(tok, LONG)
-    with torch.no_grad():
-        want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
-        plain = model(input_ids=torch.tensor([ids])).logits[0]
-    with exact_numerics(model) if numerics == "exact" else torch.no_grad():
-        got = reference_generate(model, tok, LONG, 12).token_ids
-        logits = model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache()).logits[0]
-    assert got == want[:len(got)]
-    assert torch.allclose(logits, plain, atol=1e-4)
+    assert_reference_is_transformers_generation(*windowed, LONG, 12, numerics)
 
 
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
@@ -93,17 +84,7 @@ def test_the_engine_applies_the_sinks(gpt_oss, numerics):
 
 
 def test_prefix_exact_is_bitwise_the_reference_with_a_cached_system_prompt(gpt_oss, tmp_path):
-    model, tok = gpt_oss
-    trace, output, ref, _ = prefix_exact_run(model, tok, "tiny-gpt-oss", MESSAGES, OTHER, tmp_path,
-                                             output_router_logits=True)
-    computed = np.arange(output.chunks[1].positions[0], len(output.prompt_ids))
-    with open_trace(trace) as tr:
-        rows = np.searchsorted(tr.positions, computed)
-        for layer in range(model.config.num_hidden_layers):
-            for point, want in (("router_logits", ref.router_logits[layer][computed]),
-                                ("resid_pre", ref.hidden_states[layer][0, computed])):
-                assert np.array_equal(tr.point(layer, point, rows), want.numpy())
-        assert np.array_equal(tr.point(None, "logits", rows), ref.logits[0, computed].numpy())
+    assert_prefix_exact_rows_are_the_forwards(*gpt_oss, "tiny-gpt-oss", MESSAGES, OTHER, tmp_path)
 
 
 def test_reference_probes_hold_the_routers_logits_and_choices(gpt_oss, tmp_path):

@@ -19,7 +19,8 @@ from kvdiff.run.record import record
 from kvdiff.trace import open_trace
 from kvdiff.trace.points import ALL_POINTS, MOE_POINTS
 
-from conftest import SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_isolated_local_is_a_position_mismatch, moved_router_flip, planted_flip, prefix_exact_run
+from conftest import (SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_isolated_local_is_a_position_mismatch,
+                      assert_prefix_exact_rows_are_the_forwards, moved_router_flip, planted_flip)
 
 MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
 OTHER = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": "La capitale de la France est Paris."}]
@@ -75,18 +76,7 @@ def test_reference_probes_hold_the_routers_logits_and_choices(moe, tmp_path):
 
 
 def test_prefix_exact_is_bitwise_the_reference_with_a_cached_system_prompt(moe, tmp_path):
-    model, tok = moe
-    # The engine's own rows against transformers' forward, in exact numerics: the positions it computed.
-    trace, output, ref, _ = prefix_exact_run(model, tok, "tiny-qwen3-moe", MESSAGES, OTHER, tmp_path,
-                                             output_router_logits=True)
-    computed = np.arange(output.chunks[1].positions[0], len(output.prompt_ids))
-    with open_trace(trace) as tr:
-        rows = np.searchsorted(tr.positions, computed)
-        for layer in range(model.config.num_hidden_layers):
-            for point, want in (("router_logits", ref.router_logits[layer][computed]),
-                                ("resid_pre", ref.hidden_states[layer][0, computed])):
-                assert np.array_equal(tr.point(layer, point, rows), want.numpy())
-        assert np.array_equal(tr.point(None, "logits", rows), ref.logits[0, computed].numpy())
+    assert_prefix_exact_rows_are_the_forwards(*moe, "tiny-qwen3-moe", MESSAGES, OTHER, tmp_path)
 
 
 def test_exact_numerics_make_the_experts_row_invariant(moe):

@@ -10,7 +10,6 @@ import functools
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache
 
 from kvdiff.conversation import render_prompt_ids
 from kvdiff.engine import Engine
@@ -23,7 +22,7 @@ from kvdiff.engine.tiny import build_tiny_model
 from kvdiff.options import Strategy
 from kvdiff.run.compare import compare
 
-from conftest import SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs
+from conftest import SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_reference_is_transformers_generation
 
 WINDOW = 32
 LONG_USER = SEED_PROMPT + " The quick brown fox jumps over the lazy dog, and the key and value cache of a system prompt." * 5
@@ -48,18 +47,7 @@ def test_the_conversation_runs_past_the_window(windowed):
 
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
 def test_the_reference_is_transformers_own_generation(windowed, numerics):
-    """transformers' generate keeps only the window in its sliding layers' cache; the reference keeps
-    every key and masks: the same tokens, and in exact numerics logits within float tolerance."""
-    model, tok = windowed
-    ids = render_prompt_ids(tok, MESSAGES)
-    with torch.no_grad():
-        want = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
-        plain = model(input_ids=torch.tensor([ids])).logits[0]
-    with exact_numerics(model) if numerics == "exact" else torch.no_grad():
-        got = reference_generate(model, tok, MESSAGES, 24).token_ids
-        logits = model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache()).logits[0]
-    assert got == want[:len(got)] and len(got) == 24
-    assert torch.allclose(logits, plain, atol=1e-4)
+    assert_reference_is_transformers_generation(*windowed, MESSAGES, 24, numerics)
 
 
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
