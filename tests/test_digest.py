@@ -89,7 +89,7 @@ def test_a_row_hashes_the_same_on_a_gpu_as_on_the_host():      # and whatever it
 
 
 def _record(model, tokenizer, path, **kwargs):
-    return kvdiff.record(model, tokenizer, SEEDS, path, max_new_tokens=3, numerics="exact", **kwargs)
+    return kvdiff.record(model, tokenizer, SEEDS, path, max_new_tokens=5, numerics="exact", **kwargs)
 
 
 def test_a_digest_trace_holds_every_row_digested_and_its_window_in_full(tiny_llama, tmp_path):
@@ -102,8 +102,12 @@ def test_a_digest_trace_holds_every_row_digested_and_its_window_in_full(tiny_lla
         assert np.array_equal(a.digest_positions, f.positions)
         assert b.meta.layers == (1,) and b.positions.tolist() == list(range(2, 10))
         assert first_digest_mismatch(a, b) is None                   # the same run, digested twice
-        hashes, stats = b.digests(1, "k")
-        assert np.array_equal(row_digests(torch.from_numpy(f.point(1, "k")))[0].numpy(), hashes)
+        for layer in (*f.meta.layers, None):     # every row, the repeated decode steps' (digested together) too
+            for point in f.points_in(layer):
+                hashes, stats = b.digests(layer, point)
+                rows = torch.from_numpy(f.point(layer, point))
+                assert np.array_equal(row_digests(rows)[0].numpy(), hashes), (layer, point)
+                assert np.array_equal(row_digests(rows)[1][:, 1].numpy(), stats[:, 1]), (layer, point)
         assert np.array_equal(b.point(1, "k"), f.point(1, "k", slice(2, 10)))
         assert f.meta.trace_mode == "full" and f.digest_positions.size == 0
         assert a.nbytes * 2 < f.nbytes

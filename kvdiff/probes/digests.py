@@ -4,6 +4,7 @@ the digests handed to the writer, a row of a layer's points per position in each
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -18,6 +19,20 @@ from kvdiff.trace.writer import TraceWriter
 # Captures of at least this many elements are hashed at once (a prefill's: the hash costs about
 # what reading the rows costs); smaller ones wait for the end of the forward and go together.
 HASH_AT_ONCE_ELEMENTS = 1 << 16
+PENDING_STEPS = 256     # repeated decode steps whose digests are held before one write per table
+
+
+@dataclass(frozen=True)
+class _RepeatPlan:
+    """How a repeated one-position forward's captures become its tables' rows: the captures hashed
+    together (one width, dtype and device a group), and where each table's columns are in the
+    groups' digests laid end to end (a column that does not fire points past them, at an empty
+    digest)."""
+
+    keys: list[tuple[str, int | None]]
+    groups: list[list[int]]
+    order: torch.Tensor
+    tables: list[tuple[str, str, slice]]      # hash dataset, stats dataset, the table's columns in `order`
 
 
 class DigestTaker:
@@ -38,6 +53,14 @@ class DigestTaker:
         self._seen: set[tuple[str, int | None]] = set()
         self._cloned: set[tuple[str, int | None]] = set()
         self._watched: list[tuple[str, int | None, torch.Tensor, int, bool]] = []
+        self._plan: _RepeatPlan | None = None
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []    # repeated steps not yet written
+
+    @property
+    def keeps_by_reference(self) -> bool:
+        """Whether captures may wait for the end of their forward by reference: no point was
+        seen changed in place before its forward ended."""
+        return not self._cloned
 
     def take(self, point: str, layer: int | None, rows: torch.Tensor, positions: np.ndarray) -> None:
         """Digest `rows` (one row per position, any trailing shape) of `point` at `layer`; every
@@ -57,8 +80,58 @@ class DigestTaker:
             rows = rows.clone()
         taken[point] = self._batch.add(rows)
 
+    def take_repeat(self, keys: list[tuple[str, int | None]], rows: list[torch.Tensor], position: int) -> bool:
+        """Digest a one-position forward's captures (`keys` and their `rows`, every digested point
+        once, in firing order) in one go: a decode step. Its digests are written with the next
+        steps'. False, with nothing taken, where the captures span devices: `take` each instead."""
+        plan = self._plan
+        if plan is None or plan.keys != keys:
+            self.flush()
+            plan = self._plan = self._plan_for(keys, rows)
+            if plan is None:
+                return False
+        digests = [row_digests(torch.cat([rows[i].reshape(-1) for i in members]).view(len(members), -1))
+                   for members in plan.groups]
+        device = digests[0][0].device
+        hashes = torch.cat([h for h, _ in digests] + [torch.zeros(1, dtype=torch.int64, device=device)])
+        stats = torch.cat([s for _, s in digests] + [torch.full((1, len(DIGEST_STATS)), float("nan"), device=device)])
+        if any(p == position for p, _, _ in self._pending[-1:]) or len(self._pending) >= PENDING_STEPS:
+            self.flush()
+        self._pending.append((position, hashes[plan.order], stats[plan.order]))
+        return True
+
+    def _plan_for(self, keys: list[tuple[str, int | None]], rows: list[torch.Tensor]) -> _RepeatPlan | None:
+        groups: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault((r.numel(), r.dtype, r.device), []).append(i)
+        if len({device for _, _, device in groups}) > 1:
+            return None
+        members = list(groups.values())
+        at = {i: n for n, i in enumerate(i for group in members for i in group)}
+        where = {key: at[i] for i, key in enumerate(keys)}
+        order, tables = [], []
+        for (layer, table), columns in self.columns.items():
+            tables.append((digest_path(layer, table, "hash"), digest_path(layer, table, "stats"),
+                           slice(len(order), len(order) + len(columns))))
+            order += [where.get((point, layer), len(rows)) for point in columns]
+        return _RepeatPlan(list(keys), members, torch.tensor(order, device=rows[0].device), tables)
+
+    def flush(self) -> None:
+        """Write the held decode steps' digests: one write of each table for all of them."""
+        if not self._pending:
+            return
+        positions = np.array([p for p, _, _ in self._pending], dtype=np.int64)
+        hashes = torch.stack([h for _, h, _ in self._pending])
+        stats = torch.stack([s for _, _, s in self._pending])
+        self._pending = []
+        for hash_path, stats_path, columns in self._plan.tables:
+            h, s = hashes[:, columns], stats[:, columns]
+            self.writer.write_rows_at(hash_path, positions, h, tuple(h.shape))
+            self.writer.write_rows_at(stats_path, positions, s, tuple(s.shape))
+
     def end_forward(self) -> None:
         """Hash the forward's small captures together and write each layer's digests."""
+        self.flush()
         if not self._taken:
             return
         for point, layer, rows, version, learning in self._watched:
@@ -75,9 +148,9 @@ class DigestTaker:
         for (layer, table), taken in self._taken.items():
             columns = self.columns[layer, table]
             parts = {point: batched[d] if isinstance(d, int) else d for point, d in taken.items()}
-            if list(parts) == list(columns):            # every point fired, in column order: one stack each
-                hashes = torch.stack([h for h, _ in parts.values()], 1)
-                stats = torch.stack([s for _, s in parts.values()], 1)
+            if parts.keys() == columns.keys():          # every point fired: one stack each
+                hashes = torch.stack([parts[point][0] for point in columns], 1)
+                stats = torch.stack([parts[point][1] for point in columns], 1)
             else:
                 device = next(iter(parts.values()))[0].device
                 hashes = torch.zeros(positions.size, len(columns), dtype=torch.int64, device=device)

@@ -155,7 +155,7 @@ class TraceRecorder:
             return False
         kept, mask = self._kept(positions)
         if self._digests is not None:           # a digest trace's step outside its window: digests only
-            return kept.size == 0
+            return kept.size == 0 and self._digests.keeps_by_reference
         return mask is None or bool(mask[0])
 
     def _kept(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
@@ -311,12 +311,7 @@ class TraceRecorder:
             if self._digests is None:
                 self.writer.commit_repeat(repeat.staged, log, versions, self._kept(logging)[0])
                 return True
-            positions = self._all_positions(logging)
-            for key, rows in zip(owners, log):
-                if not key[0].startswith("stats:"):         # digest traces keep norm statistics in their window
-                    self._digests.take(*key, rows, positions)
-            self._digests.end_forward()
-            self.writer.commit()
+            self._digest_repeat(owners, log, versions, self._all_positions(logging))
             return True
         for owner, rows, version in zip(owners, log, versions):
             if version is not None and rows._version != version:
@@ -332,6 +327,28 @@ class TraceRecorder:
             else:
                 self.capture(point, layer, next(pending), logging)
         return False
+
+    def _digest_repeat(self, owners: list[tuple[str, int | None]], log: list[torch.Tensor],
+                       versions: list[int | None], positions: np.ndarray) -> None:
+        """Digest a repeated decode step's logged captures (norm statistics are kept only in the
+        zoom window), all together where they are on one device."""
+        keys, rows = [], []
+        for key, captured, version in zip(owners, log, versions):
+            if key[0].startswith("stats:"):
+                continue
+            if version is not None and captured._version != version:
+                self.writer.abort()
+                raise ProbeIntegrityError(
+                    f"the model changed the captured rows of {key[0]!r} at layer {key[1]} in place before its "
+                    "forward ended, after a forward where it did not: the trace was dropped; leave that point out "
+                    "of the capture to record this model")
+            keys.append(key)
+            rows.append(captured)
+        if not self._digests.take_repeat(keys, rows, int(positions[0])):
+            for key, captured in zip(keys, rows):
+                self._digests.take(*key, captured, positions)
+            self._digests.end_forward()
+        self.writer.commit()
 
     def _check_fired(self) -> None:
         """Every declared (point, layer) and selected norm's statistics fired exactly once."""
@@ -362,6 +379,8 @@ class TraceRecorder:
             raise ProbeIntegrityError("finish called inside a forward: call end_forward first")
         records_kv = bool(self._declared.layers) and any(p in self._declared.points for p in READ_POINTS)
         kv_only = sorted(self._read_positions - self._computed_positions) if records_kv else []
+        if self._digests is not None:
+            self._digests.flush()
         return str(self.writer.close(generated_ids=list(generated_ids), text=text, chunks=list(chunks),
                                      kv_only_positions=kv_only))
 
