@@ -39,6 +39,13 @@ SHAPES = {
                                    head_dim=64, query_pre_attn_scalar=64, intermediate_size=2048, sliding_window=4096,
                                    layer_types=["full_attention" if i % 6 == 5 else "sliding_attention"
                                                 for i in range(8)])),
+    # MLA: per token and layer a latent of 128 and a RoPE key of 32 cached (head_dim and qk_head_dim follow
+    # the RoPE and query widths: the config derives them once, at construction)
+    "deepseek-v3": ("tiny-deepseek-v3", dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                                             num_key_value_heads=8, q_lora_rank=192, kv_lora_rank=128,
+                                             qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, head_dim=32,
+                                             qk_head_dim=96, n_routed_experts=32, n_group=4, topk_group=2,
+                                             num_experts_per_tok=4, moe_intermediate_size=256, intermediate_size=1024)),
 }
 
 

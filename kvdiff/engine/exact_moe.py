@@ -1,8 +1,9 @@
-"""Exact (batch-invariant) numerics of mixture-of-experts layers (Qwen3-MoE's and gpt-oss's routers
-and experts).
+"""Exact (batch-invariant) numerics of mixture-of-experts layers (Qwen3-MoE's, gpt-oss's and
+DeepSeek-V3's routers and experts).
 
 The router is a linear layer followed by a softmax and a top-k over each row (gpt-oss: a top-k of
-the logits, then a softmax over those k): with the linear
+the logits, then a softmax over those k; DeepSeek-V3: sigmoid scores, top-k within the best
+groups of experts, each row alone too): with the linear
 made row-invariant (`invariant_linear`), a row's logits, weights and choice depend on that row
 alone. The experts are where rows meet: each expert multiplies the rows routed to it, so with
 transformers' grouped matmul a row's bits depend on which other rows chose the same experts.
@@ -94,7 +95,8 @@ def _experts_forward(module: nn.Module, transposed: bool):
             pairs = (ids == expert).nonzero().squeeze(1)       # (token, slot) pairs routed to it
             gated = module._apply_gate(_expert_linear(module, "gate_up_proj", expert, hidden_states[pairs // k],
                                                       transposed))
-            mixed[pairs] = _expert_linear(module, "down_proj", expert, gated, transposed) * weights[pairs]
+            # (DeepSeek's weights are float32: the weighted rows are cast back, as transformers does)
+            mixed[pairs] = (_expert_linear(module, "down_proj", expert, gated, transposed) * weights[pairs]).to(mixed.dtype)
         mixed = mixed.view(tokens, k, -1)
         out = mixed[:, 0]
         for slot in range(1, k):
