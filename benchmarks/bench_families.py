@@ -46,6 +46,11 @@ SHAPES = {
                                              qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, head_dim=32,
                                              qk_head_dim=96, n_routed_experts=32, n_group=4, topk_group=2,
                                              num_experts_per_tok=4, moe_intermediate_size=256, intermediate_size=1024)),
+    # sliding-window (128 positions) and global layers in turn, attention sinks, 32 experts of width 256, 4 a token
+    "gpt-oss": ("tiny-gpt-oss", dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                                     head_dim=64, num_local_experts=32, num_experts_per_tok=4, intermediate_size=256,
+                                     sliding_window=128, layer_types=["sliding_attention" if i % 2 == 0 else
+                                                                      "full_attention" for i in range(8)])),
 }
 
 

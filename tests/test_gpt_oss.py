@@ -16,6 +16,7 @@ from kvdiff.engine.reference import reference_generate
 from kvdiff.engine.tiny import build_tiny_model
 from kvdiff.options import Strategy
 from kvdiff.probes.model_meta import model_dims
+from kvdiff.probes.recorder import TraceRecorder
 from kvdiff.run.record import record
 from kvdiff.trace import open_trace
 from kvdiff.trace.points import ALL_POINTS, MOE_POINTS
@@ -99,6 +100,30 @@ def test_reference_probes_hold_the_routers_logits_and_choices(gpt_oss, tmp_path)
             logits = tr.point(layer, "router_logits", prompt)
             assert np.array_equal(logits, out.router_logits[layer].numpy())
             assert np.array_equal(tr.point(layer, "experts", prompt), torch.from_numpy(logits).topk(2).indices.numpy())
+
+
+def test_the_traces_hold_the_sinks_attention_applied(gpt_oss, tmp_path):
+    model, tok = gpt_oss
+    with open_trace(record(model, tok, MESSAGES, tmp_path / "t.h5", max_new_tokens=3)) as tr:
+        assert "attn_sinks" in tr.meta.points and tr.meta.dims.sinks == 1
+        for layer in range(model.config.num_hidden_layers):
+            rows = tr.layer(layer)["attn_sinks"]
+            sinks = model.model.layers[layer].self_attn.sinks.detach().numpy()
+            assert rows.shape[1:] == sinks.shape and (rows == sinks).all()
+
+
+def test_a_sink_the_engine_misreads_is_where_the_traces_part(gpt_oss, tmp_path):
+    model, tok = gpt_oss
+    ref = record(model, tok, MESSAGES, tmp_path / "ref.h5", max_new_tokens=3, numerics="exact")
+    eng = Engine(model, tok, numerics="exact")
+    eng.adapter.layers[1].sinks = eng.adapter.layers[0].sinks          # layer 1 applies layer 0's sinks
+    recorder = TraceRecorder.for_model(model, tok, MESSAGES, tmp_path / "cand.h5", strategy="prefix", numerics="exact")
+    output = eng.generate([MESSAGES], max_new_tokens=3, sinks={0: recorder})[0]
+    recorder.finish(output.token_ids, output.text, output.chunks)
+    report = kvdiff.diff(ref, tmp_path / "cand.h5", tokenizer=tok).to_json()
+    first, op = report["first_bit_difference"], report["first_operation"]
+    assert (first["tensor"], first["layer"], first["position"]) == ("attn_sinks", 1, 0)
+    assert (op["operation"], op["layer"], op["proved"]) == ("attention sinks (the layer's learned per-head logits)", 1, True)
 
 
 def test_isolated_local_is_a_position_mismatch(gpt_oss, tmp_path):

@@ -28,6 +28,7 @@ OPERATIONS: dict[str, tuple[str, tuple[tuple[str, int], ...]]] = {
     "k_pre_rope": ("k projection (k-norm)", (("attn_norm", 0),)),
     "k": ("RoPE on k", (("k_pre_rope", 0),)),
     "v": ("v projection", (("attn_norm", 0),)),
+    "attn_sinks": ("attention sinks (the layer's learned per-head logits)", ()),
     "attn_out": ("attention (softmax(q k^T) v, o_proj)", (("q", 0), ("k", 0), ("v", 0))),
     "attn_post_norm": ("attention post-norm", (("attn_out", 0),)),
     "resid_mid": ("residual add after attention", (("resid_pre", 0), ("attn_out", 0))),
@@ -112,6 +113,8 @@ def first_operation(comparison: Comparison, where: Location | None) -> Operation
     name, sources = OPERATIONS[where.tensor]
     if where.tensor in POST_NORMED and "attn_post_norm" in comparison.points:
         sources = POST_NORMED[where.tensor]
+    if where.tensor == "attn_out" and "attn_sinks" in comparison.points:
+        sources = sources + (("attn_sinks", 0),)
     layers = comparison.layers
     checks = []
     for point, offset in sources:

@@ -113,6 +113,8 @@ class ModelRunner:
             elif write_rows.numel():
                 self.pool.write(i, write_slots, k[write_rows], v[write_rows])
             o = attention.attend(self.pool, i, layer.window, q, a.scaling, layer.sinks)
+            if layer.sinks is not None:
+                probes.capture("attn_sinks", i, layer.sinks.detach().expand(q.shape[0], -1))
             probes.capture("q", i, q)
             if probes.active and (probes.wants("k", i) or probes.wants(a.value_point, i)):
                 kr, vr = self.pool.rows(i, read)

@@ -161,8 +161,9 @@ class ModelProbes:
 
         interface = AttentionInterface()
         layers = range(self.model.config.num_hidden_layers)
-        q_layers, k_layers = ({i for i in layers if point in self.spec.attention_points and self.sink.wants(point, i)}
-                              for point in ("q", "k"))
+        q_layers, k_layers, sink_layers = (
+            {i for i in layers if point in self.spec.attention_points and self.sink.wants(point, i)}
+            for point in ("q", "k", "attn_sinks"))
 
         def attention(module, query, key, value, attention_mask, *args, **kwargs):
             layer = module.layer_idx
@@ -175,6 +176,8 @@ class ModelProbes:
                 # MLA's: the RoPE key its heads share, the last columns of every head's key.
                 rows = key[:, :1, -n:, module.qk_nope_head_dim:] if self.spec.latent_attention else key[:, :, -n:]
                 self.sink.capture("k", layer, rows.transpose(1, 2), self._at(key, "k"))
+            if layer in sink_layers:        # gpt-oss passes its sinks to the attention function
+                self.sink.capture("attn_sinks", layer, kwargs["s_aux"].expand(1, n, -1), positions)
             eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
             inner = interface.get_interface(previous, eager)
             return inner(module, query, key, value, attention_mask, *args, **kwargs)

@@ -26,12 +26,18 @@ def model_dims(model: torch.nn.Module) -> ModelDims:
     scales = [m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")]
     return ModelDims(c.num_hidden_layers, heads, kv_heads, head_dim,
                      c.hidden_size, c.vocab_size, float(scales[0]) if scales else head_dim ** -0.5,
-                     *experts_shape(model), post_norms=int(_post_norms(model)), **latent)
+                     *experts_shape(model), post_norms=int(_post_norms(model)), sinks=int(_sinks(model)), **latent)
 
 
 def _latent(model: torch.nn.Module) -> bool:
     """Whether the model's attention is multi-head latent attention (DeepSeek-V2/V3's kv_lora_rank)."""
     return getattr(model.config, "kv_lora_rank", None) is not None
+
+
+def _sinks(model: torch.nn.Module) -> bool:
+    """Whether every decoder layer's attention has per-head sink logits (gpt-oss)."""
+    layers = getattr(getattr(model, "model", None), "layers", ())
+    return bool(layers) and all(isinstance(getattr(layer.self_attn, "sinks", None), torch.Tensor) for layer in layers)
 
 
 def _post_norms(model: torch.nn.Module) -> bool:

@@ -138,12 +138,14 @@ DEEPSEEK_V3_SPEC = ProbeSpec(
        ProbeRule("model.layers.*.self_attn.kv_a_layernorm", "kv_latent")) + QWEN3_MOE_SPEC.rules[-2:],
     latent_attention=True,
 )
-# gpt-oss: Llama's modules (k_proj's output, its bias added, is k before RoPE); the router
+# gpt-oss: Llama's modules (k_proj's output, its bias added, is k before RoPE), its sinks from the
+# attention function's arguments; the router
 # (GptOssTopKRouter) returns (logits, top-k weights, top-k ids) as Qwen3-MoE's does; the MLP returns
 # (output, router scores).
 GPT_OSS_SPEC = ProbeSpec(
     LLAMA_SPEC.rules + (ProbeRule("model.layers.*.mlp.router", "router_logits", flat=True),
                         ProbeRule("model.layers.*.mlp.router", "experts", index=2, flat=True)),
+    attention_points=("q", "k", "attn_sinks"),
 )
 DEFAULT_SPECS: dict[str, ProbeSpec] = {
     "llama": LLAMA_SPEC, "mistral": LLAMA_SPEC, "qwen2": LLAMA_SPEC, "qwen3": QWEN3_SPEC, "qwen3_moe": QWEN3_MOE_SPEC,

@@ -396,6 +396,7 @@ def read_meta(path: Path, f: h5py.File) -> TraceMeta:
     for name in ("num_experts", "experts_per_token"):
         dims[name] = as_int(path, name, read_attr(path, f, name, 0), high=MAX_EXPERTS)
     dims["post_norms"] = as_int(path, "post_norms", read_attr(path, f, "post_norms", 0), high=1)
+    dims["sinks"] = as_int(path, "sinks", read_attr(path, f, "sinks", 0), high=1)
     for name in ("latent_dim", "rope_dim"):
         dims[name] = as_int(path, name, read_attr(path, f, name, 0), high=MAX_DIMS["hidden_size"])
     if dims["experts_per_token"] > dims["num_experts"]:

@@ -24,7 +24,7 @@ import torch
 
 from kvdiff.trace.points import FINAL_POINTS, READ_POINTS
 
-from kvdiff.trace.points import ALL_POINTS, KNOWN_POINTS, MLA_POINTS, MOE_POINTS, POST_NORM_POINTS
+from kvdiff.trace.points import ALL_POINTS, KNOWN_POINTS, MLA_POINTS, MOE_POINTS, POST_NORM_POINTS, SINK_POINTS
 
 FORMAT_NAME = "kvdiff-trace"
 SCHEMA_VERSION = 1            # every recorded position holds a row of every recorded point
@@ -71,6 +71,7 @@ class ModelDims:
     post_norms: int = 0             # 1: norms after attention and after the MLP too (Gemma 3), else 0
     latent_dim: int = 0             # multi-head latent attention: the cached latent's width (0: K/V cached)
     rope_dim: int = 0               # multi-head latent attention: the shared RoPE key's width
+    sinks: int = 0                  # 1: every layer's attention has per-head sink logits (gpt-oss), else 0
 
     def points(self) -> tuple[str, ...]:
         """The probe points a model of these dims has: the router's only with experts, the post-norms
@@ -78,7 +79,7 @@ class ModelDims:
         mla = bool(self.latent_dim)
         return tuple(p for p in KNOWN_POINTS if (p in ALL_POINTS and not (mla and p == "v"))
                      or (p in MOE_POINTS and self.num_experts) or (p in POST_NORM_POINTS and self.post_norms)
-                     or (p in MLA_POINTS and mla))
+                     or (p in MLA_POINTS and mla) or (p in SINK_POINTS and self.sinks))
 
     def point_shape(self, point: str) -> tuple[int, ...]:
         """Row shape of a probe point (rows are (T, *shape))."""
@@ -88,6 +89,8 @@ class ModelDims:
             return (self.num_kv_heads, self.rope_dim)
         if point == "router_logits":
             return (self.num_experts,)
+        if point == "attn_sinks":
+            return (self.num_heads,)
         if point == "experts":
             return (self.experts_per_token,)
         if point == "q":

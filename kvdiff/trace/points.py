@@ -46,9 +46,16 @@ MLA_POINTS: tuple[str, ...] = (
     "kv_latent",   # (T, kv_lora_rank)  kv_a_layernorm output: what the cache holds beside k
 )
 
+# Attention sinks (gpt-oss): each head's learned sink logit, one more term in its softmax's
+# denominator; recorded per token as attention applied it, so a sink the engine misses or misreads
+# is where the traces first part.
+SINK_POINTS: tuple[str, ...] = (
+    "attn_sinks",  # (T, n_heads)  the sink logit of each head
+)
+
 # Every layer point a model may have, in dataflow order.
 KNOWN_LAYER_POINTS: tuple[str, ...] = (
-    "resid_pre", "attn_norm", "q", "k_pre_rope", "k", "kv_latent", "v", "attn_out", "attn_post_norm", "resid_mid", "mlp_norm",
+    "resid_pre", "attn_norm", "q", "k_pre_rope", "k", "kv_latent", "v", "attn_sinks", "attn_out", "attn_post_norm", "resid_mid", "mlp_norm",
     "router_logits", "experts", "mlp_out", "mlp_post_norm", "resid_post",
 )
 
