@@ -227,7 +227,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", device="cpu",
     """Load `(model, tokenizer)` from local files only.
 
     `name_or_path` is the default model's name `smollm2-135m`, a tiny test model name
-    (`tiny-llama`, `tiny-mistral`, `tiny-qwen2`, `tiny-qwen3`, `tiny-qwen3-moe`, `tiny-gemma3`, `tiny-deepseek-v3`), a transformers
+    (`tiny-llama`, `tiny-mistral`, `tiny-qwen2`, `tiny-qwen3`, `tiny-qwen3-moe`, `tiny-gemma3`, `tiny-gpt-oss`, `tiny-deepseek-v3`), a transformers
     model folder,
     or a `.gguf` file. `device_map` (auto, balanced, ...) splits a folder's or GGUF's model across
     the visible GPUs with accelerate instead of placing it on `device`. Raises ModelLoadError
