@@ -13,6 +13,7 @@ import kvdiff
 from kvdiff.conversation import render_prompt_ids
 from kvdiff.engine import Engine
 from kvdiff.engine.latent_cache import LatentPool
+from kvdiff.engine.tiny import build_tiny_model
 from kvdiff.options import Strategy
 from kvdiff.probes.model_meta import model_dims
 from kvdiff.run.record import record
@@ -48,6 +49,14 @@ def test_the_tiny_model_has_latent_attention_a_dense_layer_and_routed_ones(deeps
 @pytest.mark.parametrize("strategy", [s.value for s in Strategy])
 def test_every_strategy_runs(deepseek, strategy, numerics):
     assert_every_strategy_runs(*deepseek, strategy, numerics, MESSAGES, OTHER)
+
+
+@pytest.mark.parametrize("overrides", [dict(q_lora_rank=None), dict(rope_interleave=False)],
+                         ids=["q-projected-directly", "rope-in-halves"])
+def test_prefix_exact_is_bitwise_without_q_lora_or_interleaved_rope(overrides, tmp_path):
+    model, tok = build_tiny_model("tiny-deepseek-v3", **overrides)
+    assert all(getattr(model.config, key) == value for key, value in overrides.items())
+    prefix_exact_run(model, tok, "tiny-deepseek-v3", MESSAGES, OTHER, tmp_path)
 
 
 def test_the_engine_generates_what_transformers_generate_does(deepseek):

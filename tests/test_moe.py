@@ -11,16 +11,18 @@ import kvdiff
 from kvdiff.conversation import render_prompt_ids
 from kvdiff.engine import Engine
 from kvdiff.engine.numerics import exact_numerics
+from kvdiff.engine.tiny import build_tiny_model
 from kvdiff.errors import InputError, UnsupportedModelError
 from kvdiff.options import Strategy
 from kvdiff.probes.model_meta import model_dims
 from kvdiff.probes.selection import Selection
 from kvdiff.run.record import record
 from kvdiff.trace import open_trace
+from kvdiff.trace.format import DENSE_EXPERT
 from kvdiff.trace.points import ALL_POINTS, MOE_POINTS
 
 from conftest import (SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_isolated_local_is_a_position_mismatch,
-                      assert_prefix_exact_rows_are_the_forwards, moved_router_flip, planted_flip)
+                      assert_prefix_exact_rows_are_the_forwards, moved_router_flip, planted_flip, prefix_exact_run)
 
 MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
 OTHER = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": "La capitale de la France est Paris."}]
@@ -147,3 +149,15 @@ def test_unsupported_architectures_name_the_supported_families(moe):
     with pytest.raises(UnsupportedModelError, match="qwen3_moe") as err:
         Engine(gpt2, tok)
     assert "\n" not in str(err.value) and "llama" in str(err.value)
+
+
+def test_a_model_mixing_dense_layers_in_records_no_router_at_them(tmp_path):
+    """mlp_only_layers=[0]: layer 0 is a dense MLP. Both paths give its router points the rows of no
+    router (logits 0, experts -1), bitwise alike, and the routed layers their router's."""
+    model, tok = build_tiny_model("tiny-qwen3-moe", mlp_only_layers=[0])
+    assert model_dims(model).num_experts == 8
+    trace, output, _, _ = prefix_exact_run(model, tok, "tiny-qwen3-moe", MESSAGES, OTHER, tmp_path)
+    with open_trace(trace) as tr:
+        rows = np.searchsorted(tr.positions, np.arange(output.chunks[1].positions[0], len(output.prompt_ids)))
+        assert (tr.point(0, "experts", rows) == DENSE_EXPERT).all() and not tr.point(0, "router_logits", rows).any()
+        assert (tr.point(1, "experts", rows) >= 0).all() and tr.point(1, "router_logits", rows).any()

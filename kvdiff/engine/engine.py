@@ -178,8 +178,9 @@ class Engine:
             for r, t, final in zip(requests, scratch, finals):
                 n = final.positions[0]
                 own = torch.cat([p.dst for p in r.placed]) if r.placed else t.all_slots()[:0]
-                fresh = self.pool.k[BLEND_SELECT_LAYER].index_select(0, t.all_slots()[:n]) if n else own
-                cached = self.pool.k[BLEND_SELECT_LAYER].index_select(0, own)
+                # K as attention reads it (MLA's: expanded from the latents, not the RoPE key alone)
+                fresh = self.pool.read(BLEND_SELECT_LAYER, t.all_slots()[:n])[0] if n else own
+                cached = self.pool.read(BLEND_SELECT_LAYER, own)[0]
                 chosen = select_blend_tokens(fresh, cached, self.strategy.recompute_ratio).tolist()
                 chosen_set = set(chosen)
                 tokens = [r.prompt.prompt_ids[p] for p in chosen] + final.token_ids
