@@ -80,12 +80,16 @@ def test_a_digest_trace_hashed_another_way_is_refused(tiny_llama, tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (see docs/gpu.md)")
 def test_a_row_hashes_the_same_on_a_gpu_as_on_the_host():      # and whatever it widened 16-bit rows with
+    wide = torch.randn(9, 3001)
+    wide[4, 7], wide[5, 9] = float("nan"), float("-inf")
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        rows = torch.randn(33, 4, 64).to(dtype)
-        host, on_gpu = row_digests(rows), row_digests(rows.cuda())
-        assert torch.equal(host[0], on_gpu[0].cpu()), dtype
-        assert torch.allclose(host[1], on_gpu[1].cpu(), rtol=2 ** -22), dtype
-        assert torch.equal(host[1][:, 1], on_gpu[1][:, 1].cpu()), dtype       # max_abs: exact
+        for rows in (torch.randn(33, 4, 64).to(dtype), torch.randn(5, 7).to(dtype), wide.to(dtype)[:, 1:],
+                     torch.randn(6, 40).to(dtype).t()):       # odd widths, unaligned and strided views
+            host, on_gpu = row_digests(rows), row_digests(rows.cuda())
+            assert torch.equal(host[0], on_gpu[0].cpu()), (dtype, rows.shape)
+            assert torch.allclose(host[1], on_gpu[1].cpu(), rtol=2 ** -22, equal_nan=True), (dtype, rows.shape)
+            assert torch.equal(host[1][:, 1].isnan(), on_gpu[1][:, 1].cpu().isnan())
+            assert torch.equal(host[1][:, 1].nan_to_num(), on_gpu[1][:, 1].cpu().nan_to_num()), dtype   # exact
 
 
 def _record(model, tokenizer, path, **kwargs):

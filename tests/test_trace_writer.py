@@ -108,7 +108,7 @@ def test_large_gpu_captures_wait_on_the_gpu_and_reach_the_file_in_pieces(tmp_pat
     from kvdiff.trace.device_rows import Bounce
     monkeypatch.setattr(trace_writer, "Bounce", lambda: Bounce(4096))     # pieces of 128 or 64 rows
     g = torch.Generator(device="cuda").manual_seed(7)
-    rows = {dtype: (torch.randn(700, 2, 8, device="cuda", generator=g) * 1e3).to(dtype)
+    rows = {dtype: (torch.randn(400, 2, 8, device="cuda", generator=g) * 1e3).to(dtype)
             for dtype in (torch.bfloat16, torch.float32)}
     want = {dtype: r.cpu() for dtype, r in rows.items()}
     monkeypatch.setattr(staging, "STAGED_ROWS_BYTES", 1024)           # not staged: copied alone
@@ -116,8 +116,8 @@ def test_large_gpu_captures_wait_on_the_gpu_and_reach_the_file_in_pieces(tmp_pat
         path = tmp_path / f"{str(dtype)[6:]}.h5"
         meta = replace(make_meta(str(dtype)[6:]), layers=(1,), points=("k",))
         with TraceWriter(path, meta, max_queued_bytes=1024, max_device_bytes=device_bytes) as w:
-            w.write_rows("layers/1", "k", range(600), r[:600])
-            w.write_rows("layers/1", "k", range(600, 700), r[600:])
+            w.write_rows("layers/1", "k", range(300), r[:300])
+            w.write_rows("layers/1", "k", range(300, 400), r[300:])
             r.fill_(0)                                          # the caller reuses its buffer at once
             peaks = w._worker.peak_backlog, w._worker.peak_device_backlog
         assert (peaks[1] > 0) == on_gpu and (peaks[0] > 1024) != on_gpu

@@ -11,7 +11,7 @@ beyond tolerance without the rows.
 The hash of a row is sum_k w_k * m_k mod 2^64 over the row's bytes read as little-endian 64-bit
 words w_k (two float32 elements a word; a row zero-padded to a multiple of 8 bytes; bfloat16
 and float16 rows are widened to float32 first, exactly, so a row hashes the same whichever of
-them an engine keeps it in), with m_k odd multipliers drawn from k alone (splitmix64), so a
+them an engine keeps it in, a NaN among them as the one CANONICAL_NAN), with m_k odd multipliers drawn from k alone (splitmix64), so a
 row's hash does not depend on the device, the batch or which other rows were hashed with it:
 the engines' traces and kvdiff's compare. The words are a view of the row, not a widened copy:
 the hash reads each byte once. `ROW_HASH` names this hash in the traces, which older ones
@@ -19,6 +19,8 @@ the hash reads each byte once. `ROW_HASH` names this hash in the traces, which o
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -28,7 +30,8 @@ _GOLDEN = -7046029254386353131          # 0x9E3779B97F4A7C15 as int64
 _MIX1, _MIX2 = -4658895280553007687, -7723592293110705685    # splitmix64's constants as int64
 _multipliers: dict[tuple[int, torch.device], torch.Tensor] = {}
 BLOCK_ELEMENTS = 1 << 24          # rows hashed together on a GPU
-HOST_BLOCK_ELEMENTS = 1 << 18     # on the host: temporaries that stay in cache and in the heap
+HOST_BLOCK_ELEMENTS = 1 << 18
+CANONICAL_NAN = 0x7FC00000        # the bits a widened 16-bit NaN hashes as     # on the host: temporaries that stay in cache and in the heap
 ROW_HASH = "le-words64-splitmix"      # the /digests group's `row_hash`: how its rows were hashed
 
 
@@ -57,11 +60,27 @@ def row_digests(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if flat.shape[1] == 0:
         zeros = torch.zeros(flat.shape[0], device=flat.device)
         return torch.zeros(flat.shape[0], dtype=torch.int64, device=flat.device), torch.stack([zeros, zeros], 1)
+    if flat.is_cuda and flat.dtype in (torch.float32, torch.bfloat16, torch.float16) and _gpu_kernel() is not None:
+        return _gpu_kernel().row_digests(flat, multipliers((flat.shape[1] + 1) // 2, flat.device), CANONICAL_NAN)
     step = max(1, (BLOCK_ELEMENTS if flat.is_cuda else HOST_BLOCK_ELEMENTS) // flat.shape[1])
     if flat.shape[0] > step:
         parts = [_block_digests(flat[i:i + step]) for i in range(0, flat.shape[0], step)]
         return torch.cat([h for h, _ in parts]), torch.cat([s for _, s in parts])
     return _block_digests(flat)
+
+
+@functools.lru_cache(maxsize=1)
+def _gpu_kernel():
+    """trace/hash_kernel, imported at the first digest on a GPU (it imports Triton); None without Triton."""
+    from kvdiff.trace import hash_kernel
+    return hash_kernel if hash_kernel.available else None
+
+
+def _widened(flat: torch.Tensor) -> torch.Tensor:
+    """16-bit rows as float32, exactly (a row hashes by its values, as the diff compares float32
+    rows), every NaN as CANONICAL_NAN: devices widen a NaN's payload differently."""
+    flat = flat.float()
+    return torch.where(flat.isnan(), CANONICAL_NAN, flat.view(torch.int32)).view(torch.float32)
 
 
 def _words(flat: torch.Tensor) -> torch.Tensor:
@@ -80,7 +99,7 @@ def _words(flat: torch.Tensor) -> torch.Tensor:
 
 def _block_digests(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if flat.dtype in (torch.bfloat16, torch.float16):
-        flat = flat.float()         # exact: a row hashes by its values, as the diff compares float32 rows
+        flat = _widened(flat)
     words = _words(flat)
     hashes = (words * multipliers(words.shape[1], flat.device)).sum(1)
     values = flat.double()          # exact; vector_norm(dtype=float64) converts element by element, 4-8x slower
