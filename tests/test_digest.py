@@ -205,3 +205,22 @@ def test_cli_trace_modes_and_a_clear_error_for_layers_in_digest_mode(tmp_path):
     assert "repeated the first" in digest.stdout and "trace mode" not in full.stdout
     bad = runner.invoke(app, base + ["--trace-mode", "sparse", "--out", str(tmp_path / "c")])
     assert bad.exit_code == 2 and "unknown trace mode 'sparse'" in bad.stderr
+
+
+def test_a_capture_changed_in_place_only_in_a_later_decode_step_drops_the_trace(tiny_llama, tmp_path):
+    from kvdiff.trace.sink import ProbeIntegrityError
+    model, tokenizer = tiny_llama
+    forwards = []
+
+    def change_later(module, args):     # layer 1's resid_post, captured already, changed from the 4th forward on
+        forwards.append(1)
+        if len(forwards) >= 4:
+            args[0].mul_(1)
+
+    handle = model.model.layers[2].register_forward_pre_hook(change_later)
+    try:
+        with pytest.raises(ProbeIntegrityError, match="'resid_post' at layer 1 in place"):
+            _record(model, tokenizer, tmp_path / "t.h5", trace_mode="digest")
+    finally:
+        handle.remove()
+    assert len(forwards) >= 4 and not (tmp_path / "t.h5").exists()

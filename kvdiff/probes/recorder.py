@@ -11,7 +11,7 @@ import math
 import os
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -47,7 +47,19 @@ class _Repeat:
 
     reads_only: bool
     fired: list[tuple[str, int | None]]
-    staged: StageLayout
+    staged: StageLayout | None                  # None in a digest trace, whose steps stage nothing
+    owners: list[tuple[str, int | None]]        # each logged tensor's (point, layer): a norm logs two
+    digested: list[int]                         # digest trace: the logged tensors digested (not norm inputs)
+    digest_sizes: list[int]                     # and their sizes
+
+
+def _repeat_of(reads_only: bool, fired: list[tuple[str, int | None]], staged: StageLayout | None,
+               sizes: Callable[[tuple[str, int | None]], int] | None) -> _Repeat:
+    """The layout of a complete one-position forward; `sizes` (a digested point's row size) in a
+    digest trace."""
+    owners = [key for key in fired for _ in range(2 if key[0].startswith("stats:") else 1)]
+    digested = [] if sizes is None else [i for i, key in enumerate(owners) if not key[0].startswith("stats:")]
+    return _Repeat(reads_only, fired, staged, owners, digested, [sizes(owners[i]) for i in digested])
 
 
 class TraceRecorder:
@@ -290,8 +302,9 @@ class TraceRecorder:
             self._digests.end_forward()
         staged = self.writer.commit()
         if one_position:
-            digests_only = self._digests is not None
-            self._repeat = _Repeat(self._reads_only, self._fired, staged) if staged is not None or digests_only else None
+            sizes = None if self._digests is None else (lambda key: self._targets[key].size)
+            self._repeat = _repeat_of(self._reads_only, self._fired, staged, sizes) \
+                if staged is not None or sizes is not None else None
 
     def _end_repeat(self) -> bool:
         """End a forward whose captures were logged: True when they repeat the layout and went to
@@ -299,11 +312,12 @@ class TraceRecorder:
         repeat, logging = self._repeat, self._logging
         logged, log, versions = self._logged, self._log, self._log_versions
         self._logging, self._logged, self._log, self._log_versions = None, [], [], []
-        owners = [key for key in logged for _ in range(2 if key[0].startswith("stats:") else 1)]   # a norm logs two
-        if not self._fired and logged == repeat.fired and (
+        same = logged == repeat.fired
+        owners = repeat.owners if same else [key for key in logged
+                                             for _ in range(2 if key[0].startswith("stats:") else 1)]
+        if not self._fired and same and (
                 [rows.numel() for rows in log] == repeat.staged.numels if self._digests is None else
-                all(key[0].startswith("stats:") or rows.numel() == self._targets[key].size
-                    for key, rows in zip(owners, log))):
+                [log[i].numel() for i in repeat.digested] == repeat.digest_sizes):
             self._fired = logged
             if (self._reads_only, self._fired) != self._checked:
                 self._check_fired()
@@ -311,7 +325,7 @@ class TraceRecorder:
             if self._digests is None:
                 self.writer.commit_repeat(repeat.staged, log, versions, self._kept(logging)[0])
                 return True
-            self._digest_repeat(owners, log, versions, self._all_positions(logging))
+            self._digest_repeat(repeat, log, versions, self._all_positions(logging))
             return True
         for owner, rows, version in zip(owners, log, versions):
             if version is not None and rows._version != version:
@@ -328,22 +342,19 @@ class TraceRecorder:
                 self.capture(point, layer, next(pending), logging)
         return False
 
-    def _digest_repeat(self, owners: list[tuple[str, int | None]], log: list[torch.Tensor],
-                       versions: list[int | None], positions: np.ndarray) -> None:
+    def _digest_repeat(self, repeat: _Repeat, log: list[torch.Tensor], versions: list[int | None],
+                       positions: np.ndarray) -> None:
         """Digest a repeated decode step's logged captures (norm statistics are kept only in the
         zoom window), all together where they are on one device."""
-        keys, rows = [], []
-        for key, captured, version in zip(owners, log, versions):
-            if key[0].startswith("stats:"):
-                continue
-            if version is not None and captured._version != version:
-                self.writer.abort()
-                raise ProbeIntegrityError(
-                    f"the model changed the captured rows of {key[0]!r} at layer {key[1]} in place before its "
-                    "forward ended, after a forward where it did not: the trace was dropped; leave that point out "
-                    "of the capture to record this model")
-            keys.append(key)
-            rows.append(captured)
+        changed = [i for i in repeat.digested if versions[i] is not None and log[i]._version != versions[i]]
+        if changed:
+            self.writer.abort()
+            point, layer = repeat.owners[changed[0]]
+            raise ProbeIntegrityError(
+                f"the model changed the captured rows of {point!r} at layer {layer} in place before its forward "
+                "ended, after a forward where it did not: the trace was dropped; leave that point out of the "
+                "capture to record this model")
+        keys, rows = [repeat.owners[i] for i in repeat.digested], [log[i] for i in repeat.digested]
         if not self._digests.take_repeat(keys, rows, int(positions[0])):
             for key, captured in zip(keys, rows):
                 self._digests.take(*key, captured, positions)
