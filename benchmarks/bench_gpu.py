@@ -1,6 +1,6 @@
 """GPU benchmarks on random-initialised models of real shapes; each figure a ratio from one run.
 
-    python benchmarks/bench_gpu.py --tokenizer .gpu/tokenizer [--shape smollm2-135m llama-3.2-1b] [--only capture ...]
+    python benchmarks/bench_gpu.py --tokenizer .gpu/tokenizer [--shape smollm2-135m llama-3.2-1b llama-3.1-8b] [--only capture ...]
 
 Needs a CUDA GPU (run it through the device tool; docs/gpu.md says how); without one it says so
 and exits with `kvdiff bench`'s status for a skipped benchmark. Prints one table per
@@ -36,7 +36,7 @@ from kvdiff.engine import Engine  # noqa: E402
 from kvdiff.engine.numerics import exact_numerics  # noqa: E402
 from kvdiff.conversation import render_prompt_ids  # noqa: E402
 from kvdiff.engine.reference import reference_generate  # noqa: E402
-from shapes import REAL_SHAPES, random_model  # noqa: E402
+from shapes import DEFAULT_SHAPES, REAL_SHAPES, random_model  # noqa: E402
 
 SYSTEM_2K = " ".join(f"Rule {i}: answer briefly, politely and in plain words." for i in range(170))
 SYSTEM_8K = " ".join(f"Clause {i}: the assistant keeps every answer short, exact and kind." for i in range(470))
@@ -249,7 +249,8 @@ BENCHMARKS = {"numerics": bench_numerics, "capture": bench_capture, "digest": be
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", default=".gpu/tokenizer", help="folder of the default model's tokenizer")
-    parser.add_argument("--shape", nargs="+", default=list(REAL_SHAPES), choices=list(REAL_SHAPES))
+    parser.add_argument("--shape", nargs="+", default=list(DEFAULT_SHAPES), choices=list(REAL_SHAPES),
+                        help=f"model shapes (default {' '.join(DEFAULT_SHAPES)}; also llama-3.1-8b)")
     parser.add_argument("--only", nargs="+", default=list(BENCHMARKS), choices=list(BENCHMARKS),
                         help="run only these benchmarks")
     parser.add_argument("--pairs", type=int, default=PAIRS, help="alternated pairs per numerics and capture row")

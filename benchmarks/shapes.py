@@ -24,7 +24,12 @@ REAL_SHAPES: dict[str, dict] = {
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
                          rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
                          tie_word_embeddings=True),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                         tie_word_embeddings=False),
 }
+DEFAULT_SHAPES = ("smollm2-135m", "llama-3.2-1b")     # the 8B shape on request: it takes minutes of device time
 
 
 def shape_config(shape: str) -> LlamaConfig:
