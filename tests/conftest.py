@@ -217,6 +217,27 @@ def assert_isolated_local_is_a_position_mismatch(model, tok, name: str, messages
     return report
 
 
+def assert_isolated_global_is_missing_context(model, tok, name: str, messages: list, tmp_path, warm: bool) -> dict:
+    """A family's context test: `compare` of `messages` under isolated-global (exact) names the user
+    chunk missing_context of every position before it, and no position_mismatch of it; computed in the
+    run (attn_out differs at layer 0, recomputed from q, k and v), or with `warm` read from the cache
+    (its K/V differ from layer 1). Returns the report."""
+    from kvdiff.run.compare import compare
+
+    result = compare(messages, model=name, strategy="isolated-global", numerics="exact", warm=warm, max_new_tokens=6,
+                     out=tmp_path / "run", model_cache={(name, "float32", "cpu", None): (model, tok)})
+    report = result.report.to_json()
+    user = next(c for c in report["chunks"] if c["name"] == "user")
+    assert result.exit_code == 1 and user["cache"] == ("hit" if warm else "miss")
+    found = [d for d in report["diagnoses"] if d["kind"] == "missing_context" and d["chunk"] == "user"]
+    assert len(found) == 1, report["diagnoses"]
+    assert (found[0]["unattended"], found[0]["layer"], bool(found[0].get("cached"))) == \
+        ([0, user["positions"][0] - 1], 1 if warm else 0, warm)
+    assert found[0]["positions"] == user["positions"] and 0 < found[0]["reference_attention_mass"] <= 1
+    assert not [d for d in report["diagnoses"] if d["kind"] == "position_mismatch" and d["chunk"] == "user"]
+    return report
+
+
 def assert_prefix_exact_rows_are_the_forwards(model, tok, name: str, messages: list, other: list, tmp_path) -> None:
     """`prefix_exact_run` of a mixture of experts: at the positions the engine computed (after the
     cached system chunk), its router logits, layer inputs and logits are transformers' forward's bits."""

@@ -1,9 +1,11 @@
 """DeepSeek-V3 (tiny-deepseek-v3): multi-head latent attention, whose cache holds a latent and a RoPE
 key per token, and a mixture of experts after a dense first layer; every strategy, exact numerics,
-the MLA probe points, position_mismatch and expert_flip."""
+the MLA probe points, position_mismatch, missing_context (attention recomputed from the latents
+expanded with the trace's kv_b_proj) and expert_flip."""
 
 from __future__ import annotations
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,9 @@ from kvdiff.conversation import render_prompt_ids
 from kvdiff.engine import Engine
 from kvdiff.engine.latent_cache import LatentPool
 from kvdiff.engine.tiny import build_tiny_model
+from kvdiff.analysis.attention_fit import AttentionRows
+from kvdiff.analysis.latent import expand
+from kvdiff.errors import TraceError
 from kvdiff.options import Strategy
 from kvdiff.probes.model_meta import model_dims
 from kvdiff.run.record import record
@@ -21,7 +26,8 @@ from kvdiff.trace import open_trace
 from kvdiff.trace.format import DENSE_EXPERT
 from kvdiff.trace.points import MOE_POINTS
 
-from conftest import SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_isolated_local_is_a_position_mismatch, moved_router_flip, prefix_exact_run
+from conftest import (SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_isolated_global_is_missing_context,
+                      assert_isolated_local_is_a_position_mismatch, moved_router_flip, prefix_exact_run)
 
 MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
 OTHER = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": "La capitale de la France est Paris."}]
@@ -106,6 +112,55 @@ def test_prefix_exact_is_bitwise_the_reference_with_a_cached_system_prompt(deeps
 
 def test_isolated_local_is_a_position_mismatch(deepseek, tmp_path):
     assert_isolated_local_is_a_position_mismatch(*deepseek, "tiny-deepseek-v3", MESSAGES, tmp_path)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["computed", "read-from-the-cache"])
+def test_isolated_global_is_missing_context(deepseek, warm, tmp_path):
+    report = assert_isolated_global_is_missing_context(*deepseek, "tiny-deepseek-v3", MESSAGES, tmp_path, warm)
+    (found,) = [d for d in report["diagnoses"] if d["kind"] == "missing_context"]
+    if warm:        # the chunk's first token is the conversation's: alone, it holds the reference's latent
+        assert found["confidence"] == 1.0 and "the reference's kv_latent of position 0" in found["evidence"]
+    else:
+        assert found["fit_residual"] <= 0.5 * found["next_best_residual"]
+
+
+def test_attention_recomputed_from_the_traced_latents_and_kv_b_proj_is_the_models(deepseek, tmp_path):
+    model, tok = deepseek
+    path = record(model, tok, MESSAGES, tmp_path / "t.h5", max_new_tokens=3)
+    nope = model.config.qk_nope_head_dim
+    with open_trace(path) as tr, torch.no_grad():
+        rows = np.arange(tr.positions.size)
+        for layer in range(model.config.num_hidden_layers):
+            attn = model.model.layers[layer].self_attn
+            weight = tr.latent_weight(layer)
+            assert np.array_equal(weight.reshape(-1, weight.shape[2]), attn.kv_b_proj.weight.numpy())
+            latent, rope_key = tr.point(layer, "kv_latent", rows), tr.point(layer, "k", rows)
+            k, v = expand(latent, rope_key, weight, nope)
+            want_k, want_v = attn.expand_kv(torch.from_numpy(latent)[None, None], torch.from_numpy(rope_key[:, 0])[None, None])
+            np.testing.assert_allclose(k, want_k[0].transpose(0, 1).numpy(), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(v, want_v[0].transpose(0, 1).numpy(), rtol=1e-5, atol=1e-6)
+            out = tr.point(layer, "attn_out", rows)
+            ref = AttentionRows(tr.point(layer, "q", rows), k, v, out, tr.meta.dims.attn_scale)
+            z = np.stack([ref.attend(r, ref.raw_scores(r, r + 1), np.ones(r + 1, bool), 1.0) for r in rows])
+            np.testing.assert_allclose(attn.o_proj(torch.from_numpy(z.astype(np.float32))).numpy(), out, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("damage", ["latent width", "no value columns", "layer out of range", "stray member"])
+def test_a_trace_with_a_malformed_kv_b_proj_is_refused(deepseek, damage, tmp_path):
+    model, tok = deepseek
+    path = record(model, tok, MESSAGES, tmp_path / "t.h5", max_new_tokens=1)
+    heads, nope = model.config.num_attention_heads, model.config.qk_nope_head_dim
+    with h5py.File(path, "r+") as f:
+        if damage == "layer out of range":
+            f.move("weights/1", f"weights/{model.config.num_hidden_layers}")
+        elif damage == "stray member":
+            f["weights/1/o_proj"] = np.zeros(3, np.float32)
+        else:
+            del f["weights/1/kv_b_proj"]
+            shape = (heads, nope + 4, 33) if damage == "latent width" else (heads, nope, 32)
+            f["weights/1/kv_b_proj"] = np.zeros(shape, np.float32)
+    with pytest.raises(TraceError, match="malformed"):
+        open_trace(path)
 
 
 def test_a_moved_router_weight_in_the_engine_is_named_expert_flip(deepseek, tmp_path):

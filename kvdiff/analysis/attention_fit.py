@@ -55,7 +55,7 @@ class AttentionRows:
 
     q: np.ndarray                              # (n, heads, d); rows it did not compute are never read
     k: np.ndarray                              # (n, kv_heads, d)
-    v: np.ndarray
+    v: np.ndarray                              # (n, kv_heads, dv): dv is d but with latent attention
     out: np.ndarray                            # (n, hidden) attn_out
     scale: float
 
@@ -75,8 +75,8 @@ class AttentionRows:
         return out
 
     def attend(self, row: int, raw: np.ndarray, visible: np.ndarray, scale: float) -> np.ndarray:
-        """Softmax over the visible keys, times v: the attention output before o_proj, (heads * d,)."""
-        heads, kv, d = self.dims
+        """Softmax over the visible keys, times v: the attention output before o_proj, (heads * dv,)."""
+        heads, kv, d = self.q.shape[1], self.k.shape[1], self.v.shape[2]
         per, n = heads // kv, raw.shape[1]
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             s = np.where(visible[None, :], raw * (self.scale * scale), -np.inf)
@@ -129,9 +129,8 @@ class AttentionTest:
 
     @classmethod
     def build(cls, ref: AttentionRows, cand: AttentionRows, rows: np.ndarray, noise: float) -> "AttentionTest | None":
-        heads, _, d = ref.dims
-        n = ref.q.shape[0]
-        fit_rows = np.arange(min(n, heads * d + EXTRA_FIT_ROWS))    # the earliest: the fewest keys to attend
+        heads, n = ref.q.shape[1], ref.q.shape[0]
+        fit_rows = np.arange(min(n, heads * ref.v.shape[2] + EXTRA_FIT_ROWS))    # the earliest: the fewest keys to attend
         causal = lambda r: np.ones(r + 1, bool)
         z = np.stack([ref.attend(r, ref.raw_scores(r, r + 1), causal(r), 1.0) for r in fit_rows])
         out = ref.out[fit_rows].astype(np.float64)

@@ -17,6 +17,7 @@ import numpy as np
 from kvdiff.analysis.attention import span_attention
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
 from kvdiff.analysis.keys import ROTATION
+from kvdiff.analysis.latent import attention_points, attention_rows, value_point
 from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.rope import rotate
 from kvdiff.analysis.tolerance import Tier
@@ -40,30 +41,32 @@ def _k_ok(inputs: DiagnosisInputs, row: int) -> np.ndarray:
     return ok
 
 
-def _first_row(inputs: DiagnosisInputs, row: int, start: int) -> tuple[bool, float] | None:
-    """(the chunk's first row holds the reference's v of position 0 at this layer, its rel), where the
-    chunk starts with the conversation's first token and that row was read from the cache."""
+def _first_row(inputs: DiagnosisInputs, row: int, start: int, point: str) -> tuple[bool, float] | None:
+    """(the chunk's first row holds the reference's v (`point`: v, or the latent) of position 0 at this
+    layer, its rel), where the chunk starts with the conversation's first token and that row was read
+    from the cache."""
     al = inputs.comparison.alignment
     ids = inputs.reference.meta.input_ids
     col = np.searchsorted(al.positions, start)
     if col >= al.positions.size or al.positions[col] != start or al.positions[0] != 0 or not al.kv_only[col] \
             or start >= ids.size or ids[start] != ids[0]:
         return None
-    ref_v, cand_v = inputs.rows(inputs.comparison.layers[row], "v")
+    ref_v, cand_v = inputs.rows(inputs.comparison.layers[row], point)
     metrics = row_metrics(ref_v[:1], cand_v[col:col + 1])
-    return bool(metrics.tiers(inputs.comparison.tolerances.for_point("v"))[0] <= Tier.NOISE), float(metrics.rel[0])
+    return bool(metrics.tiers(inputs.comparison.tolerances.for_point(point))[0] <= Tier.NOISE), float(metrics.rel[0])
 
 
 def diagnose_missing_context_in_cache(inputs: DiagnosisInputs) -> list[Diagnosis]:
     cmp = inputs.comparison
     al = cmp.alignment
-    cached = al.kv_only & al.comparable
-    if not cached.any() or len(cmp.layers) < 2 or not {"q", "k", "v"} <= set(cmp.points):
+    cached, dims = al.kv_only & al.comparable, inputs.reference.meta.dims
+    vp = value_point(dims)
+    if not cached.any() or len(cmp.layers) < 2 or not attention_points(dims) <= set(cmp.points):
         return []
     for row in range(1, len(cmp.layers)):
         k_before, k_now = _k_ok(inputs, row - 1), _k_ok(inputs, row)
-        before_ok = k_before & inputs.ok("v", row - 1)
-        now_bad = inputs.divergent("v", row) | (inputs.divergent("k", row) & ~k_now)
+        before_ok = k_before & inputs.ok(vp, row - 1)
+        now_bad = inputs.divergent(vp, row) | (inputs.divergent("k", row) & ~k_now)
         context_ok = np.logical_and.accumulate(before_ok | ~al.comparable)
         cols = np.flatnonzero(now_bad & before_ok & context_ok & cached)
         if cols.size:
@@ -71,7 +74,10 @@ def diagnose_missing_context_in_cache(inputs: DiagnosisInputs) -> list[Diagnosis
     else:
         return []
     before, layer, positions = cmp.layers[row - 1], cmp.layers[row], al.positions
-    ref_q, ref_k, ref_v = (inputs.rows(before, point)[0] for point in ("q", "k", "v"))
+    qkv = attention_rows(inputs, before)
+    if qkv is None:
+        return []
+    ref_q, ref_k, ref_v = qkv[0]
     out = []
     for chunk, group in group_by_chunk(inputs, positions[cols]):
         gcols = cols[np.isin(positions[cols], group)]
@@ -81,26 +87,26 @@ def diagnose_missing_context_in_cache(inputs: DiagnosisInputs) -> list[Diagnosis
         unattended = (int(positions[0]), span[0] - 1)
         mass, _ = span_attention(ref_q, ref_k, ref_v, positions, gcols, unattended, inputs.reference.meta.dims.attn_scale)
         _, k_rel = inputs.worst("k", row, gcols)
-        _, v_rel = inputs.worst("v", row, gcols)
+        _, v_rel = inputs.worst(vp, row, gcols)
         lo, hi = int(group[0]), int(group[-1])
-        evidence = (f"positions {span_text(lo, hi)}, read from the cache: their k and v match the reference at layer "
+        evidence = (f"positions {span_text(lo, hi)}, read from the cache: their k and {vp} match the reference at layer "
                     f"{before} (k up to RoPE), and so do K/V at every earlier position, but differ at layer "
-                    f"{layer} (k rel {fmt(k_rel)}, v rel {fmt(v_rel)}), so the cached chunk {chunk!r} was computed "
+                    f"{layer} (k rel {fmt(k_rel)}, {vp} rel {fmt(v_rel)}), so the cached chunk {chunk!r} was computed "
                     f"without the reference's context at positions {span_text(*unattended)} (alone, or after other "
                     f"content); at layer {before} the reference puts {fmt(100 * float(mass.mean()))}% of these "
                     f"positions' attention mass there (mean over heads and positions; min {fmt(100 * float(mass.min()))}%)")
-        proof = (f"v at layer {before} within tolerance at positions 0-{hi}, v or k at layer {layer} divergent at "
-                 f"{gcols.size} rows read from the cache (v rel up to {fmt(v_rel)})")
+        proof = (f"{vp} at layer {before} within tolerance at positions 0-{hi}, {vp} or k at layer {layer} divergent "
+                 f"at {gcols.size} rows read from the cache ({vp} rel up to {fmt(v_rel)})")
         confidence = 0.5
-        first = _first_row(inputs, row, span[0])
+        first = _first_row(inputs, row, span[0], vp)
         if first is not None:
             same, rel = first
             confidence = 1.0 if same else 0.25
             note = (f"its first row, position {span[0]} (the conversation's first token again), holds at layer {layer} "
-                    f"the reference's v of position 0 (rel {fmt(rel)}): it attended only itself, as a chunk computed "
+                    f"the reference's {vp} of position 0 (rel {fmt(rel)}): it attended only itself, as a chunk computed "
                     f"alone does" if same else
                     f"its first row, position {span[0]} (the conversation's first token again), does not hold the "
-                    f"reference's v of position 0 at layer {layer} (rel {fmt(rel)}): not computed alone, but after "
+                    f"reference's {vp} of position 0 at layer {layer} (rel {fmt(rel)}): not computed alone, but after "
                     f"other content")
             evidence += "; " + note
             proof += "; " + note

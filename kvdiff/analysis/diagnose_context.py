@@ -28,6 +28,7 @@ from kvdiff.analysis.attention import span_attention
 from kvdiff.analysis.attention_fit import AttentionRows, AttentionTest
 from kvdiff.analysis.attention_verdict import Verdict, explain
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
+from kvdiff.analysis.latent import attention_points, attention_rows, rope_columns, value_point
 from kvdiff.analysis.rope import estimate_positions, rotate
 from kvdiff.analysis.diagnose_cached_context import diagnose_missing_context_in_cache  # noqa: F401 (re-exported)
 
@@ -37,8 +38,9 @@ _NOISE = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-2}     # relative rou
 
 
 def _inputs_match(inputs: DiagnosisInputs, row: int, cols: np.ndarray) -> bool:
-    """q at `cols` and k, v at every comparable position up to the last of them within tolerance."""
-    q_ok, k_ok, v_ok = inputs.ok("q", row), inputs.ok("k", row), inputs.ok("v", row)
+    """q at `cols` and k, v (with latent attention the latent) at every comparable position up to the
+    last of them within tolerance."""
+    q_ok, k_ok, v_ok = inputs.ok("q", row), inputs.ok("k", row), inputs.ok(value_point(inputs.reference.meta.dims), row)
     if q_ok is None or k_ok is None or v_ok is None:
         return False
     upto = np.arange(k_ok.size) <= cols.max()
@@ -62,24 +64,28 @@ def _layer_rows(inputs: DiagnosisInputs) -> tuple[int, np.ndarray] | None:
 def _test(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> list[tuple[AttentionTest, str]] | None:
     """The attention test over `cols` (and, where the candidate's q and k at a row are rotated by
     different offsets from the reference's, the same with q rotated into its keys' frame), or None
-    when the keys are not all recorded (positions 0..last)."""
-    positions = inputs.comparison.alignment.positions
+    when the keys are not all recorded (positions 0..last) or cannot be expanded (attention_rows)."""
+    positions, dims = inputs.comparison.alignment.positions, inputs.reference.meta.dims
     last = int(cols.max())
-    if not {"q", "k", "v"} <= set(inputs.comparison.points) or \
+    if not attention_points(dims) <= set(inputs.comparison.points) or \
             not np.array_equal(positions[:last + 1], np.arange(last + 1)):
         return None
-    scale = inputs.reference.meta.dims.attn_scale        # the model's: a candidate declaring another is tested
-    rows = {p: inputs.rows(layer, p) for p in ("q", "k", "v", "attn_out")}
-    ref, cand = (AttentionRows(*(rows[p][i] for p in ("q", "k", "v", "attn_out")), scale) for i in (0, 1))
+    qkv = attention_rows(inputs, layer)
+    if qkv is None:
+        return None
+    scale = dims.attn_scale        # the model's: a candidate declaring another is tested
+    out = inputs.rows(layer, "attn_out")
+    ref, cand = (AttentionRows(*qkv[i], out[i], scale) for i in (0, 1))
     noise = max(_NOISE.get(t.meta.dtype, 1e-2) for t in (inputs.reference, inputs.candidate))
     test = AttentionTest.build(ref, cand, cols, noise)
     if test is None:
         return None
     tests = [(test, "")]
-    delta = _frame_shift(inputs, rows, test.rows)
+    rope = rope_columns(dims)
+    delta = _frame_shift(inputs, {"q": (ref.q[..., rope], cand.q[..., rope]), "k": inputs.rows(layer, "k")}, test.rows)
     if delta is not None:
         q = cand.q.copy()
-        q[test.rows] = rotate(q[test.rows], delta.astype(np.float64), inputs.thetas)
+        q[test.rows, ..., rope] = rotate(q[test.rows, ..., rope], delta.astype(np.float64), inputs.thetas)
         moved = AttentionRows(q, cand.k, cand.v, cand.out, scale)
         shifts = ", ".join(f"{int(d):+d}" for d in np.unique(delta[delta != 0]))
         tests.append((AttentionTest(ref, moved, test.rows, test.fit),
@@ -89,7 +95,8 @@ def _test(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> list[tuple[A
 
 def _frame_shift(inputs: DiagnosisInputs, rows: dict, cols: np.ndarray) -> np.ndarray | None:
     """Per column, the rotation (in positions) taking the candidate's q into its own k's frame, where
-    both are exact rotations of the reference's and the offsets differ at some column; else None."""
+    both are exact rotations of the reference's and the offsets differ at some column; else None.
+    `rows`: point -> (reference's, candidate's) rows of the columns RoPE rotates."""
     if inputs.thetas is None:
         return None
     horizon = int(inputs.comparison.alignment.positions.max()) + 1
@@ -131,7 +138,7 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
         unattended = h.hidden if h.name == "hidden" else (int(positions[0]), (start[0] if start else lo) - 1)
         if unattended[1] < unattended[0]:
             return None
-        ref_q, ref_k, ref_v = (inputs.rows(layer, p)[0] for p in ("q", "k", "v"))
+        ref_q, ref_k, ref_v = verdict.test.ref.q, verdict.test.ref.k, verdict.test.ref.v
         tested = verdict.test.rows[np.isin(verdict.test.rows, cols)]
         mass, _ = span_attention(ref_q, ref_k, ref_v, positions, tested if tested.size else cols[:1], unattended,
                                  inputs.reference.meta.dims.attn_scale)

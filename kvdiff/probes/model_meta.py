@@ -84,6 +84,16 @@ def norm_modules(model: torch.nn.Module, spec: ProbeSpec) -> dict[tuple[int | No
     return found
 
 
+def latent_weights(model: torch.nn.Module, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """Multi-head latent attention: each of `layers`' kv_b_proj weight viewed per head, (heads,
+    qk_nope_head_dim + v_head_dim, kv_lora_rank); {} for a model without latent attention."""
+    if not _latent(model):
+        return {}
+    heads = model.config.num_attention_heads
+    return {layer: model.model.layers[layer].self_attn.kv_b_proj.weight.view(heads, -1, model.config.kv_lora_rank)
+            for layer in layers}
+
+
 def norm_eps(module: torch.nn.Module) -> float:
     for attr in ("variance_epsilon", "eps", "epsilon"):
         if hasattr(module, attr):

@@ -18,7 +18,7 @@ import torch
 
 from kvdiff.conversation import render_prompt_ids
 from kvdiff.probes.digests import DigestTaker
-from kvdiff.probes.model_meta import build_meta, model_dims, norm_eps, norm_modules
+from kvdiff.probes.model_meta import build_meta, latent_weights, model_dims, norm_eps, norm_modules
 from kvdiff.trace.points import FINAL_NORMS, LAYER_NORMS, READ_POINTS
 from kvdiff.probes.selection import Selection
 from kvdiff.trace.ranges import format_ranges
@@ -115,7 +115,8 @@ class TraceRecorder:
         """A recorder writing a trace of `model` (any path: reference, engine) to `path`.
 
         `input_ids` default to the conversation rendered with the chat template. Norm weights and
-        epsilons are found with `spec` (default: the architecture's built-in spec).
+        epsilons are found with `spec` (default: the architecture's built-in spec); with latent
+        attention, each recorded layer's kv_b_proj is written too where kv_latent is captured.
         `max_new_tokens`, if known, sizes a short trace's file to its rows (`TraceWriter`).
         `trace_mode` "digest": every row of the `capture` points of every layer is digested, and
         `layers` x `positions` is the zoom window of full rows (default: none), with the final
@@ -138,6 +139,9 @@ class TraceRecorder:
                              else max(1, len(selection.positions)))
         for (layer, norm), module in norm_modules(model, spec or default_spec(model)).items():
             writer.write_norm_weight(layer, norm, module.weight, norm_eps(module))
+        if "kv_latent" in selection.points:      # what expands the latents into each head's K and V
+            for layer, weight in latent_weights(model, selection.layers).items():
+                writer.write_latent_weight(layer, weight)
         return cls(writer, dims, selection, top_k, digested)
 
     # -- ProbeSink ---------------------------------------------------------------------------

@@ -317,19 +317,6 @@ def _check_group(path: Path, g: h5py.Group, points: tuple[str, ...], norms: tupl
             _check_rows(path, _dataset(path, stats[norm], stat), (), rows)
 
 
-def _check_norm_weights(path: Path, f: h5py.File, dims: ModelDims) -> None:
-    """norms/<i>/<norm>: 1-D float weights of the norm's width with a finite eps."""
-    norms = _member(path, f, "norms", h5py.Group, required=False)
-    for layer in norms or ():
-        group = _member(path, norms, layer, h5py.Group)
-        for name in group:
-            ds = _dataset(path, group, name)
-            width = dims.head_dim if name in ("q_norm", "k_norm") else dims.hidden_size
-            if ds.dtype.kind != "f" or ds.shape != (width,):
-                raise malformed(path, f"{ds.name} must be a float dataset of shape ({width},)")
-            as_float(path, f"eps of {ds.name}", read_attr(path, ds, "eps"))
-
-
 def _check_steps(path: Path, f: h5py.File, meta: TraceMeta) -> None:
     """steps/: one row per generated token in each field, top-k fields (G, k); step i is numbered i,
     chose generated_ids[i], from the logits of position (prompt length - 1 + i)."""
@@ -479,5 +466,4 @@ def check_layout(path: Path, f: h5py.File, meta: TraceMeta, positions: np.ndarra
     final = _member(path, f, FINAL_GROUP, h5py.Group, required=bool(final_points))
     if final is not None:
         _check_group(path, final, final_points, FINAL_NORMS, dims, rows)
-    _check_norm_weights(path, f, dims)
     _check_provenance(path, f, tokens)

@@ -26,7 +26,6 @@ from kvdiff.trace.sink import ProbeIntegrityError
 from kvdiff.trace.column import LatchingFile, TraceColumn
 from kvdiff.trace.format import (
     DIGEST_GROUP, DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FORMAT_NAME, KV_ONLY_SCHEMA_VERSION, SCHEMA_VERSION, TraceMeta,
-    norm_weight_path,
 )
 
 _CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
@@ -149,9 +148,10 @@ class TraceFile:
             col.write_held()
         self._check_io()
 
-    def put_norm_weight(self, layer: int | None, norm: str, weight: np.ndarray, eps: float, dtype: str) -> None:
-        ds = self._file.create_dataset(norm_weight_path(layer, norm), data=weight)
-        ds.attrs["eps"] = float(eps)
+    def put_weight(self, name: str, weight: np.ndarray, dtype: str, **attrs: float) -> None:
+        """A model weight at `name` (format.norm_weight_path, latent_weight_path), its own dtype and `attrs`."""
+        ds = self._file.create_dataset(name, data=weight)
+        ds.attrs.update(attrs)
         ds.attrs[DTYPE_ATTR] = dtype
         self._check_io()
 

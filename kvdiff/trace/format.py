@@ -213,6 +213,14 @@ def norm_weight_path(layer: int | None, norm: str) -> str:
     return f"norms/{FINAL_GROUP if layer is None else layer}/{norm}"
 
 
+WEIGHTS_GROUP = "weights"
+LATENT_WEIGHT = "kv_b_proj"     # multi-head latent attention: each head's K (without RoPE) and V from the latent
+
+
+def latent_weight_path(layer: int) -> str:
+    return f"{WEIGHTS_GROUP}/{layer}/{LATENT_WEIGHT}"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """'float32' for torch.float32 and so on."""
     return str(dtype).removeprefix("torch.")

@@ -18,9 +18,10 @@ from kvdiff.errors import TraceError
 from kvdiff.trace.checks import as_int, check_layout, check_self_contained, read_attr, read_meta, read_positions
 from kvdiff.trace.format import (
     DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FORMAT_NAME, ProvenanceRecords, StepRecords, digest_path, digest_table_of,
-    digest_tables, from_storage, norm_weight_path, point_group,
+    digest_tables, from_storage, latent_weight_path, norm_weight_path, point_group,
 )
 from kvdiff.trace.digest_checks import check_digests
+from kvdiff.trace.weight_checks import check_weights
 
 
 Rows = slice | np.ndarray | None       # which of a trace's positions to read: a slice or indices into them
@@ -85,6 +86,7 @@ class TraceReader:
             self.meta = read_meta(self.path, self._file)
             self.positions: np.ndarray = read_positions(self.path, self._file)
             check_layout(self.path, self._file, self.meta, self.positions)
+            check_weights(self.path, self._file, self.meta.dims)
             # digest traces: the positions holding digests (a full trace: none)
             self.digest_positions: np.ndarray = check_digests(self.path, self._file, self.meta, self.positions)
             self._datasets: dict[tuple[int | None, str], tuple[h5py.Dataset, str]] = {}
@@ -194,6 +196,13 @@ class TraceReader:
             raise TraceError(f"trace {self.path} holds no weight for norm {norm!r} of layer {layer}")
         ds = self._file[name]
         return self._read(ds), float(ds.attrs["eps"])
+
+    def latent_weight(self, layer: int) -> np.ndarray | None:
+        """Multi-head latent attention: `layer`'s kv_b_proj weight per head, (heads, qk_nope_head_dim +
+        v_head_dim, latent_dim), which expands a latent into each head's K without RoPE and its V; None
+        where the trace holds none (recorded without kv_latent, or by a writer that does not store it)."""
+        name = latent_weight_path(layer)
+        return self._read(self._file[name]) if name in self._file else None
 
     @property
     def steps(self) -> StepRecords:

@@ -44,7 +44,8 @@ from kvdiff.trace.sink import ProbeIntegrityError
 from kvdiff.trace.staging import Stage, StageLayout, host_copy
 from kvdiff.trace.step_batch import StagedForward, StepBatch, put_norm_stats
 from kvdiff.trace.file import Source, Step, TraceFile
-from kvdiff.trace.format import ChunkRecord, TraceMeta, dtype_name, to_storage
+from kvdiff.trace.format import (ChunkRecord, TraceMeta, dtype_name, latent_weight_path, norm_weight_path,
+                                 to_storage)
 
 log = logging.getLogger(__name__)
 
@@ -279,10 +280,18 @@ class TraceWriter:
 
     def write_norm_weight(self, layer: int | None, norm: str, weight: torch.Tensor, eps: float) -> None:
         """A norm's weight (float32, or float64 for a float64 model) and epsilon."""
+        self._write_weight(norm_weight_path(layer, norm), weight, eps=float(eps))
+
+    def write_latent_weight(self, layer: int, weight: torch.Tensor) -> None:
+        """Multi-head latent attention: the layer's kv_b_proj weight per head, (heads, nope + v, latent)
+        (float32, or float64 for a float64 model), which expands a latent into each head's K and V."""
+        self._write_weight(latent_weight_path(layer), weight)
+
+    def _write_weight(self, name: str, weight: torch.Tensor, **attrs: float) -> None:
         w = weight.detach().to("cpu", torch.float64 if weight.dtype == torch.float64 else torch.float32,
                                copy=True).numpy()
         file, dtype = self._file, dtype_name(weight.dtype)
-        self._submit(lambda: file.put_norm_weight(layer, norm, w, eps, dtype), w.nbytes)
+        self._submit(lambda: file.put_weight(name, w, dtype, **attrs), w.nbytes)
 
     # -- steps and provenance ----------------------------------------------------------------
 
