@@ -229,6 +229,7 @@ def assert_isolated_global_is_missing_context(model, tok, name: str, messages: l
     report = result.report.to_json()
     user = next(c for c in report["chunks"] if c["name"] == "user")
     assert result.exit_code == 1 and user["cache"] == ("hit" if warm else "miss")
+    assert report["diagnoses"][report["top_diagnosis"]]["kind"] == "missing_context"
     found = [d for d in report["diagnoses"] if d["kind"] == "missing_context" and d["chunk"] == "user"]
     assert len(found) == 1, report["diagnoses"]
     assert (found[0]["unattended"], found[0]["layer"], bool(found[0].get("cached"))) == \
