@@ -4,11 +4,11 @@ Two pieces, shared by the engine and, through `exact_numerics(model)`, by the re
 
 - `invariant_linear`: rows are padded to fixed-size row tiles and every tile is multiplied
   with the same shape, so a row's bits depend neither on how many rows come with it nor on
-  where in its tile it sits. One matmul per tile (16 rows on CPU; 64 on CUDA in fp32), or on
-  CUDA in bf16/fp16 one batched matmul of 64-row tiles. A plain matmul is not enough: on an
-  AVX-512 CPU (torch 2.13, MKL) rows of a 1536-wide matmul change bits between 32 and 1,177
-  rows, and cuBLAS's batched fp32 form is not row-invariant (benchmarks/gpu_invariance.py
-  measures each GPU form; tests/test_engine_units.py the CPU one).
+  where in its tile it sits. On CUDA one matmul per 64-row tile in fp32, one batched matmul of
+  64-row tiles in bf16/fp16 (cuBLAS's batched fp32 form is not row-invariant:
+  benchmarks/gpu_invariance.py measures each GPU form); on the CPU, batched 16-row tiles or, for
+  a decode step's few rows, one 4-row matmul checked to give the same bits
+  (kvdiff/engine/cpu_linear.py; tests/test_engine_units.py).
 - `exact_attention`: keys are processed in fixed 64-key tiles aligned to sequence position 0,
   with an online softmax in tile order, so a query at position p reads the same tiles with the
   same reduction order whether it is computed in a prefill, a chunked prefill or a decode step
@@ -29,24 +29,16 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from kvdiff.engine.cpu_linear import ROW_TILE as CPU_ROW_TILE, cpu_invariant_matmul, pad_rows
 from kvdiff.errors import KvdiffError
 
 log = logging.getLogger(__name__)
 
-CPU_ROW_TILE = 16      # CPU: fixed row tiles, one batched matmul over them
 CUDA_ROW_TILE = 64     # CUDA: fixed row tiles, one batched matmul (bf16/fp16) or one per tile (fp32)
 KEY_TILE = 64          # attention: keys in tiles of this many positions, aligned to position 0
 QUERY_BLOCK = 128      # CPU attention: query rows per block (a multiple of both row tiles)
 
 EXACT_ATTENTION = "kvdiff_exact"
-
-
-def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """`x` with zero rows appended up to a multiple of `multiple` rows (one device call)."""
-    missing = -x.shape[0] % multiple
-    if not missing:
-        return x
-    return nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, missing))
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,19 +50,14 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         out = nn.functional.linear(x.expand(*x.shape[:-2], CUDA_ROW_TILE, x.shape[-1]), weight)[..., :1, :]
         return out if bias is None else out + bias
     flat = x.reshape(-1, x.shape[-1])
-    rows = flat.shape[0]
-    if flat.is_cuda and flat.dtype != torch.float32:
-        out = nn.functional.linear(_pad_rows(flat, CUDA_ROW_TILE), weight)   # one matmul of whole 64-row tiles
-    elif flat.is_cuda:        # float32 on a GPU: a matmul per tile (the batched form was not invariant there)
+    if not flat.is_cuda:
+        out = cpu_invariant_matmul(flat, weight)
+    elif flat.dtype != torch.float32:      # one matmul of whole 64-row tiles
+        out = nn.functional.linear(pad_rows(flat, CUDA_ROW_TILE), weight)[:flat.shape[0]]
+    else:        # float32 on a GPU: a matmul per tile (the batched form was not invariant there)
         weight_t = weight.t()
-        out = torch.cat([part @ weight_t for part in _pad_rows(flat, CUDA_ROW_TILE).split(CUDA_ROW_TILE)])
-    else:
-        # One batched matmul of 16-row tiles against the same (stride-0) weight: each tile is a
-        # gemm of one shape whatever the number of tiles, so a row's bits do not depend on the
-        # rows beside it; the same bits as a matmul per tile, at about a plain matmul's speed.
-        tiles = _pad_rows(flat, CPU_ROW_TILE).view(-1, CPU_ROW_TILE, flat.shape[-1])
-        out = torch.bmm(tiles, weight.t().unsqueeze(0).expand(tiles.shape[0], -1, -1)).reshape(-1, weight.shape[0])
-    out = out[:rows]
+        out = torch.cat([part @ weight_t for part in pad_rows(flat, CUDA_ROW_TILE).split(CUDA_ROW_TILE)])
+        out = out[:flat.shape[0]]
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,46 @@
+"""Row invariance of exact numerics' CPU linear: a row's bits whatever rows come with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdiff.engine import cpu_linear
+from kvdiff.engine.numerics import invariant_linear
+
+# (out, in) of every linear of the default model (SmolLM2-135M): q/o, k/v, up/gate, down, lm_head
+DEFAULT_MODEL_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
+BATCHES = (1, 2, 17, 100)
+ALL_ROWS = 2000
+
+
+def row_invariance_failures(linear, weight: torch.Tensor, rows: torch.Tensor) -> list[tuple[int, int]]:
+    """(batch size, first row) of every batch of `rows` whose results differ in any bit from the
+    same rows computed in one batch of all of them; batches at the start, end and in between."""
+    whole = linear(rows, weight)
+    failures = []
+    for size in BATCHES:
+        for first in sorted({0, 1, 3, 15, 16, 17, 101, 999, len(rows) - size}):
+            if not torch.equal(linear(rows[first:first + size], weight), whole[first:first + size]):
+                failures.append((size, first))
+    return failures
+
+
+@pytest.mark.parametrize("shape", DEFAULT_MODEL_SHAPES, ids=lambda s: "%dx%d" % s)
+def test_a_row_has_the_same_bits_alone_and_in_any_batch(shape):
+    torch.manual_seed(0)
+    weight = torch.randn(shape)
+    rows = torch.randn(ALL_ROWS, shape[1])
+    assert row_invariance_failures(invariant_linear, weight, rows) == []
+
+
+def test_a_small_form_with_other_bits_is_not_used(monkeypatch):
+    # the first call for a weight finds the small form's bits differ and keeps to the tiles
+    monkeypatch.setattr(cpu_linear, "_CHECK", cpu_linear.SmallRowsCheck())
+    plain = cpu_linear.small_matmul
+    monkeypatch.setattr(cpu_linear, "small_matmul", lambda rows, weight: plain(rows, weight) * (1 + 2 ** -20))
+    torch.manual_seed(0)
+    weight = torch.randn(96, 576)
+    rows = torch.randn(300, 576)
+    assert not cpu_linear._CHECK.agrees(weight)
+    assert row_invariance_failures(invariant_linear, weight, rows) == []
