@@ -5,6 +5,8 @@ expanded with the trace's kv_b_proj) and expert_flip."""
 
 from __future__ import annotations
 
+import copy
+
 import h5py
 import numpy as np
 import pytest
@@ -145,8 +147,9 @@ def test_attention_recomputed_from_the_traced_latents_and_kv_b_proj_is_the_model
             np.testing.assert_allclose(attn.o_proj(torch.from_numpy(z.astype(np.float32))).numpy(), out, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("damage", ["latent width", "no value columns", "layer out of range", "stray member"])
-def test_a_trace_with_a_malformed_kv_b_proj_is_refused(deepseek, damage, tmp_path):
+@pytest.mark.parametrize("damage", ["latent width", "no value columns", "layer out of range", "stray member",
+                                    "router bias width", "uneven expert groups"])
+def test_a_trace_with_a_malformed_kv_b_proj_or_routing_is_refused(deepseek, damage, tmp_path):
     model, tok = deepseek
     path = record(model, tok, MESSAGES, tmp_path / "t.h5", max_new_tokens=1)
     heads, nope = model.config.num_attention_heads, model.config.qk_nope_head_dim
@@ -155,6 +158,11 @@ def test_a_trace_with_a_malformed_kv_b_proj_is_refused(deepseek, damage, tmp_pat
             f.move("weights/1", f"weights/{model.config.num_hidden_layers}")
         elif damage == "stray member":
             f["weights/1/o_proj"] = np.zeros(3, np.float32)
+        elif damage == "router bias width":
+            del f["weights/1/router_bias"]
+            f["weights/1/router_bias"] = np.zeros(7, np.float32)
+        elif damage == "uneven expert groups":
+            f.attrs["expert_groups"] = 3
         else:
             del f["weights/1/kv_b_proj"]
             shape = (heads, nope + 4, 33) if damage == "latent width" else (heads, nope, 32)
@@ -171,3 +179,24 @@ def test_a_moved_router_weight_in_the_engine_is_named_expert_flip(deepseek, tmp_
     (d,) = [d for d in report["diagnoses"] if d["kind"] == "expert_flip"]
     assert (d["layer"], d["positions"][0], d["cause"]) == (layer, int(flipped[0]), "router")
     assert d["candidate_experts"] == moved[flipped[0]].tolist()
+
+
+def test_an_expert_flips_router_margin_is_deepseeks_choice_sigmoid_plus_bias_in_the_best_groups(deepseek, tmp_path):
+    model, tok = deepseek
+    biased, layer = copy.deepcopy(model), model.config.num_hidden_layers - 1
+    with torch.no_grad():
+        for block in biased.model.layers[model.config.first_k_dense_replace:]:
+            block.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=torch.Generator().manual_seed(2)))
+    report, flipped, _ = moved_router_flip(biased, tok, MESSAGES, tmp_path, layer, expert=3)
+    (d,) = [d for d in report["diagnoses"] if d["kind"] == "expert_flip"]
+    gate, k = copy.deepcopy(biased.model.layers[d["layer"]].mlp.gate), model.config.num_experts_per_tok
+    gate.top_k = k + 1                          # the model's own choice, one expert further: the (k+1)-th
+    with open_trace(tmp_path / "ref.h5") as tr, torch.no_grad():
+        assert np.array_equal(tr.router_bias(d["layer"]), gate.e_score_correction_bias.numpy())
+        h = torch.from_numpy(tr.point(d["layer"], "mlp_norm", np.array([d["positions"][0]])))
+        logits, _, chosen = gate(h)
+    choice = (logits.sigmoid() + gate.e_score_correction_bias)[0, chosen[0]].sort(descending=True).values
+    raw = logits[0].sort(descending=True).values
+    assert d["router_margin"] == pytest.approx(float(choice[k - 1] - choice[k]), rel=1e-5)
+    assert d["router_margin"] != pytest.approx(float(raw[k - 1] - raw[k]), rel=1e-2)
+    assert "sigmoid of the logits plus the router's bias" in d["evidence"]

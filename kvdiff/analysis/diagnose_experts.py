@@ -4,9 +4,11 @@ In a mixture-of-experts layer the router scores every expert and only the top k 
 two runs choose different sets of experts for a token, that token's MLP output there comes from
 other weights: the difference is no longer rounding. The first flip in dataflow order (position,
 then layer: a flip only changes later layers and later positions) is named with the experts each
-run chose and the reference router's margin there, the gap between its k-th and (k+1)-th logit:
-the least the logits had to move to swap an expert in or out. A reordering of the same experts
-is not a flip.
+run chose and the reference router's margin there, the gap between the k-th and (k+1)-th of what
+the router ranks to choose: its logits (softmax and top-k keep their order), or with DeepSeek's
+routing each expert's sigmoid score plus the router's bias (the trace's router_bias), within the
+groups the choice keeps (each group scored by its two best experts). A reordering of the same
+experts is not a flip.
 
 What moved the logits is read from the comparison at that cell, and says why it flipped:
 - `near_tie`: the router's input (mlp_norm) and its logits are within tolerance: rounding noise
@@ -23,6 +25,7 @@ import numpy as np
 
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt
 from kvdiff.analysis.tolerance import Tier
+from kvdiff.trace.format import ModelDims
 
 _WHY = {
     "near_tie": "rounding noise larger than the margin flipped a near tie",
@@ -50,10 +53,23 @@ def _flips(inputs: DiagnosisInputs) -> list[tuple[int, np.ndarray]]:
     return out
 
 
-def _margin(logits: np.ndarray, k: int) -> float:
-    """The gap between the k-th and the (k+1)-th largest logit of a row (inf with no (k+1)-th)."""
-    ranked = np.sort(logits.astype(np.float64))[::-1]
-    return float(ranked[k - 1] - ranked[k]) if ranked.size > k else float("inf")
+def _choice_scores(logits: np.ndarray, bias: np.ndarray | None, dims: ModelDims) -> np.ndarray:
+    """What the router ranks to choose, from one row of its logits: the logits; with DeepSeek's routing
+    (and its bias recorded) sigmoid(logits) + bias in the `groups_chosen` best groups, -inf elsewhere."""
+    if not dims.expert_groups or bias is None:
+        return logits
+    scores = 1.0 / (1.0 + np.exp(-logits)) + bias.astype(np.float64)
+    groups = scores.reshape(dims.expert_groups, -1)
+    best = np.argsort(-np.sort(groups, axis=1)[:, -2:].sum(axis=1), kind="stable")[:dims.groups_chosen]
+    kept = np.zeros(dims.expert_groups, bool)
+    kept[best] = True
+    return np.where(np.repeat(kept, groups.shape[1]), scores, -np.inf)
+
+
+def _margin(scores: np.ndarray, k: int) -> float:
+    """The gap between the k-th and the (k+1)-th largest score of a row (inf with no (k+1)-th)."""
+    ranked = np.sort(scores.astype(np.float64))[::-1]
+    return float(ranked[k - 1] - ranked[k]) if ranked.size > k and np.isfinite(ranked[k]) else float("inf")
 
 
 def diagnose_expert_flip(inputs: DiagnosisInputs) -> list[Diagnosis]:
@@ -70,8 +86,11 @@ def diagnose_expert_flip(inputs: DiagnosisInputs) -> list[Diagnosis]:
     position = int(cmp.alignment.positions[col])
     ref_ids, cand_ids = (ids[col].astype(np.int64).tolist() for ids in inputs.rows(layer, "experts"))
     ref_logits, cand_logits = (rows[col].astype(np.float64) for rows in inputs.rows(layer, "router_logits"))
-    k = len(ref_ids)
-    margin, cand_margin = _margin(ref_logits, k), _margin(cand_logits, k)
+    k, dims = len(ref_ids), inputs.reference.meta.dims
+    margin, cand_margin = (_margin(_choice_scores(logits, trace.router_bias(layer), dims), k) for logits, trace in
+                           ((ref_logits, inputs.reference), (cand_logits, inputs.candidate)))
+    ranked = ("the logits" if not dims.expert_groups or inputs.reference.router_bias(layer) is None else
+              "the choice scores (sigmoid of the logits plus the router's bias, within the best groups)")
     moved = float(np.abs(cand_logits - ref_logits).max())
     input_tier, logits_tier = _tier(inputs, "mlp_norm", row, col), _tier(inputs, "router_logits", row, col)
     matching = (Tier.BITWISE.label, Tier.NOISE.label)
@@ -83,7 +102,7 @@ def diagnose_expert_flip(inputs: DiagnosisInputs) -> list[Diagnosis]:
     tokens = np.unique(np.concatenate([cols for _, cols in flips])).size
     evidence = (f"layer {layer}, position {position}" + (f" {token!r}" if token is not None else "")
                 + f": the router chose experts {ref_ids} in the reference and {cand_ids} here; the reference's "
-                f"margin between the logits ranked {k} and {k + 1} was {fmt(margin)} and the router logits moved by up "
+                f"margin between {ranked} ranked {k} and {k + 1} was {fmt(margin)} and the router logits moved by up "
                 f"to {fmt(moved)} (router input mlp_norm {input_tier}, router_logits {logits_tier}): {_WHY[cause]}"
                 f"; {cells} token-layer flip(s) in all, over {tokens} token(s) and {len(flips)} layer(s)")
     proof = (f"expert sets {sorted(ref_ids)} vs {sorted(cand_ids)} at layer {layer}, position {position}; reference "

@@ -26,7 +26,8 @@ def model_dims(model: torch.nn.Module) -> ModelDims:
     scales = [m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")]
     return ModelDims(c.num_hidden_layers, heads, kv_heads, head_dim,
                      c.hidden_size, c.vocab_size, float(scales[0]) if scales else head_dim ** -0.5,
-                     *experts_shape(model), post_norms=int(_post_norms(model)), sinks=int(_sinks(model)), **latent)
+                     *experts_shape(model), post_norms=int(_post_norms(model)), sinks=int(_sinks(model)),
+                     **latent, **_expert_groups(model))
 
 
 def _latent(model: torch.nn.Module) -> bool:
@@ -82,6 +83,26 @@ def norm_modules(model: torch.nn.Module, spec: ProbeSpec) -> dict[tuple[int | No
                     module = NormScale(1.0 + module.weight.detach().float(), norm_eps(module))
                 found[(layer_of(name), norm)] = module
     return found
+
+
+def _expert_groups(model: torch.nn.Module) -> dict[str, int]:
+    """DeepSeek's routing (routers with `num_group`, `topk_group` and `e_score_correction_bias`): the
+    expert groups and how many the choice keeps; {} for any other."""
+    routers = [m for m in model.modules() if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)]
+    if not routers:
+        return {}
+    return dict(expert_groups=int(routers[0].num_group), groups_chosen=int(routers[0].topk_group))
+
+
+def router_biases(model: torch.nn.Module, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """DeepSeek's routing: each of `layers`' e_score_correction_bias (a routed layer's; a dense layer
+    has none), which is added to the sigmoid scores to choose the experts."""
+    out = {}
+    for layer in layers:
+        bias = getattr(getattr(model.model.layers[layer].mlp, "gate", None), "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            out[layer] = bias
+    return out
 
 
 def latent_weights(model: torch.nn.Module, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:

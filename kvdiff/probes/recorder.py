@@ -18,7 +18,7 @@ import torch
 
 from kvdiff.conversation import render_prompt_ids
 from kvdiff.probes.digests import DigestTaker
-from kvdiff.probes.model_meta import build_meta, latent_weights, model_dims, norm_eps, norm_modules
+from kvdiff.probes.model_meta import build_meta, latent_weights, model_dims, norm_eps, norm_modules, router_biases
 from kvdiff.trace.points import FINAL_NORMS, LAYER_NORMS, READ_POINTS
 from kvdiff.probes.selection import Selection
 from kvdiff.trace.ranges import format_ranges
@@ -116,7 +116,8 @@ class TraceRecorder:
 
         `input_ids` default to the conversation rendered with the chat template. Norm weights and
         epsilons are found with `spec` (default: the architecture's built-in spec); with latent
-        attention, each recorded layer's kv_b_proj is written too where kv_latent is captured.
+        attention, each recorded layer's kv_b_proj is written too where kv_latent is captured, and
+        with DeepSeek's routing its router bias where router_logits are.
         `max_new_tokens`, if known, sizes a short trace's file to its rows (`TraceWriter`).
         `trace_mode` "digest": every row of the `capture` points of every layer is digested, and
         `layers` x `positions` is the zoom window of full rows (default: none), with the final
@@ -142,6 +143,9 @@ class TraceRecorder:
         if "kv_latent" in selection.points:      # what expands the latents into each head's K and V
             for layer, weight in latent_weights(model, selection.layers).items():
                 writer.write_latent_weight(layer, weight)
+        if "router_logits" in selection.points:      # what DeepSeek's choice adds to the router's scores
+            for layer, bias in router_biases(model, selection.layers).items():
+                writer.write_router_bias(layer, bias)
         return cls(writer, dims, selection, top_k, digested)
 
     # -- ProbeSink ---------------------------------------------------------------------------

@@ -372,6 +372,19 @@ def _check_provenance(path: Path, f: h5py.File, tokens: int) -> None:
                               f"{tokens} tokens")
 
 
+def _read_expert_groups(path: Path, f: h5py.File, dims: dict) -> None:
+    """expert_groups and groups_chosen (DeepSeek's routing): both 0, or groups that split num_experts
+    evenly, of which groups_chosen hold at least experts_per_token experts."""
+    groups, chosen = (as_int(path, name, read_attr(path, f, name, 0), high=MAX_EXPERTS)
+                      for name in ("expert_groups", "groups_chosen"))
+    if groups or chosen:
+        experts, k = dims["num_experts"], dims["experts_per_token"]
+        if not groups or experts % groups or not 0 < chosen <= groups or chosen * (experts // groups) < k:
+            raise malformed(path, f"expert_groups {groups} and groups_chosen {chosen} must split num_experts {experts} "
+                                  f"evenly and choose groups holding at least experts_per_token {k} experts")
+    dims.update(expert_groups=groups, groups_chosen=chosen)
+
+
 def read_meta(path: Path, f: h5py.File) -> TraceMeta:
     """The root attributes and the id datasets, each checked for its type and range."""
     attr = lambda name: read_attr(path, f, name)
@@ -388,6 +401,7 @@ def read_meta(path: Path, f: h5py.File) -> TraceMeta:
         dims[name] = as_int(path, name, read_attr(path, f, name, 0), high=MAX_DIMS["hidden_size"])
     if dims["experts_per_token"] > dims["num_experts"]:
         raise malformed(path, f"experts_per_token {dims['experts_per_token']} exceeds num_experts {dims['num_experts']}")
+    _read_expert_groups(path, f, dims)
     texts = {name: as_text(path, name, attr(name)) for name in TraceMeta.SCALARS}
     schema = as_int(path, "schema_version", attr("schema_version"), low=1)
     input_ids = read_ints(path, f, "input_ids", dims["vocab_size"])

@@ -72,6 +72,8 @@ class ModelDims:
     latent_dim: int = 0             # multi-head latent attention: the cached latent's width (0: K/V cached)
     rope_dim: int = 0               # multi-head latent attention: the shared RoPE key's width
     sinks: int = 0                  # 1: every layer's attention has per-head sink logits (gpt-oss), else 0
+    expert_groups: int = 0          # DeepSeek's routing: experts in this many groups, chosen by sigmoid score +
+    groups_chosen: int = 0          # bias within the best `groups_chosen` (0: the top k of the logits)
 
     def points(self) -> tuple[str, ...]:
         """The probe points a model of these dims has: the router's only with experts, the post-norms
@@ -217,8 +219,15 @@ WEIGHTS_GROUP = "weights"
 LATENT_WEIGHT = "kv_b_proj"     # multi-head latent attention: each head's K (without RoPE) and V from the latent
 
 
+ROUTER_BIAS = "router_bias"      # DeepSeek's routing: the bias added to each expert's sigmoid score to choose
+
+
 def latent_weight_path(layer: int) -> str:
     return f"{WEIGHTS_GROUP}/{layer}/{LATENT_WEIGHT}"
+
+
+def router_bias_path(layer: int) -> str:
+    return f"{WEIGHTS_GROUP}/{layer}/{ROUTER_BIAS}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -18,7 +18,7 @@ from kvdiff.errors import TraceError
 from kvdiff.trace.checks import as_int, check_layout, check_self_contained, read_attr, read_meta, read_positions
 from kvdiff.trace.format import (
     DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FORMAT_NAME, ProvenanceRecords, StepRecords, digest_path, digest_table_of,
-    digest_tables, from_storage, latent_weight_path, norm_weight_path, point_group,
+    digest_tables, from_storage, latent_weight_path, norm_weight_path, point_group, router_bias_path,
 )
 from kvdiff.trace.digest_checks import check_digests
 from kvdiff.trace.weight_checks import check_weights
@@ -202,6 +202,12 @@ class TraceReader:
         v_head_dim, latent_dim), which expands a latent into each head's K without RoPE and its V; None
         where the trace holds none (recorded without kv_latent, or by a writer that does not store it)."""
         name = latent_weight_path(layer)
+        return self._read(self._file[name]) if name in self._file else None
+
+    def router_bias(self, layer: int) -> np.ndarray | None:
+        """DeepSeek's routing: `layer`'s bias added to the sigmoid scores to choose experts (num_experts,);
+        None where the trace holds none (a dense layer, or router_logits not recorded)."""
+        name = router_bias_path(layer)
         return self._read(self._file[name]) if name in self._file else None
 
     @property

@@ -45,7 +45,7 @@ from kvdiff.trace.staging import Stage, StageLayout, host_copy
 from kvdiff.trace.step_batch import StagedForward, StepBatch, put_norm_stats
 from kvdiff.trace.file import Source, Step, TraceFile
 from kvdiff.trace.format import (ChunkRecord, TraceMeta, dtype_name, latent_weight_path, norm_weight_path,
-                                 to_storage)
+                                 router_bias_path, to_storage)
 
 log = logging.getLogger(__name__)
 
@@ -286,6 +286,11 @@ class TraceWriter:
         """Multi-head latent attention: the layer's kv_b_proj weight per head, (heads, nope + v, latent)
         (float32, or float64 for a float64 model), which expands a latent into each head's K and V."""
         self._write_weight(latent_weight_path(layer), weight)
+
+    def write_router_bias(self, layer: int, bias: torch.Tensor) -> None:
+        """DeepSeek's routing: the layer's e_score_correction_bias (num_experts,), added to the sigmoid
+        scores to choose the experts."""
+        self._write_weight(router_bias_path(layer), bias)
 
     def _write_weight(self, name: str, weight: torch.Tensor, **attrs: float) -> None:
         w = weight.detach().to("cpu", torch.float64 if weight.dtype == torch.float64 else torch.float32,
