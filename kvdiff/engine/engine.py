@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Mapping, Sequence
@@ -11,6 +10,7 @@ import torch
 
 from kvdiff.engine.adapters import get_adapter
 from kvdiff.engine.chunks import ChunkedPrompt, split_conversation
+from kvdiff.engine.fast_decode import fast_row_linears
 from kvdiff.conversation import Messages, check_fits
 from kvdiff.engine.kv_cache import BLOCK_SIZE, BlockPool, BlockTable
 from kvdiff.engine.latent_cache import LatentPool
@@ -111,7 +111,7 @@ class Engine:
                    for c in conversations]
         for i, p in enumerate(prompts):
             self.check_fits(p, max_new_tokens, f"request {i}: ")
-        numerics = exact_numerics(self.model) if self.numerics is Numerics.EXACT else contextlib.nullcontext()
+        numerics = exact_numerics(self.model) if self.numerics is Numerics.EXACT else fast_row_linears(self.model)
         requests = [Request(i, p, BlockTable(self.pool), sinks.get(i)) for i, p in enumerate(prompts)]
         planner = Planner(self.registry, self.strategy, self.fingerprint)
         start = time.perf_counter()
