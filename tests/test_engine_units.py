@@ -12,6 +12,7 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 import kvdiff
 from kvdiff.engine import Engine
 from kvdiff.engine.cascade import merge_states, partial_attention
+from kvdiff.engine.cascade import with_sinks as with_sinks_of
 from kvdiff.engine.chunks import split_conversation
 from kvdiff.engine.kv_cache import BlockPool, BlockTable, OutOfBlocks
 from kvdiff.engine.numerics import CPU_ROW_TILE, exact_attention, exact_numerics, invariant_linear
@@ -292,6 +293,33 @@ def test_paged_decode_attends_each_row_to_its_own_slots():
         idx = torch.from_numpy(slots)
         want, _ = partial_attention(q[i][None, None], pool.k[0][idx][None], pool.v[0][idx][None], None, 0.25)
         torch.testing.assert_close(out[i], want[0, 0])
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_paged_decode_gathers_keys_every_row_shares_once_and_attends_as_each_row_alone(with_sinks, monkeypatch):
+    torch.manual_seed(1)
+    pool = BlockPool(1, 2, 16, num_blocks=40, dtype=torch.float32, device=torch.device("cpu"))
+    pool.k[0].normal_()
+    pool.v[0].normal_()
+    order = torch.randperm(40 * 16).numpy()
+    head = order[:50]                               # a cached chunk every row reads first
+    key_slots = [np.concatenate([head, order[100 + i * 40:100 + i * 40 + n]]) for i, n in enumerate((1, 9, 30))]
+    q = torch.randn(3, 4, 16)
+    sinks = torch.randn(4) if with_sinks else None
+    plan = PagedDecode.build(key_slots, torch.device("cpu"))
+    assert plan.shared == 50
+    read = []
+    monkeypatch.setattr(pool, "read", lambda layer, slots, real=pool.read: read.append(slots.numel()) or real(layer, slots))
+    out = plan.attend(pool, 0, q, 0.25, sinks)
+    assert read[0] == 50 and sum(read) == 50 + 3 * 30      # the shared keys once, then each row's own (padded)
+    for i, slots in enumerate(key_slots):
+        idx = torch.from_numpy(slots)
+        o, lse = partial_attention(q[i][None, None], pool.k[0][idx][None], pool.v[0][idx][None], None, 0.25)
+        want = o[0, 0] if sinks is None else with_sinks_of(o[0], lse[0], sinks)[0]
+        torch.testing.assert_close(out[i], want)
+    assert PagedDecode.build([key_slots[0]], torch.device("cpu")).shared == 0            # one row: no cascade
+    assert PagedDecode.build([s[10:] for s in key_slots], torch.device("cpu")).shared == 40
+    assert PagedDecode.build([s[30:] for s in key_slots], torch.device("cpu")).shared == 0   # 20 < MIN_SHARED
 
 
 # --- exact numerics ---------------------------------------------------------------------------

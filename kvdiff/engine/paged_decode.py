@@ -5,7 +5,9 @@ order, padded), built on the host from the block tables and copied to the device
 On CUDA one Triton kernel per layer reads the keys straight from the paged pool
 (`kvdiff/engine/paged_kernel.py`); elsewhere the keys are gathered and attended with SDPA. A
 decode step therefore costs the same few device calls per layer for one request or for 32,
-with or without a shared system chunk (no cascade: each row reads the shared pages itself).
+with or without a shared system chunk. Gathering is what costs on the host: there, keys every
+row shares (the same slots at the head of every row's list: a cached system chunk) are gathered
+once and attended by all rows together, then merged with each row's own keys (a cascade).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvdiff.engine.cascade import partial_attention, single_attention, with_sinks
+from kvdiff.engine.cascade import merge_states, partial_attention, single_attention, with_sinks
 from kvdiff.engine.kv_cache import BlockPool
+
+MIN_SHARED = 32     # shared keys worth a cascade on the host
 
 
 @dataclass
@@ -26,6 +30,7 @@ class PagedDecode:
     table: torch.Tensor      # (G, Lmax) int64: row i's keys are table[i, :lengths[i]]
     lengths: torch.Tensor    # (G,) int64
     new_slots: torch.Tensor  # (G,) int64: each row's own slot, its last key, where its K/V go
+    shared: int = 0          # the first `shared` slots are every row's (0: fewer than MIN_SHARED, or one row)
 
     @classmethod
     def build(cls, key_slots: list[np.ndarray], device: torch.device) -> "PagedDecode":
@@ -38,13 +43,13 @@ class PagedDecode:
             packed[i, 1] = slots[-1]
             packed[i, 2:2 + slots.shape[0]] = slots
         on_device = torch.from_numpy(packed).to(device)
-        return cls(on_device[:, 2:], on_device[:, 0], on_device[:, 1])
+        return cls(on_device[:, 2:], on_device[:, 0], on_device[:, 1], _shared_head(key_slots))
 
     def to(self, device: torch.device) -> "PagedDecode":
         """The table on another device (a model split across GPUs)."""
         if self.table.device == device:
             return self
-        return PagedDecode(self.table.to(device), self.lengths.to(device), self.new_slots.to(device))
+        return PagedDecode(self.table.to(device), self.lengths.to(device), self.new_slots.to(device), self.shared)
 
     def attend(self, pool: BlockPool, layer: int, q: torch.Tensor, scale: float,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,6 +61,8 @@ class PagedDecode:
 
             if paged_kernel.available:
                 return paged_kernel.paged_decode(q, k_pool, v_pool, self.table, self.lengths, scale, sinks)
+        if self.shared:
+            return self._cascade(pool, layer, q, scale, sinks)
         G, width = self.table.shape
         k, v = pool.read(layer, self.table.reshape(-1))
         k, v = k.view(G, width, *k.shape[1:]), v.view(G, width, *v.shape[1:])
@@ -64,3 +71,31 @@ class PagedDecode:
             return single_attention(q.unsqueeze(1), k, v, visible, scale).squeeze(1)
         o, lse = partial_attention(q.unsqueeze(1), k, v, visible, scale)
         return with_sinks(o.squeeze(1), lse.squeeze(1), sinks).to(q.dtype)
+
+    def _cascade(self, pool: BlockPool, layer: int, q: torch.Tensor, scale: float,
+                 sinks: torch.Tensor | None) -> torch.Tensor:
+        """`attend` with the shared keys gathered once: every row against them (they are all
+        earlier than every row), each row against its own rest, the two states merged."""
+        P = self.shared
+        k, v = pool.read(layer, self.table[0, :P])
+        o_shared, lse_shared = partial_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, scale)
+        G, width = self.table.shape
+        k, v = pool.read(layer, self.table[:, P:].reshape(-1))
+        k, v = k.view(G, width - P, *k.shape[1:]), v.view(G, width - P, *v.shape[1:])
+        visible = (torch.arange(width - P, device=q.device) < (self.lengths - P).unsqueeze(1)).unsqueeze(1)
+        o_own, lse_own = partial_attention(q.unsqueeze(1), k, v, visible, scale)
+        o, lse = merge_states(o_shared[0], lse_shared[0], o_own[:, 0], lse_own[:, 0])
+        return (o if sinks is None else with_sinks(o, lse, sinks)).to(q.dtype)
+
+
+def _shared_head(key_slots: list[np.ndarray]) -> int:
+    """How many leading slots every row's list holds alike; 0 below MIN_SHARED or for one row."""
+    if len(key_slots) < 2:
+        return 0
+    n = min(s.shape[0] for s in key_slots) - 1          # each row's last key is its own
+    if n < MIN_SHARED:
+        return 0
+    heads = np.stack([s[:n] for s in key_slots])
+    differs = np.flatnonzero((heads != heads[0]).any(0))
+    shared = int(differs[0]) if differs.size else n
+    return shared if shared >= MIN_SHARED else 0
