@@ -35,6 +35,15 @@ class _RepeatPlan:
     tables: list[tuple[str, str, slice]]      # hash dataset, stats dataset, the table's columns in `order`
 
 
+def changed_in_place(point: str, layer: int | None) -> ProbeIntegrityError:
+    """The error for a capture the model changed in place before its forward ended, after a
+    forward where it did not, so that it was kept by reference: its digest would not be of the
+    rows the model computed."""
+    return ProbeIntegrityError(f"the model changed the captured rows of {point!r} at layer {layer} in place before "
+                               "its forward ended, after a forward where it did not: the trace was dropped; leave "
+                               "that point out of the capture to record this model")
+
+
 class DigestTaker:
     """Hashes the captures of each forward and writes their digests: `take` per capture,
     `end_forward` once the forward is over (before the writer commits it). A point of a table
@@ -95,8 +104,8 @@ class DigestTaker:
         device = digests[0][0].device
         hashes = torch.cat([h for h, _ in digests] + [torch.zeros(1, dtype=torch.int64, device=device)])
         stats = torch.cat([s for _, s in digests] + [torch.full((1, len(DIGEST_STATS)), float("nan"), device=device)])
-        if any(p == position for p, _, _ in self._pending[-1:]) or len(self._pending) >= PENDING_STEPS:
-            self.flush()
+        if (self._pending and position <= self._pending[-1][0]) or len(self._pending) >= PENDING_STEPS:
+            self.flush()        # one write holds increasing positions: a later row still replaces an earlier one
         self._pending.append((position, hashes[plan.order], stats[plan.order]))
         return True
 
@@ -138,9 +147,7 @@ class DigestTaker:
             if rows._version == version:
                 continue
             if not learning:
-                raise ProbeIntegrityError(f"the model changed the captured rows of {point!r} at layer {layer} in "
-                                          "place before its forward ended, after a forward where it did not: their "
-                                          "digest is not of the rows it computed; leave that point out of the capture")
+                raise changed_in_place(point, layer)
             self._cloned.add((point, layer))
         self._watched = []
         batched = self._batch.digests() if len(self._batch) else []

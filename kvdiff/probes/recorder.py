@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvdiff.conversation import render_prompt_ids
-from kvdiff.probes.digests import DigestTaker
+from kvdiff.probes.digests import DigestTaker, changed_in_place
 from kvdiff.probes.model_meta import build_meta, latent_weights, model_dims, norm_eps, norm_modules, router_biases
 from kvdiff.trace.points import FINAL_NORMS, LAYER_NORMS, READ_POINTS
 from kvdiff.probes.selection import Selection
@@ -53,11 +53,16 @@ class _Repeat:
     digest_sizes: list[int]                     # and their sizes
 
 
+def _owners(fired: list[tuple[str, int | None]]) -> list[tuple[str, int | None]]:
+    """Each logged tensor's (point, layer), for captures logged in `fired` order: a norm logs two."""
+    return [key for key in fired for _ in range(2 if key[0].startswith("stats:") else 1)]
+
+
 def _repeat_of(reads_only: bool, fired: list[tuple[str, int | None]], staged: StageLayout | None,
                sizes: Callable[[tuple[str, int | None]], int] | None) -> _Repeat:
     """The layout of a complete one-position forward; `sizes` (a digested point's row size) in a
     digest trace."""
-    owners = [key for key in fired for _ in range(2 if key[0].startswith("stats:") else 1)]
+    owners = _owners(fired)
     digested = [] if sizes is None else [i for i, key in enumerate(owners) if not key[0].startswith("stats:")]
     return _Repeat(reads_only, fired, staged, owners, digested, [sizes(owners[i]) for i in digested])
 
@@ -321,8 +326,7 @@ class TraceRecorder:
         logged, log, versions = self._logged, self._log, self._log_versions
         self._logging, self._logged, self._log, self._log_versions = None, [], [], []
         same = logged == repeat.fired
-        owners = repeat.owners if same else [key for key in logged
-                                             for _ in range(2 if key[0].startswith("stats:") else 1)]
+        owners = repeat.owners if same else _owners(logged)
         if not self._fired and same and (
                 [rows.numel() for rows in log] == repeat.staged.numels if self._digests is None else
                 [log[i].numel() for i in repeat.digested] == repeat.digest_sizes):
@@ -357,11 +361,7 @@ class TraceRecorder:
         changed = [i for i in repeat.digested if versions[i] is not None and log[i]._version != versions[i]]
         if changed:
             self.writer.abort()
-            point, layer = repeat.owners[changed[0]]
-            raise ProbeIntegrityError(
-                f"the model changed the captured rows of {point!r} at layer {layer} in place before its forward "
-                "ended, after a forward where it did not: the trace was dropped; leave that point out of the "
-                "capture to record this model")
+            raise changed_in_place(*repeat.owners[changed[0]])
         keys, rows = [repeat.owners[i] for i in repeat.digested], [log[i] for i in repeat.digested]
         if not self._digests.take_repeat(keys, rows, int(positions[0])):
             for key, captured in zip(keys, rows):

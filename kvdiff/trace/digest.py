@@ -25,13 +25,12 @@ import functools
 import torch
 
 DIGEST_STATS = ("rms", "max_abs")
-_WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GOLDEN = -7046029254386353131          # 0x9E3779B97F4A7C15 as int64
 _MIX1, _MIX2 = -4658895280553007687, -7723592293110705685    # splitmix64's constants as int64
 _multipliers: dict[tuple[int, torch.device], torch.Tensor] = {}
 BLOCK_ELEMENTS = 1 << 24          # rows hashed together on a GPU
-HOST_BLOCK_ELEMENTS = 1 << 18
-CANONICAL_NAN = 0x7FC00000        # the bits a widened 16-bit NaN hashes as     # on the host: temporaries that stay in cache and in the heap
+HOST_BLOCK_ELEMENTS = 1 << 18     # on the host: temporaries that stay in cache and in the heap
+CANONICAL_NAN = 0x7FC00000        # the bits a widened 16-bit NaN hashes as
 ROW_HASH = "le-words64-splitmix"      # the /digests group's `row_hash`: how its rows were hashed
 
 
