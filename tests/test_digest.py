@@ -16,9 +16,8 @@ from kvdiff.run.compare import compare
 from kvdiff.run.zoom import repeat_findings
 from kvdiff.trace import open_trace
 from kvdiff.trace.digest import DigestBatch, row_digests
-from tests.conftest import SEED_PROMPT, SEED_SYSTEM
+from tests.conftest import SEED_MESSAGES as SEEDS, SEED_PROMPT, SEED_SYSTEM
 
-SEEDS = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
 STRATEGIES = ("none", "prefix", "isolated-local", "isolated-global", "rerotate", "blend")
 
 
@@ -36,7 +35,7 @@ def test_a_hash_tells_one_flipped_bit_and_does_not_depend_on_the_batch(monkeypat
     batch.add(rows[:2]), batch.add(torch.randn(3, 5)), batch.add(rows[2:])
     together = batch.digests()
     assert torch.equal(torch.cat([together[0][0], together[2][0]]), hashes)
-    monkeypatch.setattr("kvdiff.trace.digest.BLOCK_ELEMENTS", 100)       # hashed a few rows at a time: the same
+    monkeypatch.setattr("kvdiff.trace.digest.HOST_BLOCK_ELEMENTS", 100)  # hashed a few rows at a time: the same
     blocked = row_digests(rows)
     assert torch.equal(blocked[0], hashes) and torch.equal(blocked[1], stats)
     bf16 = rows.to(torch.bfloat16)
