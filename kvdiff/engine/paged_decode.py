@@ -63,10 +63,7 @@ class PagedDecode:
                 return paged_kernel.paged_decode(q, k_pool, v_pool, self.table, self.lengths, scale, sinks)
         if self.shared:
             return self._cascade(pool, layer, q, scale, sinks)
-        G, width = self.table.shape
-        k, v = pool.read(layer, self.table.reshape(-1))
-        k, v = k.view(G, width, *k.shape[1:]), v.view(G, width, *v.shape[1:])
-        visible = (torch.arange(width, device=q.device) < self.lengths.unsqueeze(1)).unsqueeze(1)
+        k, v, visible = self._gathered(pool, layer, 0)
         if sinks is None:
             return single_attention(q.unsqueeze(1), k, v, visible, scale).squeeze(1)
         o, lse = partial_attention(q.unsqueeze(1), k, v, visible, scale)
@@ -79,13 +76,19 @@ class PagedDecode:
         P = self.shared
         k, v = pool.read(layer, self.table[0, :P])
         o_shared, lse_shared = partial_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, scale)
-        G, width = self.table.shape
-        k, v = pool.read(layer, self.table[:, P:].reshape(-1))
-        k, v = k.view(G, width - P, *k.shape[1:]), v.view(G, width - P, *v.shape[1:])
-        visible = (torch.arange(width - P, device=q.device) < (self.lengths - P).unsqueeze(1)).unsqueeze(1)
+        k, v, visible = self._gathered(pool, layer, P)
         o_own, lse_own = partial_attention(q.unsqueeze(1), k, v, visible, scale)
         o, lse = merge_states(o_shared[0], lse_shared[0], o_own[:, 0], lse_own[:, 0])
         return (o if sinks is None else with_sinks(o, lse, sinks)).to(q.dtype)
+
+    def _gathered(self, pool: BlockPool, layer: int, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's keys and values from table column `first` on, (G, width - first, KVH, D),
+        and which of them it sees (G, 1, width - first): those within its length."""
+        G, width = self.table.shape
+        k, v = pool.read(layer, self.table[:, first:].reshape(-1))
+        k, v = k.view(G, width - first, *k.shape[1:]), v.view(G, width - first, *v.shape[1:])
+        visible = torch.arange(width - first, device=self.table.device) < (self.lengths - first).unsqueeze(1)
+        return k, v, visible.unsqueeze(1)
 
 
 def _shared_head(key_slots: list[np.ndarray]) -> int:
