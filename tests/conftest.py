@@ -18,6 +18,9 @@ import kvdiff
 
 SEED_SYSTEM = "You are a helpful assistant. Always answer in French."
 SEED_PROMPT = "What is the capital of France?"
+SEED_MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
+SHARING_SYSTEM = [{"role": "system", "content": SEED_SYSTEM},       # another request with the seeds' system prompt
+                  {"role": "user", "content": "La capitale de la France est Paris."}]
 TRIM_ABOVE = 1 << 30        # resident bytes from which a test's freed heap is given back
 
 

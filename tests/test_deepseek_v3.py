@@ -28,11 +28,11 @@ from kvdiff.trace import open_trace
 from kvdiff.trace.format import DENSE_EXPERT
 from kvdiff.trace.points import MOE_POINTS
 
-from conftest import (SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_isolated_global_is_missing_context,
+from conftest import (SEED_MESSAGES, SHARING_SYSTEM, assert_every_strategy_runs, assert_isolated_global_is_missing_context,
                       assert_isolated_local_is_a_position_mismatch, moved_router_flip, prefix_exact_run)
 
-MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
-OTHER = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": "La capitale de la France est Paris."}]
+MESSAGES = SEED_MESSAGES
+OTHER = SHARING_SYSTEM
 
 
 @pytest.fixture(scope="module")

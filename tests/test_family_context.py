@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import SEED_PROMPT, SEED_SYSTEM
+from conftest import SEED_MESSAGES
 from kvdiff.run.compare import compare
 
-MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
+MESSAGES = SEED_MESSAGES
 
 
 @pytest.mark.parametrize("family", ["tiny-gemma3", "tiny-gpt-oss", "tiny-qwen3-moe"])

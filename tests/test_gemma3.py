@@ -20,10 +20,10 @@ from kvdiff.run.record import record
 from kvdiff.trace import open_trace
 from kvdiff.trace.points import MOE_POINTS, POST_NORM_POINTS
 
-from conftest import SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_isolated_local_is_a_position_mismatch, prefix_exact_run
+from conftest import SEED_MESSAGES, SHARING_SYSTEM, assert_every_strategy_runs, assert_isolated_local_is_a_position_mismatch, prefix_exact_run
 
-MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
-OTHER = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": "La capitale de la France est Paris."}]
+MESSAGES = SEED_MESSAGES
+OTHER = SHARING_SYSTEM
 
 
 @pytest.fixture(scope="module")

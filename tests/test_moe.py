@@ -21,11 +21,11 @@ from kvdiff.trace import open_trace
 from kvdiff.trace.format import DENSE_EXPERT
 from kvdiff.trace.points import ALL_POINTS, MOE_POINTS
 
-from conftest import (SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_isolated_local_is_a_position_mismatch,
+from conftest import (SEED_MESSAGES, SHARING_SYSTEM, assert_every_strategy_runs, assert_isolated_local_is_a_position_mismatch,
                       assert_prefix_exact_rows_are_the_forwards, moved_router_flip, planted_flip, prefix_exact_run)
 
-MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
-OTHER = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": "La capitale de la France est Paris."}]
+MESSAGES = SEED_MESSAGES
+OTHER = SHARING_SYSTEM
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ from kvdiff.trace.sink import ProbeIntegrityError
 from kvdiff.probes.spec import LLAMA_SPEC, ProbeRule, ProbeSpec
 from kvdiff.trace import TraceWriter, open_trace
 
-from conftest import SEED_PROMPT, SEED_SYSTEM
+from conftest import SEED_MESSAGES
 
-MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_PROMPT}]
+MESSAGES = SEED_MESSAGES
 
 
 class KeepingRecorder(TraceRecorder):

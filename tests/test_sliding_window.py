@@ -22,12 +22,12 @@ from kvdiff.engine.tiny import build_tiny_model
 from kvdiff.options import Strategy
 from kvdiff.run.compare import compare
 
-from conftest import SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_reference_is_transformers_generation
+from conftest import SHARING_SYSTEM, SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_reference_is_transformers_generation
 
 WINDOW = 32
 LONG_USER = SEED_PROMPT + " The quick brown fox jumps over the lazy dog, and the key and value cache of a system prompt." * 5
 MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": LONG_USER}]
-OTHER = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": "La capitale de la France est Paris."}]
+OTHER = SHARING_SYSTEM
 NAME = "tiny-gemma3-window32"
 KEY = (NAME, "float32", "cpu", None)
 
