@@ -91,6 +91,21 @@ class ModelRunner:
         ropes = {kind: a.rope(x, encoded, kind) for kind in a.rope_kinds}
         probes = _Probes(groups, spans, positions)
         probes.begin()
+        x = self.layers(x, ropes, attention, write_slots, write_rows if not writes_all else None, read, probes,
+                        num_layers)
+        logits = self._final(x, groups, spans, probes) if num_layers is None else [None] * len(groups)
+        probes.end()
+        return logits
+
+    def layers(self, x: torch.Tensor, ropes: dict, attention: ForwardAttention, write_slots: torch.Tensor,
+               write_rows: torch.Tensor | None, read_slots: torch.Tensor, probes: "_Probes",
+               num_layers: int | None = None) -> torch.Tensor:
+        """The decoder layers over embedded rows x: each writes the K/V of rows `write_rows` (None:
+        every row) to `write_slots`, attends by `attention`, and shows probes the K/V at each row's
+        `read_slots`. Makes no host-to-device copy and
+        reads nothing back when no probe records, so a decode step can run it inside a CUDA graph
+        (decode_graph.py)."""
+        a = self.adapter
         layers = a.layers[: num_layers or len(a.layers)]
         for i, layer in enumerate(layers):
             if x.device != layer.device:   # a model split across GPUs: follow its layers
@@ -108,7 +123,7 @@ class ModelRunner:
             probes.capture("k_pre_rope", i, k)
             q = a.rotate_q(q, cos, sin)
             k = apply_rope(k, cos, sin)
-            if writes_all:
+            if write_rows is None:
                 self.pool.write(i, write_slots, k, v)
             elif write_rows.numel():
                 self.pool.write(i, write_slots, k[write_rows], v[write_rows])
@@ -117,7 +132,7 @@ class ModelRunner:
                 probes.capture("attn_sinks", i, layer.sinks.detach().expand(q.shape[0], -1))
             probes.capture("q", i, q)
             if probes.active and (probes.wants("k", i) or probes.wants(a.value_point, i)):
-                kr, vr = self.pool.rows(i, read)
+                kr, vr = self.pool.rows(i, read_slots)
                 probes.capture("k", i, kr)
                 probes.capture(a.value_point, i, vr)
             attn_out = layer.o_proj(o.reshape(o.shape[0], -1))
@@ -135,9 +150,7 @@ class ModelRunner:
                 m = self._post_norm("mlp_post_norm", i, layer.mlp_post_norm, m, probes)
             x = x + m
             probes.capture("resid_post", i, x)
-        logits = self._final(x, groups, spans, probes) if num_layers is None else [None] * len(groups)
-        probes.end()
-        return logits
+        return x
 
     @staticmethod
     def _post_norm(point: str, i: int, norm, rows: torch.Tensor, probes: "_Probes") -> torch.Tensor:
