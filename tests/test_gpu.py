@@ -207,3 +207,52 @@ def test_probes_and_diff_work_on_a_split_model(bf16_folder, tmp_path):
                     max_new_tokens=NEW, dtype="bfloat16", device_map="balanced", out=tmp_path / "local")
     user = [d for d in local.report.to_json()["diagnoses"] if d["kind"] == "position_mismatch" and d["chunk"] == "user"]
     assert user and user[0]["offset"] == -16
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4])
+def test_decode_graphs_replay_the_eager_decode(gpu_model, batch):
+    """Each graphed decode step against the eager step on the same rows: the same bits where the
+    batch fills its bucket (the same kernels on the same shapes), close logits with padding rows."""
+    from kvdiff.engine.decode_graph import BUCKETS
+
+    dtype, model, tok = gpu_model
+    eng = Engine(model, tok, strategy="prefix")
+    replay, sizes = eng.graphs.forward, []
+
+    def both(groups):
+        got = torch.stack(replay(groups)).clone()
+        want = torch.stack(eng._forward(groups))
+        sizes.append(len(groups))
+        if len(groups) in BUCKETS:
+            assert torch.equal(got, want)
+        tol = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 5e-2}[dtype]
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        return list(got)
+
+    eng.graphs.forward = both
+    eng.generate(SUITE[:batch], max_new_tokens=12)
+    assert sizes and sizes[0] == batch
+    assert max(eng.graphs.graphs) == {1: 1, 3: 4, 4: 4}[batch]
+
+
+def test_decode_graphs_follow_sliding_windows_past_their_end():
+    from kvdiff.engine.tiny import build_tiny_model
+
+    model, tok = build_tiny_model("tiny-gemma3", sliding_window=32)
+    model = model.to("cuda")
+    convs = SUITE[:4]
+    got = [o.token_ids for o in Engine(model, tok).generate(convs, max_new_tokens=40)]
+    want = [o.token_ids for o in Engine(model, tok, cuda_graphs=False).generate(convs, max_new_tokens=40)]
+    assert got == want
+
+
+def test_a_probed_run_decodes_eagerly(bf16_folder, tmp_path, monkeypatch):
+    from kvdiff.engine.decode_graph import DecodeGraphs
+
+    def refuse(self, groups):
+        raise AssertionError("a probed decode step replayed a graph")
+
+    monkeypatch.setattr(DecodeGraphs, "forward", refuse)
+    result = compare(SUITE[0], model=str(bf16_folder), strategy="prefix", numerics="fast",
+                     max_new_tokens=NEW, dtype="bfloat16", device="cuda", out=tmp_path / "run")
+    assert result.report.to_json()["tokens_identical"] is not None

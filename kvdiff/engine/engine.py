@@ -10,6 +10,7 @@ import torch
 
 from kvdiff.engine.adapters import get_adapter
 from kvdiff.engine.chunks import ChunkedPrompt, split_conversation
+from kvdiff.engine.decode_graph import DecodeGraphs, graphs_apply
 from kvdiff.engine.fast_decode import fast_row_linears
 from kvdiff.conversation import Messages, check_fits
 from kvdiff.engine.kv_cache import BLOCK_SIZE, BlockPool, BlockTable
@@ -45,6 +46,8 @@ class Engine:
     """Chunked generation with a chunk registry over one transformers model.
 
     Greedy by default; `temperature > 0` samples (seeded by `seed`) with optional top-k / top-p.
+    On a GPU, fast-numerics decode steps replay CUDA graphs (decode_graph.py) unless
+    `cuda_graphs=False` or a probe records them.
     """
 
     def __init__(self, model, tokenizer, strategy: Strategy | str = Strategy.PREFIX,
@@ -52,7 +55,7 @@ class Engine:
                  chunk_size: int | None = None, recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
                  kv_budget_bytes: int | None = None, allow_boundary_mismatch: bool = False,
                  seed: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 block_size: int = BLOCK_SIZE):
+                 block_size: int = BLOCK_SIZE, cuda_graphs: bool = True):
         # A public entry point: names from Python callers are parsed here, once.
         strategy, numerics = Strategy.parse(strategy), Numerics.parse(numerics)
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
@@ -82,6 +85,7 @@ class Engine:
                                   dtype, device, block_size, layer_devices=devices)
         self.registry = ChunkRegistry(self.pool, per_block, kv_budget_bytes)
         self.runner = ModelRunner(a, self.pool, exact=numerics is Numerics.EXACT)
+        self.graphs = DecodeGraphs(self.runner) if cuda_graphs and graphs_apply(self.runner) else None
         self.fingerprint = model_fingerprint(model)
         self.stops = stop_token_ids(model, tokenizer)
         self._forwards = 0
@@ -237,7 +241,16 @@ class Engine:
             return [self._sample(r.logits) for r in requests]
         return torch.stack([r.logits for r in requests]).argmax(-1).tolist() if requests else []
 
+    def _decode_forward(self, groups: list[RowGroup]) -> list[torch.Tensor | None]:
+        """A decode forward: a graph's replay where one applies, else the eager forward."""
+        if self.graphs is not None and self.graphs.takes(groups):
+            self._forwards += 1
+            return self.graphs.forward(groups)
+        return self._forward(groups)
+
     def _decode(self, requests: list[Request], max_new_tokens: int, start: float) -> None:
+        if self.graphs is not None and any(r.sink is not None for r in requests):
+            log.info("probed requests decode without CUDA graphs (a graphed step cannot call the probes)")
         step = 0
         while True:
             active = []
@@ -266,7 +279,7 @@ class Engine:
                                        list(r.table.segments), 0, True, r.sink,
                                        [([pos], Provenance("decode", fid, [pos], False))],
                                        key_slots=r.table.host_slots()))
-            for r, lg in zip(active, self._forward(groups)):
+            for r, lg in zip(active, self._decode_forward(groups)):
                 r.logits = lg
             step += 1
 

@@ -152,6 +152,11 @@ class ModelRunner:
             probes.capture("resid_post", i, x)
         return x
 
+    def unprobed_layers(self, x: torch.Tensor, ropes: dict, attention: ForwardAttention,
+                        slots: torch.Tensor) -> torch.Tensor:
+        """`layers` for a decode step no probe records: row i writes its K/V to `slots[i]`."""
+        return self.layers(x, ropes, attention, slots, None, slots, _Probes([], [], []))
+
     @staticmethod
     def _post_norm(point: str, i: int, norm, rows: torch.Tensor, probes: "_Probes") -> torch.Tensor:
         """A norm of a sublayer's output before its residual add (Gemma 3), probed."""
