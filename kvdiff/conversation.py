@@ -95,4 +95,4 @@ def render_prompt_ids(tokenizer, messages: Messages) -> list[int]:
     """Token ids of the conversation rendered with the chat template, generation prompt added."""
     encoded = render_chat(tokenizer, messages, generation=True, tokenize=True)
     ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-    return [int(i) for i in ids]
+    return list(map(int, ids))

@@ -117,6 +117,17 @@ def test_fixed_chunks(tiny_llama):
     assert cp.prompt_ids == render_prompt_ids(tok, SEED_MESSAGES)
 
 
+def test_chunk_tokens_are_kept_per_text_until_the_vocabulary_changes():
+    """A system prompt sent again is not tokenized again; tokens added to the tokenizer drop what was kept."""
+    tok = tiny_tokenizer()
+    first = split_conversation(tok, SEED_MESSAGES)
+    again = split_conversation(tok, OTHER)
+    assert again.chunks[0].token_ids is first.chunks[0].token_ids
+    tok.add_tokens(["helpful"])
+    after = split_conversation(tok, SEED_MESSAGES)
+    assert after.prompt_ids == render_prompt_ids(tok, SEED_MESSAGES) != first.prompt_ids
+
+
 def test_boundary_merge_is_an_error_naming_the_position():
     tok = tiny_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -18,6 +18,8 @@ MAX_PREFIX_RENDER_MESSAGES messages.
 from __future__ import annotations
 
 import logging
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvdiff.conversation import Messages, render_chat, render_prompt_ids, validate_messages
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 
 GENERATION_CHUNK = "generation"
 MAX_PREFIX_RENDER_MESSAGES = 2048      # prefix renders (quadratic): 2,048 messages take a few seconds
+TOKEN_CACHE_TEXTS = 256                # texts whose token ids a tokenizer's TokenCache keeps
 
 
 @dataclass(frozen=True)
@@ -78,11 +81,43 @@ def _render(tokenizer, messages: Messages, generation: bool) -> str:
     return render_chat(tokenizer, messages, generation)
 
 
-def _encode_all(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids of each text, tokenized alone (one batched call)."""
-    if not texts:
-        return []
-    return [[int(i) for i in ids] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+class TokenCache:
+    """Token ids of the texts one tokenizer tokenized last (each alone), least recently used
+    dropped past TOKEN_CACHE_TEXTS: a cached system prompt is tokenized once, not again on every
+    request that sends it. Ids are a function of the text and the vocabulary; the entries are
+    dropped when the vocabulary's size changes (tokens added)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.vocabulary = len(tokenizer)
+        self.ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+
+    def encode(self, texts: list[str]) -> list[tuple[int, ...]]:
+        """Token ids of each text, tokenized alone (the texts not kept in one batched call)."""
+        if len(self.tokenizer) != self.vocabulary:
+            self.vocabulary = len(self.tokenizer)
+            self.ids.clear()
+        missing = list(dict.fromkeys(t for t in texts if t not in self.ids))
+        if missing:
+            encoded = self.tokenizer(missing, add_special_tokens=False)["input_ids"]
+            self.ids.update((t, tuple(int(i) for i in ids)) for t, ids in zip(missing, encoded))
+        out = [self.ids[t] for t in texts]
+        for t in texts:
+            self.ids.move_to_end(t)
+        while len(self.ids) > TOKEN_CACHE_TEXTS:
+            self.ids.popitem(last=False)
+        return out
+
+
+_TOKEN_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _encode_all(tokenizer, texts: list[str]) -> list[tuple[int, ...]]:
+    """Token ids of each text, tokenized alone, through the tokenizer's TokenCache."""
+    cache = _TOKEN_CACHES.get(tokenizer)
+    if cache is None:
+        cache = _TOKEN_CACHES[tokenizer] = TokenCache(tokenizer)
+    return cache.encode(texts)
 
 
 def _window_texts(tokenizer, kept: Messages) -> list[str] | None:
@@ -147,8 +182,10 @@ def _chunk_name(role: str, seen: dict[str, int]) -> str:
     return role if seen[role] == 1 else f"{role}#{seen[role]}"
 
 
-def _check_boundaries(tokenizer, chunks: list[Chunk], whole: list[int], allow_mismatch: bool) -> bool:
-    joined = [t for c in chunks for t in c.token_ids]
+def _check_boundaries(tokenizer, chunks: list[Chunk], joined: list[int], whole: list[int],
+                      allow_mismatch: bool) -> bool:
+    """Whether the chunks' tokens `joined` differ from the whole prompt's; an error where they do,
+    unless `allow_mismatch`."""
     if joined == whole:
         return False
     pos = next((i for i, (a, b) in enumerate(zip(joined, whole)) if a != b), min(len(joined), len(whole)))
@@ -190,11 +227,11 @@ def split_messages(tokenizer, messages: Messages, allow_boundary_mismatch: bool 
             name, index = GENERATION_CHUNK, None
         else:
             name, index = _chunk_name(kept[n]["role"], seen), index_of[n]
-        chunks.append(Chunk(name, tuple(ids), start, index))
+        chunks.append(Chunk(name, ids, start, index))
         start += len(ids)
-    whole = render_prompt_ids(tokenizer, kept)
-    mismatch = _check_boundaries(tokenizer, chunks, whole, allow_boundary_mismatch)
     prompt_ids = [t for c in chunks for t in c.token_ids]
+    mismatch = _check_boundaries(tokenizer, chunks, prompt_ids, render_prompt_ids(tokenizer, kept),
+                                 allow_boundary_mismatch)
     return ChunkedPrompt(kept, chunks, prompt_ids, skipped, mismatch)
 
 
