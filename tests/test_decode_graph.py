@@ -12,7 +12,7 @@ import torch
 
 import kvdiff
 from kvdiff.engine import Engine
-from kvdiff.engine.decode_graph import BUCKETS, DecodeGraphs, graphs_apply
+from kvdiff.engine.decode_graph import BUCKETS, DecodeGraphs, decode_rows, graphs_apply
 from kvdiff.engine.tiny import build_tiny_model
 
 from conftest import SEED_MESSAGES, SHARING_SYSTEM
@@ -37,7 +37,7 @@ def test_the_static_step_gives_the_eager_steps_logits_and_padding_writes_only_sc
 
     def both(groups):
         bucket = next(b for b in BUCKETS if b >= len(groups))
-        static._fill(groups, bucket)
+        static._fill(decode_rows(groups), bucket)
         before = [k.clone() for k in eng.pool.k]
         got = static._step(bucket)[:len(groups)]
         written = {int(s) for k, b in zip(eng.pool.k, before)
@@ -63,3 +63,20 @@ def test_graphs_are_for_fast_numerics_on_one_gpu_only(tiny_llama):
     assert not graphs_apply(Engine(model, tok, numerics="exact").runner)
     moe, moe_tok = kvdiff.load_model("tiny-qwen3-moe")
     assert not graphs_apply(Engine(moe, moe_tok).runner)      # not on the CPU, and a router anyway
+
+
+def test_a_cache_hits_new_turn_and_the_decode_run_as_graph_rows_and_give_the_eager_tokens():
+    model, tok = build_tiny_model("tiny-gemma3", sliding_window=32)
+    static, plain = Engine(model, tok, kv_budget_bytes=2**24), Engine(model, tok, kv_budget_bytes=2**24)
+    static.graphs = DecodeGraphs(static.runner)      # off CUDA its static step runs eagerly
+    rows = []
+    replay = static.graphs.forward
+    static.graphs.forward = lambda r: rows.append(len(r)) or replay(r)
+    for convs in ([SEED_MESSAGES], [SHARING_SYSTEM, SEED_MESSAGES]):
+        rows.clear()
+        got, want = static.generate(convs, max_new_tokens=8), plain.generate(convs, max_new_tokens=8)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [c.cache for c in got[0].chunks] == ["hit", "miss", "miss"] and {c.cache for c in got[1].chunks} == {"hit"}
+    new_turn = got[0].chunks[-1].positions[1] - got[0].chunks[0].positions[1]
+    # one forward: the new turn's rows and the cached prompt's last row (which writes nothing); then decode
+    assert rows == [new_turn + 1] + [2] * 7

@@ -213,14 +213,14 @@ def test_probes_and_diff_work_on_a_split_model(bf16_folder, tmp_path):
 def test_decode_graphs_replay_the_eager_decode(gpu_model, batch):
     """Each graphed decode step against the eager step on the same rows: the same bits where the
     batch fills its bucket (the same kernels on the same shapes), close logits with padding rows."""
-    from kvdiff.engine.decode_graph import BUCKETS
+    from kvdiff.engine.decode_graph import BUCKETS, decode_rows
 
     dtype, model, tok = gpu_model
     eng = Engine(model, tok, strategy="prefix")
-    replay, sizes = eng.graphs.forward, []
+    sizes = []
 
     def both(groups):
-        got = torch.stack(replay(groups)).clone()
+        got = torch.stack(eng.graphs.forward(decode_rows(groups))).clone()
         want = torch.stack(eng._forward(groups))
         sizes.append(len(groups))
         if len(groups) in BUCKETS:
@@ -229,10 +229,10 @@ def test_decode_graphs_replay_the_eager_decode(gpu_model, batch):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         return list(got)
 
-    eng.graphs.forward = both
+    eng._decode_forward = both
     eng.generate(SUITE[:batch], max_new_tokens=12)
     assert sizes and sizes[0] == batch
-    assert max(eng.graphs.graphs) == {1: 1, 3: 4, 4: 4}[batch]
+    assert {1: 1, 3: 4, 4: 4}[batch] in eng.graphs.graphs
 
 
 def test_decode_graphs_follow_sliding_windows_past_their_end():
@@ -256,3 +256,15 @@ def test_a_probed_run_decodes_eagerly(bf16_folder, tmp_path, monkeypatch):
     result = compare(SUITE[0], model=str(bf16_folder), strategy="prefix", numerics="fast",
                      max_new_tokens=NEW, dtype="bfloat16", device="cuda", out=tmp_path / "run")
     assert result.report.to_json()["tokens_identical"] is not None
+
+
+def test_a_cache_hits_new_turn_replays_a_graph(bf16_folder):
+    model, tok = kvdiff.load_model(str(bf16_folder), dtype="bfloat16", device="cuda")
+    graphed, eager = Engine(model, tok, strategy="prefix"), Engine(model, tok, strategy="prefix", cuda_graphs=False)
+    for eng in (graphed, eager):
+        eng.generate([SUITE[1]], max_new_tokens=2)                 # caches the conversation's first turn
+    rows, replay = [], graphed.graphs.forward
+    graphed.graphs.forward = lambda r: rows.append(len(r)) or replay(r)
+    got, want = (eng.generate([SUITE[2]], max_new_tokens=NEW)[0] for eng in (graphed, eager))
+    assert got.chunks[0].cache == "hit" and 1 < rows[0] <= 64 and rows[1:] == [1] * (len(got.token_ids) - 1)
+    assert got.token_ids[:2] == want.token_ids[:2]

@@ -1,4 +1,4 @@
-"""CUDA graphs for fast-numerics decode steps: the host out of the step.
+"""CUDA graphs for fast-numerics decode steps (and a cache hit's few new rows): the host out of the step.
 
 A decode step runs the same kernels on the same shapes from one step to the next; only the
 inputs change (each row's token, position, new slot and slot table). Launching them one by one
@@ -12,6 +12,10 @@ are padding: they read and write one scratch slot the graphs keep for themselves
 the model's layers has its own slot table (a windowed layer reads a row's last `window` keys),
 as wide as the longest sequence the model allows, so one graph serves every length.
 
+Every row reads its own list of keys, so the few rows a prompt computes after a cached prefix
+(a cache hit's new turn) are graph rows too: row p reads the keys at positions 0..p, its
+neighbours' among them (each layer writes every row's K/V before any row attends).
+
 Graphs run only where they are equivalent to the eager step and need nothing from the host in
 the middle of it: fast numerics on one CUDA device with the paged decode kernel, a model without
 routers (a router's expert choice sizes its tensors from the data) or latent attention, and no
@@ -21,6 +25,7 @@ probe recording. Anything else runs the eager forward.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,9 +39,39 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)     # batch sizes a graph is captured for; larger steps run eagerly
 
 
+@dataclass
+class GraphRow:
+    """One row of a graphed forward: its token, the position RoPE encodes it at, the slots of
+    every key it reads in sequence order (its own last) and whether it writes its K/V there."""
+
+    token: int
+    encoded: int
+    key_slots: np.ndarray
+    writes: bool = True
+
+
+def decode_rows(groups: list[RowGroup]) -> list[GraphRow] | None:
+    """A decode forward's rows; None where a probe records one (a graph cannot call it)."""
+    if any(g.sink is not None or g.key_slots is None for g in groups):
+        return None
+    return [GraphRow(g.token_ids[0], g.encoded[0], g.key_slots) for g in groups]
+
+
+def prompt_rows(planned: list[tuple[np.ndarray, list[RowGroup]]]) -> list[GraphRow] | None:
+    """The rows of a `prefix` prompt forward (each row reads every key up to its own), each
+    request's groups with its block table's host slots; None where a probe records."""
+    rows: list[GraphRow] = []
+    for slots, groups in planned:
+        for g in groups:
+            if g.sink is not None or g.lo:
+                return None
+            rows += [GraphRow(t, e, slots[:p + 1], g.writes) for t, p, e in zip(g.token_ids, g.positions, g.encoded)]
+    return rows
+
+
 def graphs_apply(runner: ModelRunner) -> bool:
-    """Whether the runner's decode steps can be graphed at all (the per-step checks are in
-    `DecodeGraphs.takes`)."""
+    """Whether the runner's forwards can be graphed at all (`decode_rows` and `prompt_rows` check
+    each forward)."""
     from kvdiff.engine import paged_kernel
 
     a = runner.adapter
@@ -65,18 +100,17 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory = None        # one memory pool for every bucket's graph
 
-    def takes(self, groups: list[RowGroup]) -> bool:
-        """Whether this decode forward can replay a graph: one row a group, no probe, a bucket."""
-        return (len(groups) <= BUCKETS[-1] and all(g.key_slots is not None and g.sink is None for g in groups))
-
-    def forward(self, groups: list[RowGroup]) -> list[torch.Tensor]:
-        """The float32 logits row of each group, from a replayed graph."""
-        B = len(groups)
+    def forward(self, rows: list[GraphRow]) -> list[torch.Tensor]:
+        """The float32 logits of each row (at most BUCKETS[-1]), from a replayed graph (off CUDA
+        the static step runs eagerly: how the tests check it on the CPU)."""
+        B = len(rows)
         bucket = next(b for b in BUCKETS if b >= B)
-        self._fill(groups, bucket)
+        self._fill(rows, bucket)
+        if not self.tokens.is_cuda:
+            return list(self._step(bucket)[:B])
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
-            self._fill(groups, bucket)      # the capture's warm-up steps ran on padding only
+            self._fill(rows, bucket)      # the capture's warm-up steps ran on padding only
         graph, logits = self.graphs[bucket]
         graph.replay()
         return list(logits[:B])
@@ -86,23 +120,23 @@ class DecodeGraphs:
             self.scratch_block = self.pool.allocate(1)[0]
         return self.scratch_block * self.pool.block_size
 
-    def _fill(self, groups: list[RowGroup], bucket: int) -> None:
-        """Copy the step's inputs into the static buffers: rows past the groups are padding, one
-        key (the scratch slot) each."""
+    def _fill(self, rows: list[GraphRow], bucket: int) -> None:
+        """Copy the step's inputs into the static buffers: rows past `rows` are padding, one key
+        (the scratch slot) each; a row that does not write writes the scratch slot."""
         scratch = self._scratch_slot()
-        B = len(groups)
+        B = len(rows)
         head = np.zeros((3, bucket), dtype=np.int64)       # padding: token 0 at position 0, scratch slot
-        head[0, :B] = [g.token_ids[0] for g in groups]
-        head[1, :B] = [g.encoded[0] for g in groups]
-        head[2, B:] = scratch
-        head[2, :B] = [int(g.key_slots[-1]) for g in groups]
+        head[0, :B] = [r.token for r in rows]
+        head[1, :B] = [r.encoded for r in rows]
+        head[2, :] = scratch
+        head[2, :B] = [int(r.key_slots[-1]) if r.writes else scratch for r in rows]
         dev = self.tokens.device
-        rows = torch.from_numpy(head).to(dev)
-        self.tokens[:bucket].copy_(rows[0])
-        self.encoded[:bucket].copy_(rows[1])
-        self.new_slots[:bucket].copy_(rows[2])
+        on_device = torch.from_numpy(head).to(dev)
+        self.tokens[:bucket].copy_(on_device[0])
+        self.encoded[:bucket].copy_(on_device[1])
+        self.new_slots[:bucket].copy_(on_device[2])
         for w, width in self.width.items():
-            keys = [g.key_slots if w is None else g.key_slots[-w:] for g in groups]
+            keys = [r.key_slots if w is None else r.key_slots[-w:] for r in rows]
             longest = max(k.shape[0] for k in keys)
             table = np.full((bucket, longest + 1), scratch, dtype=np.int64)
             table[B:, 0] = 1

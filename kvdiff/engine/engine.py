@@ -6,11 +6,12 @@ import logging
 import time
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from kvdiff.engine.adapters import get_adapter
 from kvdiff.engine.chunks import ChunkedPrompt, split_conversation
-from kvdiff.engine.decode_graph import DecodeGraphs, graphs_apply
+from kvdiff.engine.decode_graph import BUCKETS, DecodeGraphs, GraphRow, decode_rows, graphs_apply, prompt_rows
 from kvdiff.engine.fast_decode import fast_row_linears
 from kvdiff.conversation import Messages, check_fits
 from kvdiff.engine.kv_cache import BLOCK_SIZE, BlockPool, BlockTable
@@ -143,8 +144,7 @@ class Engine:
             logits = self._forward([g for r in requests for g in planner.plan_whole(r, self._forwards)])
         elif s.chains_prefix:
             fid = self._forwards
-            groups = [g for r in requests for g in planner.plan_prefix(r, fid)]
-            logits = [lg for lg in self._forward(groups)]
+            logits = self._prompt_forward([(r, planner.plan_prefix(r, fid)) for r in requests])
         else:
             fid = self._forwards
             chunk_groups = [g for r in requests for g in planner.plan_isolated(r, fid)]
@@ -204,8 +204,8 @@ class Engine:
     def _emit_reused(self, requests: list[Request]) -> None:
         """One k/v-only bracket per request with a sink, for KV it reads but did not compute."""
         for r in requests:
-            reused = [u for u in r.reused if u.positions]
-            if r.sink is None or not reused:
+            reused = [u for u in r.reused if u.positions] if r.sink is not None else []
+            if not reused:
                 continue
             positions = [p for u in reused for p in u.positions]
             slots = torch.cat([u.slots for u in reused])
@@ -241,12 +241,27 @@ class Engine:
             return [self._sample(r.logits) for r in requests]
         return torch.stack([r.logits for r in requests]).argmax(-1).tolist() if requests else []
 
+    def _graphed(self, rows: list[GraphRow] | None) -> list[torch.Tensor] | None:
+        """Each row's logits from a CUDA graph's replay; None where graphs do not apply."""
+        if self.graphs is None or rows is None or len(rows) > BUCKETS[-1]:
+            return None
+        self._forwards += 1
+        return self.graphs.forward(rows)
+
+    def _prompt_forward(self, planned: list[tuple[Request, list[RowGroup]]]) -> list[torch.Tensor | None]:
+        """A `prefix` prompt forward; graphed where its rows are few (a cache hit's new turn)."""
+        groups = [g for _, gs in planned for g in gs]
+        if self.graphs is not None and sum(len(g.token_ids) for g in groups) <= BUCKETS[-1]:
+            logits = self._graphed(prompt_rows([(r.table.host_slots(), gs) for r, gs in planned]))
+            if logits is not None:
+                ends = np.cumsum([len(g.token_ids) for g in groups]) - 1
+                return [logits[end] if g.logits else None for g, end in zip(groups, ends)]
+        return self._forward(groups)
+
     def _decode_forward(self, groups: list[RowGroup]) -> list[torch.Tensor | None]:
         """A decode forward: a graph's replay where one applies, else the eager forward."""
-        if self.graphs is not None and self.graphs.takes(groups):
-            self._forwards += 1
-            return self.graphs.forward(groups)
-        return self._forward(groups)
+        logits = self._graphed(decode_rows(groups)) if self.graphs is not None else None
+        return logits if logits is not None else self._forward(groups)
 
     def _decode(self, requests: list[Request], max_new_tokens: int, start: float) -> None:
         if self.graphs is not None and any(r.sink is not None for r in requests):

@@ -152,6 +152,7 @@ class Planner:
         read = torch.tensor([req.table.slot_of(pos)], device=req.table.pool.device)
         group = _group(req, [tail], torch.full_like(read, -1), [pos], fid, req.table.segments, logits=True)
         group.read_slots = read
+        group.writes = False
         group.provenance = [([pos], Provenance(last.name, fid, [pos], False))]
         groups.append(group)
         req.stats.prefilled_tokens = sum(len(c.token_ids) for c in todo) + 1

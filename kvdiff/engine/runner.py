@@ -37,6 +37,7 @@ class RowGroup:
     sink: ProbeSink | None = None
     provenance: list[tuple[list[int], Provenance]] = field(default_factory=list)
     key_slots: np.ndarray | None = None   # a decode row: the slots of all its keys, its own last, on the host
+    writes: bool = True           # False: every row's K/V is cached already (write_slots all -1)
 
 
 class ModelRunner:
