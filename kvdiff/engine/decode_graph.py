@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from kvdiff.engine.attention_plan import ForwardAttention, WindowPlan
+from kvdiff.engine.kv_cache import BlockTable
 from kvdiff.engine.paged_decode import PagedDecode
 from kvdiff.engine.runner import ModelRunner, RowGroup
 
@@ -99,6 +100,26 @@ class DecodeGraphs:
         self.scratch_block: int | None = None    # held for the engine's life
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory = None        # one memory pool for every bucket's graph
+
+    def prompt(self, planned: list[tuple[BlockTable, list[RowGroup]]]) -> list[torch.Tensor | None] | None:
+        """The logits of each group that asks for them, of a `prefix` prompt forward (each
+        request's block table and groups) replayed from a graph; None where it cannot be (more
+        rows than a graph holds, or a probe recording)."""
+        groups = [g for _, gs in planned for g in gs]
+        if sum(len(g.token_ids) for g in groups) > BUCKETS[-1]:
+            return None
+        rows = prompt_rows([(table.host_slots(), gs) for table, gs in planned])
+        if rows is None:
+            return None
+        logits = self.forward(rows)
+        ends = np.cumsum([len(g.token_ids) for g in groups]) - 1
+        return [logits[end] if g.logits else None for g, end in zip(groups, ends)]
+
+    def decode(self, groups: list[RowGroup]) -> list[torch.Tensor] | None:
+        """Each decode row's logits from a graph; None where it cannot be (more rows than a graph
+        holds, or a probe recording)."""
+        rows = decode_rows(groups)
+        return None if rows is None or len(rows) > BUCKETS[-1] else self.forward(rows)
 
     def forward(self, rows: list[GraphRow]) -> list[torch.Tensor]:
         """The float32 logits of each row (at most BUCKETS[-1]), from a replayed graph (off CUDA

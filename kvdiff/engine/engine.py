@@ -6,12 +6,11 @@ import logging
 import time
 from typing import Mapping, Sequence
 
-import numpy as np
 import torch
 
 from kvdiff.engine.adapters import get_adapter
 from kvdiff.engine.chunks import ChunkedPrompt, split_conversation
-from kvdiff.engine.decode_graph import BUCKETS, DecodeGraphs, GraphRow, decode_rows, graphs_apply, prompt_rows
+from kvdiff.engine.decode_graph import DecodeGraphs, graphs_apply
 from kvdiff.engine.fast_decode import fast_row_linears
 from kvdiff.conversation import Messages, check_fits
 from kvdiff.engine.kv_cache import BLOCK_SIZE, BlockPool, BlockTable
@@ -22,6 +21,7 @@ from kvdiff.engine.reference import stop_token_ids
 from kvdiff.engine.registry import ChunkRegistry, RegistryStats
 from kvdiff.trace.fingerprint import model_fingerprint
 from kvdiff.engine.runner import ModelRunner, RowGroup
+from kvdiff.engine.sampler import Sampler
 from kvdiff.engine.planner import Planner, Request, Reused
 from kvdiff.engine.strategies import BLEND_SELECT_LAYER, make_strategy, select_blend_tokens
 from kvdiff.errors import InputError
@@ -67,8 +67,7 @@ class Engine:
         self.numerics = numerics
         self.chunk_size = chunk_size
         self.allow_boundary_mismatch = allow_boundary_mismatch
-        self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
-        self.generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+        self.sampler = Sampler(temperature, top_k, top_p, seed)
         self.adapter = get_adapter(model)
         a = self.adapter
         dtype = a.embed_tokens.weight.dtype
@@ -222,46 +221,19 @@ class Engine:
                         r.sink.capture(value, layer, v, positions)
             r.sink.end_forward()
 
-    def _sample(self, logits: torch.Tensor) -> int:
-        scores = logits.float().cpu() / self.temperature
-        if self.top_k > 0:
-            kth = torch.topk(scores, min(self.top_k, scores.numel())).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, -1)
-        if self.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            cut = torch.cumsum(sorted_p, 0) - sorted_p >= self.top_p
-            probs[order[cut]] = 0.0
-            probs = probs / probs.sum()
-        return int(torch.multinomial(probs, 1, generator=self.generator))
-
-    def _next_tokens(self, requests: list[Request]) -> list[int]:
-        """Each request's next token from its logits; greedy picks them all with one device call."""
-        if self.temperature > 0:
-            return [self._sample(r.logits) for r in requests]
-        return torch.stack([r.logits for r in requests]).argmax(-1).tolist() if requests else []
-
-    def _graphed(self, rows: list[GraphRow] | None) -> list[torch.Tensor] | None:
-        """Each row's logits from a CUDA graph's replay; None where graphs do not apply."""
-        if self.graphs is None or rows is None or len(rows) > BUCKETS[-1]:
-            return None
-        self._forwards += 1
-        return self.graphs.forward(rows)
-
     def _prompt_forward(self, planned: list[tuple[Request, list[RowGroup]]]) -> list[torch.Tensor | None]:
-        """A `prefix` prompt forward; graphed where its rows are few (a cache hit's new turn)."""
-        groups = [g for _, gs in planned for g in gs]
-        if self.graphs is not None and sum(len(g.token_ids) for g in groups) <= BUCKETS[-1]:
-            logits = self._graphed(prompt_rows([(r.table.host_slots(), gs) for r, gs in planned]))
-            if logits is not None:
-                ends = np.cumsum([len(g.token_ids) for g in groups]) - 1
-                return [logits[end] if g.logits else None for g, end in zip(groups, ends)]
-        return self._forward(groups)
+        """A `prefix` prompt forward; a CUDA graph's replay where its rows are few (a hit's new turn)."""
+        if self.graphs is not None and (logits := self.graphs.prompt([(r.table, gs) for r, gs in planned])):
+            self._forwards += 1
+            return logits
+        return self._forward([g for _, gs in planned for g in gs])
 
     def _decode_forward(self, groups: list[RowGroup]) -> list[torch.Tensor | None]:
-        """A decode forward: a graph's replay where one applies, else the eager forward."""
-        logits = self._graphed(decode_rows(groups)) if self.graphs is not None else None
-        return logits if logits is not None else self._forward(groups)
+        """A decode forward; a CUDA graph's replay where one applies."""
+        if self.graphs is not None and (logits := self.graphs.decode(groups)):
+            self._forwards += 1
+            return logits
+        return self._forward(groups)
 
     def _decode(self, requests: list[Request], max_new_tokens: int, start: float) -> None:
         if self.graphs is not None and any(r.sink is not None for r in requests):
@@ -270,7 +242,7 @@ class Engine:
         while True:
             active = []
             live = [r for r in requests if not r.done]
-            for r, token in zip(live, self._next_tokens(live)):
+            for r, token in zip(live, self.sampler.next_tokens([r.logits for r in live])):
                 if r.sink is not None:
                     r.sink.capture_step(step, r.table.length - 1, r.logits, token)
                 r.generated.append(token)
