@@ -211,6 +211,18 @@ def test_device_weight_digests_match_their_definition_across_chunks(monkeypatch)
 
 # --- paged KV cache -----------------------------------------------------------------------------
 
+def test_a_cache_hits_block_table_is_known_on_the_host(monkeypatch):
+    """A shared entry's host slots come with it: the table's slots, and a position's, need no device read."""
+    pool = _pool(8)
+    blocks = pool.allocate(2)
+    table = BlockTable(pool)
+    table.add_shared("k", pool.slots(blocks, 5), pool.host_slots(blocks, 5))
+    table.add_own(3)
+    expected = table.all_slots().tolist()
+    monkeypatch.setattr(BlockTable, "all_slots", lambda self: pytest.fail("the slots were read from the device"))
+    assert table.host_slots().tolist() == expected and table.slot_of(6) == expected[6]
+
+
 def test_block_table_maps_positions_across_unaligned_segments():
     pool = _pool(8)
     table = BlockTable(pool)

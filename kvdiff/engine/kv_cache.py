@@ -134,13 +134,22 @@ class BlockTable:
     own_blocks: list[int] = field(default_factory=list)
     own_tokens: int = 0
     scratch_blocks: list[int] = field(default_factory=list)
-    _host: np.ndarray | None = None   # all_slots() on the host, kept up to date by add_own
+    _host: np.ndarray | None = None   # all_slots() on the host, kept up to date by add_own and add_shared
 
     def host_slots(self) -> np.ndarray:
-        """`all_slots()` as a host int64 array; a decode step appends to it without a device call."""
+        """`all_slots()` as a host int64 array: kept as segments are added (a cache hit's and a decode
+        step's tables are known without a device call); read from the device only where a shared
+        segment came without its host slots."""
         if self._host is None or self._host.shape[0] != self.length:
             self._host = self.all_slots().cpu().numpy() if self.segments else np.zeros(0, np.int64)
         return self._host
+
+    def _extend_host(self, before: int, host: np.ndarray | None) -> None:
+        """Keep the host slots current after a segment of host slots `host` (None: not known) was
+        appended to a sequence of `before` positions."""
+        known = self._host if self._host is not None else np.zeros(0, np.int64) if before == 0 else None
+        current = host is not None and known is not None and known.shape[0] == before
+        self._host = np.concatenate([known, host]) if current else None
 
     @property
     def length(self) -> int:
@@ -152,9 +161,12 @@ class BlockTable:
         self.scratch_blocks.extend(blocks)
         return self.pool.slots(blocks, num_tokens)
 
-    def add_shared(self, key: str | None, slots: torch.Tensor) -> Segment:
-        seg = Segment(self.length, slots, key)
+    def add_shared(self, key: str | None, slots: torch.Tensor, host: np.ndarray | None = None) -> Segment:
+        """Append positions whose KV lives at `slots` (`host`: the same slots on the host, if known)."""
+        before = self.length
+        seg = Segment(before, slots, key)
         self.segments.append(seg)
+        self._extend_host(before, host)
         return seg
 
     def add_own(self, num_tokens: int) -> Segment:
@@ -165,8 +177,7 @@ class BlockTable:
         host = self.pool.host_slots(self.own_blocks, num_tokens, self.own_tokens)
         slots = torch.from_numpy(host).to(self.pool.device)
         self.own_tokens += num_tokens
-        if self._host is not None and self._host.shape[0] == self.length:
-            self._host = np.concatenate([self._host, host])
+        self._extend_host(self.length, host)
         last = self.segments[-1] if self.segments else None
         if last is not None and last.shared_key is None:
             last.slots = torch.cat([last.slots, slots])
@@ -179,10 +190,10 @@ class BlockTable:
         return torch.cat([s.slots for s in self.segments])
 
     def slot_of(self, position: int) -> int:
-        for seg in self.segments:
-            if seg.start <= position < seg.end:
-                return int(seg.slots[position - seg.start])
-        raise IndexError(f"position {position} is past the sequence length {self.length}")
+        """The slot of `position` (from the host slots: no device read where they are known)."""
+        if not 0 <= position < self.length:
+            raise IndexError(f"position {position} is past the sequence length {self.length}")
+        return int(self.host_slots()[position])
 
     def release(self) -> None:
         """Give the request's own blocks back to the pool."""

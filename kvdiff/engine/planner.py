@@ -127,10 +127,11 @@ class Planner:
             if entry is None:
                 seg = req.table.add_own(len(c.token_ids))
             else:
-                seg = req.table.add_shared(parent, entry.slots)
+                seg = req.table.add_shared(parent, entry.slots, entry.host_slots)
             if hit:
-                req.reused.append(Reused(c.name, list(range(c.start, c.end)), seg.slots,
-                                         Provenance(c.name, entry.prefill_id, list(range(c.start, c.end)), True)))
+                positions = list(range(c.start, c.end))
+                req.reused.append(Reused(c.name, positions, seg.slots,
+                                         Provenance(c.name, entry.prefill_id, positions, True)))
             else:
                 todo.append(c)
                 write.append(seg.slots)
@@ -182,7 +183,8 @@ class Planner:
                                          Provenance(c.name, prefill_id, positions, hit)))
                 self._report(req, c, key, hit, c.start)
             else:
-                req.table.add_shared(key if entry is not None else None, slots)
+                req.table.add_shared(key if entry is not None else None, slots,
+                                     entry.host_slots if entry is not None else None)
                 if hit:
                     req.reused.append(Reused(c.name, positions, slots, Provenance(c.name, prefill_id, encoded, True)))
                 self._report(req, c, key, hit, enc)

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvdiff.engine.kv_cache import BlockPool
@@ -33,6 +34,7 @@ class CacheEntry:
     prefill_id: int               # engine forward that computed it
     nbytes: int
     refcount: int = 0
+    host_slots: np.ndarray | None = None   # `slots` on the host (a hit's block table needs no device read)
 
     @property
     def num_tokens(self) -> int:
@@ -101,7 +103,9 @@ class ChunkRegistry:
         nbytes = nblocks * self.bytes_per_block
         self._evict_until(self.budget_bytes - nbytes)
         blocks = self.pool.allocate(nblocks)
-        entry = CacheEntry(key, tuple(token_ids), blocks, self.pool.slots(blocks, n), encoded_start, prefill_id, nbytes)
+        host = self.pool.host_slots(blocks, n)
+        entry = CacheEntry(key, tuple(token_ids), blocks, torch.from_numpy(host).to(self.pool.device), encoded_start,
+                           prefill_id, nbytes, host_slots=host)
         self._entries[key] = entry
         self.stats.stored_tokens += n
         self.stats.entries = len(self._entries)
