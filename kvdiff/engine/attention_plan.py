@@ -52,9 +52,11 @@ def key_sets(groups: list, window: int | None, exact: bool, device: torch.device
             first = max(first, (min(g.positions) - window + 1) // align * align)
         segments = [(max(first, s.start), s.slots[max(0, first - s.start):], s) for s in g.segments if s.end > first]
         slots = torch.cat([sl for _, sl, _ in segments])
-        kpos = torch.cat([torch.arange(start, s.end, device=device) for start, _, s in segments])
+        kpos = torch.arange(segments[0][0], g.segments[-1].end, device=device)    # segments follow each other
         qpos = torch.tensor(g.positions, device=device)
-        visible = (kpos.unsqueeze(0) <= qpos.unsqueeze(1)) & (kpos.unsqueeze(0) >= g.lo)
+        visible = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
+        if g.lo > segments[0][0]:
+            visible &= kpos.unsqueeze(0) >= g.lo
         if window is not None:
             visible &= kpos.unsqueeze(0) > qpos.unsqueeze(1) - window
         whole, head = segments[0][0] == g.segments[0].start, g.segments[0]

@@ -164,7 +164,9 @@ class Bucket:
             for j, (sl, _) in enumerate(rest):
                 slots[j, : sl.shape[0]] = sl
         visible = None
-        if not unmasked:
+        if not unmasked and len(members) == 1 and rest[0][1].shape == (width, lrest):
+            visible = rest[0][1].unsqueeze(0)
+        elif not unmasked:
             visible = torch.zeros((len(members), width, lrest), dtype=torch.bool, device=device)
             for j, (T, (sl, vi)) in enumerate(zip(lengths, rest)):
                 visible[j, :T, : sl.shape[0]] = vi
