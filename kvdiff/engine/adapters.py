@@ -10,12 +10,14 @@ sliding-window and global layers rotate with RoPE bases of their own; gpt-oss ad
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from kvdiff.engine.latent_cache import latent_qkv
+from kvdiff.engine.numerics import patched_forwards
 from kvdiff.errors import UnsupportedModelError
 
 
@@ -82,6 +84,16 @@ class Adapter:
         self.hidden_size = config.hidden_size
         self.max_positions = int(config.max_position_embeddings)
         self.windows = tuple(dict.fromkeys(layer.window for layer in self.layers))   # distinct, None: global
+
+    @functools.cached_property
+    def linears(self) -> list[nn.Linear]:
+        """The model's nn.Linear modules, found once (fast numerics patch them every generate call)."""
+        return [m for m in self.model.modules() if isinstance(m, nn.Linear)]
+
+    @functools.cached_property
+    def exact_forwards(self) -> list[tuple[nn.Module, object]]:
+        """The modules exact numerics replace and their forwards (numerics.patched_forwards), found once."""
+        return patched_forwards(self.model)
 
     def _head_dim(self, attn: nn.Module) -> int:
         """The width of a query head."""

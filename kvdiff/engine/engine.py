@@ -115,7 +115,9 @@ class Engine:
                    for c in conversations]
         for i, p in enumerate(prompts):
             self.check_fits(p, max_new_tokens, f"request {i}: ")
-        numerics = exact_numerics(self.model) if self.numerics is Numerics.EXACT else fast_row_linears(self.model)
+        a = self.adapter
+        numerics = (exact_numerics(self.model, a.exact_forwards) if self.numerics is Numerics.EXACT
+                    else fast_row_linears(self.model, a.linears))
         requests = [Request(i, p, BlockTable(self.pool), sinks.get(i)) for i, p in enumerate(prompts)]
         planner = Planner(self.registry, self.strategy, self.fingerprint)
         start = time.perf_counter()

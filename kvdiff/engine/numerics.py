@@ -196,7 +196,7 @@ def _rms_norm_forward(module: nn.Module):
     return forward
 
 
-def _patched_forwards(model: nn.Module) -> list[tuple[nn.Module, object]]:
+def patched_forwards(model: nn.Module) -> list[tuple[nn.Module, object]]:
     """(module, exact forward) for every module exact numerics replace: all nn.Linear, on CUDA
     every RMSNorm (transformers' Llama/Mistral/Qwen2/Qwen3 norms share one formula), and the
     routers and experts of a mixture of experts."""
@@ -213,12 +213,12 @@ def _patched_forwards(model: nn.Module) -> list[tuple[nn.Module, object]]:
 
 
 @contextlib.contextmanager
-def exact_numerics(model: nn.Module) -> Iterator[nn.Module]:
+def exact_numerics(model: nn.Module, forwards: list[tuple[nn.Module, object]] | None = None) -> Iterator[nn.Module]:
     """Run `model` with batch-invariant numerics inside the block; everything is restored on exit.
 
-    Patches every nn.Linear's (and on CUDA every RMSNorm's) forward on the instance, and switches
-    the model's attention to kvdiff's exact attention (with its mask function). Re-entrant: a
-    nested use is a no-op.
+    Patches every nn.Linear's (and on CUDA every RMSNorm's) forward on the instance (`forwards`:
+    `patched_forwards(model)` where the caller keeps it), and switches the model's attention to
+    kvdiff's exact attention (with its mask function). Re-entrant: a nested use is a no-op.
     """
     if getattr(model, "_kvdiff_exact_depth", 0):
         model._kvdiff_exact_depth += 1
@@ -228,11 +228,11 @@ def exact_numerics(model: nn.Module) -> Iterator[nn.Module]:
             model._kvdiff_exact_depth -= 1
         return
     register_exact_attention()
-    patched = _patched_forwards(model)
+    patched = patched_forwards(model) if forwards is None else forwards
     saved_forward = [m.__dict__.get("forward") for m, _ in patched]
     previous = model.config._attn_implementation
-    for m, forward in patched:
-        m.forward = forward
+    for m, forward in patched:      # what nn.Module.__setattr__ does with a plain attribute, without its checks
+        m.__dict__["forward"] = forward
     model.set_attn_implementation(EXACT_ATTENTION)
     model._kvdiff_exact_depth = 1
     log.debug("exact numerics on for %d modules", len(patched))
@@ -243,6 +243,6 @@ def exact_numerics(model: nn.Module) -> Iterator[nn.Module]:
         model.set_attn_implementation(previous)
         for (m, _), fwd in zip(patched, saved_forward):
             if fwd is None:
-                del m.forward
+                del m.__dict__["forward"]
             else:
-                m.forward = fwd
+                m.__dict__["forward"] = fwd
