@@ -8,6 +8,7 @@ import kvdiff
 from kvdiff.engine.reference import reference_generate
 from kvdiff.probes.hooks import attach_probes
 from kvdiff.probes.model_meta import model_dims
+from kvdiff.probes.taps import Taps
 from kvdiff.trace.points import ALL_POINTS, LAYER_POINTS
 from kvdiff.run.record import record
 from kvdiff.probes.recorder import TraceRecorder
@@ -38,7 +39,7 @@ def test_every_point_layer_and_position_is_recorded_and_hooks_are_removed(tiny_m
 
     def hooks():  # transformers may keep output-capturing hooks of its own from earlier calls
         return {(name, id(h)) for name, m in model.named_modules()
-                for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())}
+                for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values(), m.__dict__.get("forward"))}
 
     before = hooks()
     path = record(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=5)
@@ -164,7 +165,7 @@ def test_a_declared_probe_that_never_fires_is_an_error_and_leaves_no_trace(tiny_
     with pytest.raises(ProbeIntegrityError, match="probe 'mlp_out' did not fire at layer 0"):
         record(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=2, spec=spec)
     assert list(tmp_path.iterdir()) == []
-    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in model.modules())
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -352,3 +353,22 @@ def test_kvdiff_record_and_inspect_print_what_the_trace_holds(tiny_llama, tmp_pa
     (tmp_path / "bad.h5").write_text("x")
     result = CliRunner().invoke(app, ["inspect", str(tmp_path / "bad.h5")])
     assert result.exit_code == 2 and "not an HDF5 file" in result.output
+
+
+def test_taps_run_around_a_forward_after_the_modules_own_hooks_and_come_off():
+    seen = []
+    bare, hooked = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    hooked.register_forward_hook(lambda m, args, out: out * 0)      # ours see what it returns
+    taps = Taps()
+    for module in (bare, hooked):
+        taps.add(module, [lambda m, args, kwargs: seen.append(("before", m))],
+                 [lambda m, args, kwargs, out: seen.append(("after", m, out.abs().sum().item()))])
+    assert "forward" in bare.__dict__ and "forward" not in hooked.__dict__     # wrapped; torch's hooks
+    x = torch.ones(1, 2)
+    bare(x), hooked(x)
+    assert [s[:2] for s in seen] == [("before", bare), ("after", bare), ("before", hooked), ("after", hooked)]
+    assert seen[1][2] > 0 and seen[3][2] == 0
+    taps.remove()
+    seen.clear()
+    bare(x), hooked(x)
+    assert seen == [] and "forward" not in bare.__dict__ and len(hooked._forward_hooks) == 1

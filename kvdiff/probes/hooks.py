@@ -1,6 +1,7 @@
 """Attach a ProbeSink to a transformers model: module hooks plus an attention-function wrapper.
 
-Module hooks follow a ProbeSpec. q and k (after RoPE, as attention reads them) come from an
+Module hooks follow a ProbeSpec; they are taps on the modules' forwards (probes/taps.py: torch's
+own hooks cost more host time than a decode step's captures). q and k (after RoPE, as attention reads them) come from an
 attention function registered with transformers' AttentionInterface, with the matching
 AttentionMaskInterface entry (without it the mask arrives as None: silently non-causal). The
 wrapper delegates to the model's previous implementation, looked up by name at call time, so
@@ -19,6 +20,7 @@ from kvdiff.trace.format import dense_router_rows, rope_pairs
 from kvdiff.trace.points import MOE_POINTS
 from kvdiff.trace.sink import ProbeIntegrityError, ProbeSink, Provenance
 from kvdiff.probes.model_meta import model_dims
+from kvdiff.probes.taps import Taps
 from kvdiff.probes.spec import ProbeSpec, default_spec
 
 log = logging.getLogger(__name__)
@@ -35,7 +37,7 @@ class ModelProbes:
         self.model = model
         self.sink = sink
         self.spec = spec or default_spec(model)
-        self._handles: list = []
+        self._taps = Taps()
         self._positions: list[int] | None = None
         self._attn_key: str | None = None
         self._previous_attn: str | None = None
@@ -53,40 +55,45 @@ class ModelProbes:
 
     def _attach_modules(self) -> None:
         matched = {rule: 0 for rule in self.spec.rules}
+        taps: dict[torch.nn.Module, tuple[list[Callable], list[Callable]]] = {}
         for rule, name, module, layer in self.spec.matches(self.model):
             matched[rule] += 1
             if not self.sink.wants(rule.point, layer):
                 continue
+            before, after = taps.setdefault(module, ([], []))
             if rule.kind == "input":
-                hook = self._input_hook(rule.point, layer)
-                self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+                before.append(self._input_hook(rule.point, layer))
             else:
-                hook = self._output_hook(rule.point, layer, with_norm=rule.kind == "norm", index=rule.index,
-                                         flat=rule.flat, heads_first=rule.heads_first, rope_key=rule.rope_key)
-                self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
-        self._attach_dense_layers()
-        log.debug("attached %d probe hooks to %s", len(self._handles), type(self.model).__name__)
+                after.append(self._output_hook(rule.point, layer, with_norm=rule.kind == "norm", index=rule.index,
+                                               flat=rule.flat, heads_first=rule.heads_first, rope_key=rule.rope_key))
+        for module, (before, after) in taps.items():
+            self._taps.add(module, before, after)
+        dense = self._attach_dense_layers()
+        log.debug("attached probes to %d modules of %s", len(taps) + dense, type(self.model).__name__)
         unmatched = [f"{r.pattern!r} ({r.point})" for r, n in matched.items() if n == 0]
         if unmatched:
             raise ProbeIntegrityError(f"probe spec rule(s) {', '.join(unmatched)} match no module of "
                                       f"{type(self.model).__name__}: fix the patterns or pass spec=")
 
-    def _attach_dense_layers(self) -> None:
+    def _attach_dense_layers(self) -> int:
         """In a model mixing dense and mixture-of-experts layers, a dense layer's MLP gives its
-        router points `dense_router_rows` (no router ran there)."""
+        router points `dense_router_rows` (no router ran there). Returns how many it tapped."""
         dims = model_dims(self.model)
+        tapped = 0
         for layer, block in enumerate(self.model.model.layers[: dims.num_layers]) if dims.num_experts else ():
             routed = hasattr(block.mlp, "gate") or hasattr(block.mlp, "router")     # gpt-oss's is `router`
             if routed or not any(self.sink.wants(p, layer) for p in MOE_POINTS):
                 continue
 
-            def hook(module, args, output, layer=layer):
+            def hook(module, args, kwargs, output, layer=layer):
                 logits, experts = dense_router_rows(output[0], dims.num_experts, dims.experts_per_token)
                 for point, rows in zip(MOE_POINTS, (logits, experts)):
                     if self.sink.wants(point, layer):
                         self.sink.capture(point, layer, rows.unsqueeze(0), self._at(output, point))
 
-            self._handles.append(block.mlp.register_forward_hook(hook))
+            self._taps.add(block.mlp, (), [hook])
+            tapped += 1
+        return tapped
 
     def _attach_attention(self) -> None:
         from transformers import AttentionInterface
@@ -106,9 +113,7 @@ class ModelProbes:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
 
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._taps.remove()
         if self._attn_key is not None:
             self.model.set_attn_implementation(self._previous_attn)
             AttentionInterface._global_mapping.pop(self._attn_key, None)
