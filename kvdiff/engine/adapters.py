@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvdiff.engine.fast_decode import row_linear_forwards
 from kvdiff.engine.latent_cache import latent_qkv
 from kvdiff.engine.numerics import patched_forwards
 from kvdiff.errors import UnsupportedModelError
@@ -86,9 +87,10 @@ class Adapter:
         self.windows = tuple(dict.fromkeys(layer.window for layer in self.layers))   # distinct, None: global
 
     @functools.cached_property
-    def linears(self) -> list[nn.Linear]:
-        """The model's nn.Linear modules, found once (fast numerics patch them every generate call)."""
-        return [m for m in self.model.modules() if isinstance(m, nn.Linear)]
+    def row_linear_forwards(self) -> list[tuple[nn.Linear, object]]:
+        """The model's CPU linears and their one-row forwards (fast_decode.row_linear_forwards),
+        found once: fast numerics patch them every generate call."""
+        return row_linear_forwards(self.model)
 
     @functools.cached_property
     def exact_forwards(self) -> list[tuple[nn.Module, object]]:

@@ -117,7 +117,7 @@ class Engine:
             self.check_fits(p, max_new_tokens, f"request {i}: ")
         a = self.adapter
         numerics = (exact_numerics(self.model, a.exact_forwards) if self.numerics is Numerics.EXACT
-                    else fast_row_linears(self.model, a.linears))
+                    else fast_row_linears(self.model, a.row_linear_forwards))
         requests = [Request(i, p, BlockTable(self.pool), sinks.get(i)) for i, p in enumerate(prompts)]
         planner = Planner(self.registry, self.strategy, self.fingerprint)
         start = time.perf_counter()

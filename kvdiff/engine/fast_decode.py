@@ -10,7 +10,7 @@ rows in twos and more, and weights off the CPU, keep the model's own linear.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -34,17 +34,22 @@ def _forward(module: nn.Linear):
     return forward
 
 
+def row_linear_forwards(model: nn.Module) -> list[tuple[nn.Linear, Callable]]:
+    """(module, its `row_linear` forward) for every CPU nn.Linear of `model`."""
+    return [(m, _forward(m)) for m in model.modules() if isinstance(m, nn.Linear) and m.weight.device.type == "cpu"]
+
+
 @contextlib.contextmanager
-def fast_row_linears(model: nn.Module, linears: list[nn.Linear] | None = None) -> Iterator[nn.Module]:
-    """Run every CPU nn.Linear of `model` (`linears`: them, where the caller keeps the list) through
-    `row_linear` inside the block; restored on exit."""
-    if linears is None:
-        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    patched = [m for m in linears if m.weight.device.type == "cpu" and "forward" not in m.__dict__]
-    for m in patched:     # what nn.Module.__setattr__ does with a plain attribute, without its checks
-        m.__dict__["forward"] = _forward(m)
+def fast_row_linears(model: nn.Module, forwards: list[tuple[nn.Linear, Callable]] | None = None) -> Iterator[nn.Module]:
+    """Run every CPU nn.Linear of `model` through `row_linear` inside the block (`forwards`:
+    `row_linear_forwards(model)` where the caller keeps it); restored on exit."""
+    if forwards is None:
+        forwards = row_linear_forwards(model)
+    patched = [(m, forward) for m, forward in forwards if "forward" not in m.__dict__]
+    for m, forward in patched:     # what nn.Module.__setattr__ does with a plain attribute, without its checks
+        m.__dict__["forward"] = forward
     try:
         yield model
     finally:
-        for m in patched:
+        for m, _ in patched:
             del m.__dict__["forward"]
