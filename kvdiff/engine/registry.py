@@ -21,6 +21,8 @@ from kvdiff.engine.kv_cache import BlockPool
 
 log = logging.getLogger(__name__)
 
+KEYS_KEPT = 1024      # chunk keys remembered (a hit's chunk is not serialised and hashed again)
+
 
 @dataclass
 class CacheEntry:
@@ -70,13 +72,21 @@ class ChunkRegistry:
         self.digest = digest
         self.stats = RegistryStats()
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
+        self._keys: dict[tuple, str] = {}       # key()'s arguments (and digest) -> key, oldest first
         pool.reclaim = self._reclaim_blocks
 
     def key(self, fingerprint: str, strategy: str, token_ids: Sequence[int], parent: str | None = None,
             start: int | None = None) -> str:
-        """The cache key of a chunk (`parent`: key of the preceding chain, `start`: position if it matters)."""
-        payload = json.dumps([fingerprint, strategy, list(token_ids), parent, start]).encode()
-        return self.digest(payload)
+        """The cache key of a chunk (`parent`: key of the preceding chain, `start`: position if it matters);
+        the last KEYS_KEPT are remembered by their arguments (a pure function of them and the digest)."""
+        args = (self.digest, fingerprint, strategy, tuple(token_ids), parent, start)
+        key = self._keys.get(args)
+        if key is None:
+            key = self._keys[args] = self.digest(json.dumps([fingerprint, strategy, list(token_ids), parent,
+                                                             start]).encode())
+            if len(self._keys) > KEYS_KEPT:
+                del self._keys[next(iter(self._keys))]
+        return key
 
     def lookup(self, key: str, token_ids: Sequence[int]) -> CacheEntry | None:
         """The entry for `key` if its tokens match; counts a hit or a miss."""

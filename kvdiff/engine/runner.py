@@ -222,6 +222,9 @@ class _Probes:
             else:
                 self.views.append((g.sink, s, positions[s], [g]))
         self.active = bool(self.views)
+        # one sink's rows are the whole forward's (a decode step): captures go as they are, a slice
+        # each costs more host time than the capture
+        self.sliced = len(self.views) > 1 or (self.active and self.views[0][1] != slice(0, len(positions)))
 
     def begin(self) -> None:
         for sink, _, pos, gs in self.views:
@@ -236,12 +239,12 @@ class _Probes:
     def capture(self, point: str, layer: int, rows: torch.Tensor) -> None:
         for sink, s, pos, _ in self.views:
             if sink.wants(point, layer):
-                sink.capture(point, layer, rows[s], pos)
+                sink.capture(point, layer, rows[s] if self.sliced else rows, pos)
 
     def norm(self, name: str, layer: int, inp: torch.Tensor, out: torch.Tensor) -> None:
         for sink, s, pos, _ in self.views:
             if sink.wants(name, layer):
-                sink.capture_norm(name, layer, inp[s], out[s], pos)
+                sink.capture_norm(name, layer, inp[s] if self.sliced else inp, out[s] if self.sliced else out, pos)
 
     def final_rows(self) -> set[int]:
         rows: set[int] = set()
