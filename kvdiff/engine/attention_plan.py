@@ -10,7 +10,8 @@ mask does). The paged cache keeps those rows: a block holds every layer's K/V an
 layers still read them, so out of a window they are masked and skipped, not freed.
 
 The plan per window is exact tiles (exact numerics), a cascade (fast prefill) or a paged decode
-table (fast decode: each row's last `window` slots).
+table (fast decode: each row's last `window` slots; exact decode on CUDA: all of a row's slots,
+the window cut in the kernel on the tiles' alignment).
 """
 
 from __future__ import annotations
@@ -88,15 +89,21 @@ class ForwardAttention:
 
     @classmethod
     def build(cls, groups: list, spans: list[slice], windows: tuple[int | None, ...],
-              keys_of: Callable[[list, int | None], list[KeySet]], exact: bool, device: torch.device) -> "ForwardAttention":
-        """Plans for `windows`: a paged decode table per window when every group is a fast decode
-        row, else the key sets `keys_of(groups, window)` (`key_sets`, or a test's plant) and in fast
-        numerics a cascade plan, per window."""
+              keys_of: Callable[[list, int | None], list[KeySet]], exact: bool, device: torch.device,
+              paged_exact: bool = False) -> "ForwardAttention":
+        """Plans for `windows`: a paged decode table per window when every group is a decode row
+        (in fast numerics, or in exact ones where `paged_exact`: one table, each window cut in the
+        kernel), else the key sets `keys_of(groups, window)` (`key_sets`, or a test's plant) and in
+        fast numerics a cascade plan, per window."""
         plans: dict[int | None, WindowPlan] = {}
-        if not exact and all(g.key_slots is not None for g in groups):
+        if (not exact or paged_exact) and all(g.key_slots is not None for g in groups):
+            whole = PagedDecode.build([g.key_slots for g in groups], device, exact) if exact else None
             for w in windows:
-                table = [g.key_slots if w is None else g.key_slots[-w:] for g in groups]
-                plans[w] = WindowPlan([], PagedDecode.build(table, device))
+                if exact:
+                    plan = PagedDecode(whole.table, whole.lengths, whole.new_slots, 0, True, w)
+                else:
+                    plan = PagedDecode.build([g.key_slots if w is None else g.key_slots[-w:] for g in groups], device)
+                plans[w] = WindowPlan([], plan)
             return cls(plans, spans, plans[windows[0]].plan.new_slots)
         for w in windows:
             keys = keys_of(groups, w)

@@ -17,9 +17,10 @@ Every row reads its own list of keys, so the few rows a prompt computes after a 
 neighbours' among them (each layer writes every row's K/V before any row attends).
 
 Graphs run only where they are equivalent to the eager step and need nothing from the host in
-the middle of it: fast numerics on one CUDA device with the paged decode kernel, a model without
-routers (a router's expert choice sizes its tensors from the data) or latent attention, and no
-probe recording. Anything else runs the eager forward.
+the middle of it: one CUDA device with the paged decode kernels (fast numerics', or exact ones',
+which give each row the bits of the eager exact step), a model without routers (a router's
+expert choice sizes its tensors from the data) or latent attention, and no probe recording.
+Anything else runs the eager forward.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def graphs_apply(runner: ModelRunner) -> bool:
     from kvdiff.engine import paged_kernel
 
     a = runner.adapter
-    return (runner.pool.device.type == "cuda" and not runner.exact and runner.pool.holds_kv
+    return (runner.pool.device.type == "cuda" and (not runner.exact or runner.paged_exact) and runner.pool.holds_kv
             and paged_kernel.available and not a.latent_attention
             and all(layer.router is None and layer.device == runner.pool.device for layer in a.layers))
 
@@ -90,13 +91,15 @@ class DecodeGraphs:
         a = runner.adapter
         dev = self.pool.device
         n = BUCKETS[-1]
-        self.width = {w: min(a.max_positions, self.pool.num_blocks * self.pool.block_size) if w is None else w
-                      for w in a.windows}
+        # the table each window's layers read (exact numerics: every key, each window cut in the kernel)
+        self.table_of = {w: None if runner.exact else w for w in a.windows}
+        self.width = {t: min(a.max_positions, self.pool.num_blocks * self.pool.block_size) if t is None else t
+                      for t in self.table_of.values()}
         self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
         self.encoded = torch.zeros(n, dtype=torch.long, device=dev)
         self.new_slots = torch.zeros(n, dtype=torch.long, device=dev)
         self.tables = {w: torch.zeros(n, width, dtype=torch.long, device=dev) for w, width in self.width.items()}
-        self.lengths = {w: torch.ones(n, dtype=torch.long, device=dev) for w in a.windows}
+        self.lengths = {t: torch.ones(n, dtype=torch.long, device=dev) for t in self.width}
         self.scratch_block: int | None = None    # held for the engine's life
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory = None        # one memory pool for every bucket's graph
@@ -174,8 +177,10 @@ class DecodeGraphs:
         x = a.embed_tokens(self.tokens[:bucket])
         ropes = {kind: a.rope(x, self.encoded[:bucket], kind) for kind in a.rope_kinds}
         slots = self.new_slots[:bucket]
-        plans = {w: WindowPlan([], PagedDecode(self.tables[w][:bucket], self.lengths[w][:bucket], slots))
-                 for w in self.width}
+        exact = self.runner.exact
+        plans = {w: WindowPlan([], PagedDecode(self.tables[t][:bucket], self.lengths[t][:bucket], slots, 0, exact,
+                                               w if exact else None))
+                 for w, t in self.table_of.items()}
         attention = ForwardAttention(plans, [slice(0, bucket)], slots)
         x = self.runner.unprobed_layers(x, ropes, attention, slots)
         return a.lm_head(a.final_norm(x)).float()

@@ -93,6 +93,66 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, sink_ptr, o_ptr, T, L, scale
              mask=rows[:, None] < T)
 
 
+# The exact kernel's walk for decode rows read through a slot table (a CUDA graph's step):
+# program (row, head) holds the row as the first of a 64-row block, the other 63 empty, exactly
+# as `attention` holds a one-row call, and walks the same position-aligned key tiles, so the row
+# gets the bits `attention` gives it. Table column j holds the row's key at position j.
+@triton.jit
+def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, sink_ptr, o_ptr, scale, window,
+                            sq_n, sq_h, sk_s, sk_h, sv_s, sv_h, st_n, sl_n, so_n, so_h,
+                            GROUPS: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr,
+                            WINDOWED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    row, head = tl.program_id(0), tl.program_id(1)
+    kv_head = head // GROUPS
+    lanes = tl.arange(0, BM)
+    dims = tl.arange(0, D)
+    q = tl.load(q_ptr + row * sq_n + lanes[:, None] * sq_n + head * sq_h + dims[None, :],
+                mask=lanes[:, None] < 1, other=0.0)
+    length = tl.load(len_ptr + row * sl_n)
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, D), tl.float32)
+    first = 0
+    if WINDOWED:   # tiles wholly before the window are skipped: they would leave the state as it is
+        first = tl.maximum(length - window, 0) // BN * BN
+    for start in range(first, length, BN):
+        cols = start + tl.arange(0, BN)
+        in_keys = cols < length
+        slots = tl.load(table_ptr + row * st_n + cols, mask=in_keys, other=0)
+        k = tl.load(k_ptr + slots[:, None] * sk_s + kv_head * sk_h + dims[None, :], mask=in_keys[:, None], other=0.0)
+        v = tl.load(v_ptr + slots[:, None] * sv_s + kv_head * sv_h + dims[None, :], mask=in_keys[:, None], other=0.0)
+        vis = (lanes[:, None] < 1) & in_keys[None, :]
+        if WINDOWED:
+            vis = vis & (cols[None, :] >= length - window)
+        m_i, l_i, acc = online_softmax_tile(q, k, v, vis, m_i, l_i, acc, scale, IEEE)
+    sink = 0.0
+    if HAS_SINKS:
+        sink = tl.load(sink_ptr + head).to(tl.float32)
+    out = finish_softmax(m_i, l_i, acc, sink, HAS_SINKS)
+    tl.store(o_ptr + row * so_n + lanes[:, None] * so_n + head * so_h + dims[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=lanes[:, None] < 1)
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                    lengths: torch.Tensor, window: int | None, scale: float,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact attention of decode rows, each the last of its sequence: q (G, H, D); pools (slots,
+    KVH, D); table (G, Lmax) row i's key slots by position, rows of unit stride; lengths (G,);
+    window: a sliding window's length or None; sinks (H,) or None. Returns (G, H, D) in q's
+    dtype, each row with the bits `attention` gives it."""
+    G, H, D = q.shape
+    q = _unit_last_stride(q)
+    out = torch.empty_like(q)
+    with torch.cuda.device(q.device):
+        _paged_attention_kernel[(G, H)](
+            q, k_pool, v_pool, table, lengths, out if sinks is None else sinks.contiguous(), out, scale,
+            window or 0, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0),
+            v_pool.stride(1), table.stride(0), lengths.stride(0), out.stride(0), out.stride(1),
+            GROUPS=H // k_pool.shape[1], D=D, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None,
+            WINDOWED=window is not None, BM=BLOCK_M, BN=BLOCK_N)
+    return out
+
+
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     """`t` itself when its last dimension is dense: the kernels take the other strides as they
     are, so a transposed view (as transformers hands q, k, v over) needs no copy."""

@@ -31,10 +31,15 @@ class PagedDecode:
     lengths: torch.Tensor    # (G,) int64
     new_slots: torch.Tensor  # (G,) int64: each row's own slot, its last key, where its K/V go
     shared: int = 0          # the first `shared` slots are every row's (0: fewer than MIN_SHARED, or one row)
+    exact: bool = False      # exact numerics on CUDA: the table holds every key by position, cut by `window`
+    window: int | None = None
 
     @classmethod
-    def build(cls, key_slots: list[np.ndarray], device: torch.device) -> "PagedDecode":
-        """From each row's key slots (host arrays, in sequence order), in one host-to-device copy."""
+    def build(cls, key_slots: list[np.ndarray], device: torch.device, exact: bool = False,
+              window: int | None = None) -> "PagedDecode":
+        """From each row's key slots (host arrays, in sequence order), in one host-to-device copy;
+        `exact`: attended with exact numerics' kernel under `window` (the slots are all of the
+        row's keys, from position 0)."""
         G = len(key_slots)
         width = max(s.shape[0] for s in key_slots)
         packed = np.zeros((G, width + 2), dtype=np.int64)
@@ -43,19 +48,25 @@ class PagedDecode:
             packed[i, 1] = slots[-1]
             packed[i, 2:2 + slots.shape[0]] = slots
         on_device = torch.from_numpy(packed).to(device)
-        return cls(on_device[:, 2:], on_device[:, 0], on_device[:, 1], _shared_head(key_slots))
+        return cls(on_device[:, 2:], on_device[:, 0], on_device[:, 1], 0 if exact else _shared_head(key_slots),
+                   exact, window)
 
     def to(self, device: torch.device) -> "PagedDecode":
         """The table on another device (a model split across GPUs)."""
         if self.table.device == device:
             return self
-        return PagedDecode(self.table.to(device), self.lengths.to(device), self.new_slots.to(device), self.shared)
+        return PagedDecode(self.table.to(device), self.lengths.to(device), self.new_slots.to(device), self.shared,
+                           self.exact, self.window)
 
     def attend(self, pool: BlockPool, layer: int, q: torch.Tensor, scale: float,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output (G, H, D) in q's dtype for the rows q (G, H, D); `sinks` (H,): per-head
         sink logits (gpt-oss)."""
         k_pool, v_pool = pool.k[layer], pool.v[layer]
+        if self.exact:
+            from kvdiff.engine import gpu_kernels
+
+            return gpu_kernels.paged_attention(q, k_pool, v_pool, self.table, self.lengths, self.window, scale, sinks)
         if q.is_cuda and pool.holds_kv:      # (an MLA pool's rows are expanded first: the gathering path)
             from kvdiff.engine import paged_kernel
 

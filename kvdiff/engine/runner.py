@@ -51,6 +51,10 @@ class ModelRunner:
         self.adapter = adapter
         self.pool = pool
         self.exact = exact
+        # exact decode rows read the paged pool in one kernel (gpu_kernels.paged_attention) on CUDA,
+        # where the pool holds K and V as attention reads them at a power-of-two head width
+        self.paged_exact = (exact and pool.device.type == "cuda" and pool.holds_kv
+                            and adapter.head_dim & (adapter.head_dim - 1) == 0)
         routers = [layer.router for layer in adapter.layers if layer.router is not None]
         self.experts_shape = (int(routers[0].num_experts), int(routers[0].top_k)) if routers else None
 
@@ -78,7 +82,7 @@ class ModelRunner:
         tokens = torch.tensor([t for g in groups for t in g.token_ids], device=dev)
         positions = [p for g in groups for p in g.positions]
         encoded = torch.tensor([p for g in groups for p in g.encoded], device=dev)
-        attention = ForwardAttention.build(groups, spans, a.windows, self._keys, self.exact, dev)
+        attention = ForwardAttention.build(groups, spans, a.windows, self._keys, self.exact, dev, self.paged_exact)
         if attention.decode_slots is not None:
             read = write_slots = attention.decode_slots
             write_rows, writes_all = None, True
