@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from kvdiff.engine import Engine
-from kvdiff.engine.fast_decode import fast_row_linears, row_linear
+from kvdiff.engine.fast_decode import fast_numerics, row_linear
 
 
 def test_row_linear_is_the_linear_for_one_row_and_many():
@@ -24,7 +24,7 @@ def test_one_row_goes_through_row_linear_and_the_model_is_restored(monkeypatch):
     rows_seen = []
     monkeypatch.setattr("kvdiff.engine.fast_decode.row_linear",
                         lambda x, w, b: rows_seen.append(x.shape) or nn.functional.linear(x, w, b))
-    with fast_row_linears(model):
+    with fast_numerics(model):
         model(torch.randn(1, 8))
     assert rows_seen == [(1, 8), (1, 4)]
     assert all("forward" not in m.__dict__ for m in model)

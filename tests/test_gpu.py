@@ -183,7 +183,9 @@ def test_a_model_split_across_two_gpus_gives_the_tokens_of_one_gpu(bf16_folder, 
     for name, model in (("single", single), ("split", split)):
         with exact_numerics(model) if numerics == "exact" else contextlib.nullcontext():
             refs = [reference_generate(model, tok, c, NEW).token_ids for c in SUITE[:8]]
-        eng = Engine(model, tok, strategy="prefix", numerics=numerics)
+        # (no CUDA graphs: a split model's steps run eagerly, and fast numerics' graphed steps may
+        # differ from eager ones in their last bits)
+        eng = Engine(model, tok, strategy="prefix", numerics=numerics, cuda_graphs=False)
         outs[name] = (refs, [o.token_ids for o in eng.generate(SUITE[:8], max_new_tokens=NEW)])
     assert outs["split"] == outs["single"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvdiff.engine.fast_decode import row_linear_forwards
+from kvdiff.engine.fast_decode import fast_forwards
 from kvdiff.engine.latent_cache import latent_qkv
 from kvdiff.engine.numerics import patched_forwards
 from kvdiff.errors import UnsupportedModelError
@@ -87,10 +87,10 @@ class Adapter:
         self.windows = tuple(dict.fromkeys(layer.window for layer in self.layers))   # distinct, None: global
 
     @functools.cached_property
-    def row_linear_forwards(self) -> list[tuple[nn.Linear, object]]:
-        """The model's CPU linears and their one-row forwards (fast_decode.row_linear_forwards),
+    def fast_forwards(self) -> list[tuple[nn.Module, object]]:
+        """The modules fast numerics run with forwards of their own (fast_decode.fast_forwards),
         found once: fast numerics patch them every generate call."""
-        return row_linear_forwards(self.model)
+        return fast_forwards(self.model)
 
     @functools.cached_property
     def exact_forwards(self) -> list[tuple[nn.Module, object]]:

@@ -11,7 +11,7 @@ import torch
 from kvdiff.engine.adapters import get_adapter
 from kvdiff.engine.chunks import ChunkedPrompt, split_conversation
 from kvdiff.engine.decode_graph import DecodeGraphs, graphs_apply
-from kvdiff.engine.fast_decode import fast_row_linears
+from kvdiff.engine.fast_decode import fast_numerics
 from kvdiff.conversation import Messages, check_fits
 from kvdiff.engine.kv_cache import BLOCK_SIZE, BlockPool, BlockTable
 from kvdiff.engine.latent_cache import LatentPool
@@ -117,7 +117,7 @@ class Engine:
             self.check_fits(p, max_new_tokens, f"request {i}: ")
         a = self.adapter
         numerics = (exact_numerics(self.model, a.exact_forwards) if self.numerics is Numerics.EXACT
-                    else fast_row_linears(self.model, a.row_linear_forwards))
+                    else fast_numerics(self.model, a.fast_forwards))
         requests = [Request(i, p, BlockTable(self.pool), sinks.get(i)) for i, p in enumerate(prompts)]
         planner = Planner(self.registry, self.strategy, self.fingerprint)
         start = time.perf_counter()

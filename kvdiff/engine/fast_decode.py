@@ -1,6 +1,10 @@
-"""Fast numerics' linears for a decode step's single row on the CPU.
+"""Fast numerics' own forwards: a decode step's one-row linears on the CPU, RMSNorm on CUDA.
 
-torch runs a one-row linear as a gemv, which on the 2-core AVX-512 CPU (torch 2.13, MKL) reads
+On CUDA, transformers' RMSNorm is eight kernels (casts, square, mean, add, rsqrt, two
+products); a decode step is bound by such small kernels as much as by the weights (on an 8B
+model 65 norms a step), so fast numerics run it as exact numerics' one Triton kernel.
+
+On the CPU, torch runs a one-row linear as a gemv, which on the 2-core AVX-512 CPU (torch 2.13, MKL) reads
 a decode step's weights at about half the speed of a matmul of the row padded to two columns,
 `weight @ [row, 0]^T` (30 ms against 14-15 ms for the default model's 211 linears, weights
 out of cache). Fast numerics promise no bits, so the engine's fast decode steps use the latter;
@@ -10,6 +14,7 @@ rows in twos and more, and weights off the CPU, keep the model's own linear.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from typing import Callable, Iterator
 
 import torch
@@ -34,17 +39,30 @@ def _forward(module: nn.Linear):
     return forward
 
 
-def row_linear_forwards(model: nn.Module) -> list[tuple[nn.Linear, Callable]]:
-    """(module, its `row_linear` forward) for every CPU nn.Linear of `model`."""
-    return [(m, _forward(m)) for m in model.modules() if isinstance(m, nn.Linear) and m.weight.device.type == "cpu"]
+def fast_forwards(model: nn.Module) -> list[tuple[nn.Module, Callable]]:
+    """(module, its fast forward) for every CPU nn.Linear of `model` (`row_linear`) and, where
+    Triton runs, every CUDA RMSNorm of the Llama formula (`numerics.rms_norm_forward`)."""
+    from kvdiff.engine.numerics import is_llama_rms_norm, rms_norm_forward
+
+    out: list[tuple[nn.Module, Callable]] = []
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and m.weight.device.type == "cpu":
+            out.append((m, _forward(m)))
+        elif is_llama_rms_norm(m) and m.weight.is_cuda and _triton():
+            out.append((m, rms_norm_forward(m)))
+    return out
+
+
+def _triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 @contextlib.contextmanager
-def fast_row_linears(model: nn.Module, forwards: list[tuple[nn.Linear, Callable]] | None = None) -> Iterator[nn.Module]:
-    """Run every CPU nn.Linear of `model` through `row_linear` inside the block (`forwards`:
-    `row_linear_forwards(model)` where the caller keeps it); restored on exit."""
+def fast_numerics(model: nn.Module, forwards: list[tuple[nn.Module, Callable]] | None = None) -> Iterator[nn.Module]:
+    """Run `model`'s modules with fast numerics' own forwards inside the block (`forwards`:
+    `fast_forwards(model)` where the caller keeps it); restored on exit."""
     if forwards is None:
-        forwards = row_linear_forwards(model)
+        forwards = fast_forwards(model)
     patched = [(m, forward) for m, forward in forwards if "forward" not in m.__dict__]
     for m, forward in patched:     # what nn.Module.__setattr__ does with a plain attribute, without its checks
         m.__dict__["forward"] = forward

@@ -186,7 +186,8 @@ def _linear_forward(module: nn.Linear):
     return forward
 
 
-def _rms_norm_forward(module: nn.Module):
+def rms_norm_forward(module: nn.Module):
+    """`module`'s forward (a Llama-formula RMSNorm on CUDA) as one Triton kernel, a row per program."""
     from kvdiff.engine import gpu_kernels
 
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
@@ -194,6 +195,13 @@ def _rms_norm_forward(module: nn.Module):
     def forward(x: torch.Tensor) -> torch.Tensor:
         return gpu_kernels.rms_norm(_on(x, module.weight.device), module.weight, eps)
     return forward
+
+
+def is_llama_rms_norm(module: nn.Module) -> bool:
+    """Whether `module` is an RMSNorm of transformers' Llama formula (Llama, Mistral, Qwen2/3,
+    gpt-oss, DeepSeek-V3; Gemma's scale by 1 + weight in float32: another formula)."""
+    name = type(module).__name__
+    return name.endswith("RMSNorm") and not name.startswith("Gemma")
 
 
 def patched_forwards(model: nn.Module) -> list[tuple[nn.Module, object]]:
@@ -206,9 +214,8 @@ def patched_forwards(model: nn.Module) -> list[tuple[nn.Module, object]]:
     for m in model.modules():
         if isinstance(m, nn.Linear):
             out.append((m, _linear_forward(m)))
-        elif type(m).__name__.endswith("RMSNorm") and not type(m).__name__.startswith("Gemma") and m.weight.is_cuda:
-            # (Gemma's norms scale by 1 + weight in float32: another formula, left to the model)
-            out.append((m, _rms_norm_forward(m)))
+        elif is_llama_rms_norm(m) and m.weight.is_cuda:
+            out.append((m, rms_norm_forward(m)))
     return out
 
 
