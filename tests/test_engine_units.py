@@ -380,6 +380,19 @@ def test_exact_numerics_restores_the_model(tiny_llama):
     assert model.config._attn_implementation == impl and "forward" not in model.lm_head.__dict__
 
 
+def test_exact_numerics_without_attention_patch_the_modules_only_and_nest(tiny_llama):
+    """The engine runs attention itself: its exact numerics leave the model's attention as it is,
+    and a use nested in them still switches it."""
+    model, _ = tiny_llama
+    impl = model.config._attn_implementation
+    with exact_numerics(model, attention=False):
+        assert model.config._attn_implementation == impl and "forward" in model.lm_head.__dict__
+        with exact_numerics(model):
+            assert model.config._attn_implementation == "kvdiff_exact"
+        assert model.config._attn_implementation == impl and "forward" in model.lm_head.__dict__
+    assert "forward" not in model.lm_head.__dict__
+
+
 # --- strategies on every tiny family -------------------------------------------------------------
 
 @pytest.mark.parametrize("strategy", [s.value for s in Strategy])

@@ -116,8 +116,8 @@ class Engine:
         for i, p in enumerate(prompts):
             self.check_fits(p, max_new_tokens, f"request {i}: ")
         a = self.adapter
-        numerics = (exact_numerics(self.model, a.exact_forwards) if self.numerics is Numerics.EXACT
-                    else fast_numerics(self.model, a.fast_forwards))
+        numerics = (exact_numerics(self.model, a.exact_forwards, attention=False)
+                    if self.numerics is Numerics.EXACT else fast_numerics(self.model, a.fast_forwards))
         requests = [Request(i, p, BlockTable(self.pool), sinks.get(i)) for i, p in enumerate(prompts)]
         planner = Planner(self.registry, self.strategy, self.fingerprint)
         start = time.perf_counter()

@@ -220,12 +220,15 @@ def patched_forwards(model: nn.Module) -> list[tuple[nn.Module, object]]:
 
 
 @contextlib.contextmanager
-def exact_numerics(model: nn.Module, forwards: list[tuple[nn.Module, object]] | None = None) -> Iterator[nn.Module]:
+def exact_numerics(model: nn.Module, forwards: list[tuple[nn.Module, object]] | None = None,
+                   attention: bool = True) -> Iterator[nn.Module]:
     """Run `model` with batch-invariant numerics inside the block; everything is restored on exit.
 
     Patches every nn.Linear's (and on CUDA every RMSNorm's) forward on the instance (`forwards`:
     `patched_forwards(model)` where the caller keeps it), and switches the model's attention to
-    kvdiff's exact attention (with its mask function). Re-entrant: a nested use is a no-op.
+    kvdiff's exact attention (with its mask function) unless `attention` is False (a caller that
+    runs attention itself, as the engine does: transformers' set_attn_implementation walks every
+    module, twice a call). Re-entrant: a use nested in one that switched attention is a no-op.
     """
     if getattr(model, "_kvdiff_exact_depth", 0):
         model._kvdiff_exact_depth += 1
@@ -234,20 +237,22 @@ def exact_numerics(model: nn.Module, forwards: list[tuple[nn.Module, object]] | 
         finally:
             model._kvdiff_exact_depth -= 1
         return
-    register_exact_attention()
     patched = patched_forwards(model) if forwards is None else forwards
     saved_forward = [m.__dict__.get("forward") for m, _ in patched]
     previous = model.config._attn_implementation
     for m, forward in patched:      # what nn.Module.__setattr__ does with a plain attribute, without its checks
         m.__dict__["forward"] = forward
-    model.set_attn_implementation(EXACT_ATTENTION)
-    model._kvdiff_exact_depth = 1
+    if attention:
+        register_exact_attention()
+        model.set_attn_implementation(EXACT_ATTENTION)
+        model._kvdiff_exact_depth = 1
     log.debug("exact numerics on for %d modules", len(patched))
     try:
         yield model
     finally:
-        model._kvdiff_exact_depth = 0
-        model.set_attn_implementation(previous)
+        if attention:
+            model._kvdiff_exact_depth = 0
+            model.set_attn_implementation(previous)
         for (m, _), fwd in zip(patched, saved_forward):
             if fwd is None:
                 del m.__dict__["forward"]
