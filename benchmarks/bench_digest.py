@@ -2,6 +2,7 @@
 
     python benchmarks/bench_digest.py [--model smollm2-135m] [--prompt-tokens 2000] [--pairs 3]
     python benchmarks/bench_digest.py --scale 8000      # kvdiff compare end to end on an 8,000-token prompt
+    python benchmarks/bench_digest.py --host-bound [--pairs 5]    # the host's cost per capture (tiny model)
 
 Two requests of the reference path (transformers, greedy): prompt-heavy (`--prompt-tokens`
 prompt tokens, 4 generated) and decode-heavy (200 prompt tokens, `--decode-tokens` generated).
@@ -12,6 +13,10 @@ prompt-heavy request with its zoom trace (digests plus a window of 3 layers x 64
 full, as `compare` writes by default where the first difference is past layer 0). `--scale N` instead runs `kvdiff.compare` (digest
 capture, isolated-local, so that there is a divergence to find) on an N-token prompt and prints
 the time to the first difference (the digest diff's end), the whole run's and its peak memory.
+`--host-bound` instead times a 30-layer tiny model (kvdiff/engine/tiny.py, width 64), whose
+compute is negligible, so that its runs are bound by Python as a GPU's are: 32 prompt tokens +
+128 generated, the reference path and kvdiff's engine, each digest-captured against the same run
+unprobed in alternated pairs; besides the ratio, the difference of the medians per capture, in us.
 """
 
 from __future__ import annotations
@@ -28,7 +33,11 @@ import torch
 
 import kvdiff
 from kvdiff.conversation import render_prompt_ids
+from kvdiff.engine import Engine
 from kvdiff.engine.reference import reference_generate
+from kvdiff.engine.tiny import build_tiny_model
+from kvdiff.probes.hooks import attach_probes
+from kvdiff.probes.recorder import TraceRecorder
 from kvdiff.trace.fingerprint import model_fingerprint
 
 log = logging.getLogger("bench_digest")
@@ -86,6 +95,62 @@ def scale(model_name: str, n_tokens: int) -> None:
              sum(sizes.values()) / 1e6, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 
 
+class Counted:
+    """A sink that counts the captures it hands on to `sink`."""
+
+    def __init__(self, sink):
+        self.sink, self.captures = sink, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.sink, name)
+
+    def capture(self, *args) -> None:
+        self.captures += 1
+        self.sink.capture(*args)
+
+    def capture_norm(self, *args) -> None:
+        self.captures += 1
+        self.sink.capture_norm(*args)
+
+
+def host_bound(pairs: int, new_tokens: int = 128) -> None:
+    """Digest capture on vs off on a tiny model: the host's cost per capture, the reference path and the engine."""
+    logging.getLogger("kvdiff").setLevel(logging.WARNING)      # not a line per trace written
+    model, tokenizer = build_tiny_model("tiny-llama", num_layers=30)
+    fingerprint = model_fingerprint(model)
+    messages = messages_of(tokenizer, 40)
+    engine = Engine(model, tokenizer, strategy="prefix")
+    with tempfile.TemporaryDirectory() as name:
+        path = Path(name) / "t.h5"
+
+        def recorder(strategy: str) -> TraceRecorder:
+            return TraceRecorder.for_model(model, tokenizer, messages, path, strategy=strategy, fingerprint=fingerprint,
+                                           max_new_tokens=new_tokens, trace_mode="digest")
+
+        def reference(sink=None):
+            if sink is None:
+                return reference_generate(model, tokenizer, messages, new_tokens)
+            with attach_probes(model, sink) as probes:
+                out = reference_generate(model, tokenizer, messages, new_tokens, sink=probes)
+            return sink.finish(out.token_ids, out.text)
+
+        def engine_run(sink=None):
+            (out,) = engine.generate([messages], max_new_tokens=new_tokens, sinks={} if sink is None else {0: sink})
+            return None if sink is None else sink.finish(out.token_ids, out.text, out.chunks)
+
+        n = len(render_prompt_ids(tokenizer, messages))
+        for label, run, strategy in (("reference", reference, "reference"), ("engine (prefix)", engine_run, "prefix")):
+            counted = Counted(recorder(strategy))
+            run(counted)                                            # warm-up, and the captures a run makes
+            runs = [(timed(run), timed(lambda: run(recorder(strategy)))) for _ in range(pairs)]
+            plain, digest = statistics.median(p for p, _ in runs), statistics.median(d for _, d in runs)
+            log.info("host-bound, %s, %d + %d tokens of a 30-layer tiny model, %d captures: digest capture %.2fx "
+                     "unprobed (median of %d pairs, %.2f-%.2f; plain %.3f s, digest %.3f s): %.1f us a capture",
+                     label, n, new_tokens, counted.captures, statistics.median(d / p for p, d in runs), len(runs),
+                     min(d / p for p, d in runs), max(d / p for p, d in runs), plain, digest,
+                     (digest - plain) / counted.captures * 1e6)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -93,10 +158,13 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--scale", type=int, default=None, help="run compare end to end on this many tokens")
+    parser.add_argument("--host-bound", action="store_true", help="time a tiny model's digest capture instead")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.scale is not None:
         return scale(args.model, args.scale)
+    if args.host_bound:
+        return host_bound(args.pairs)
 
     model, tokenizer = kvdiff.load_model(args.model)
     fingerprint = model_fingerprint(model)
