@@ -19,7 +19,7 @@ import torch
 from kvdiff.trace.format import dense_router_rows, rope_pairs
 from kvdiff.trace.points import MOE_POINTS
 from kvdiff.trace.sink import ProbeIntegrityError, ProbeSink, Provenance
-from kvdiff.probes.model_meta import model_dims
+from kvdiff.probes.model_meta import experts_shape
 from kvdiff.probes.taps import Taps
 from kvdiff.probes.spec import ProbeSpec, default_spec
 
@@ -78,15 +78,16 @@ class ModelProbes:
     def _attach_dense_layers(self) -> int:
         """In a model mixing dense and mixture-of-experts layers, a dense layer's MLP gives its
         router points `dense_router_rows` (no router ran there). Returns how many it tapped."""
-        dims = model_dims(self.model)
+        num_experts, per_token = experts_shape(self.model)       # one walk of the model; model_dims makes three
+        layers = self.model.model.layers[: self.model.config.num_hidden_layers] if num_experts else ()
         tapped = 0
-        for layer, block in enumerate(self.model.model.layers[: dims.num_layers]) if dims.num_experts else ():
+        for layer, block in enumerate(layers):
             routed = hasattr(block.mlp, "gate") or hasattr(block.mlp, "router")     # gpt-oss's is `router`
             if routed or not any(self.sink.wants(p, layer) for p in MOE_POINTS):
                 continue
 
             def hook(module, args, kwargs, output, layer=layer):
-                logits, experts = dense_router_rows(output[0], dims.num_experts, dims.experts_per_token)
+                logits, experts = dense_router_rows(output[0], num_experts, per_token)
                 for point, rows in zip(MOE_POINTS, (logits, experts)):
                     if self.sink.wants(point, layer):
                         self.sink.capture(point, layer, rows.unsqueeze(0), self._at(output, point))

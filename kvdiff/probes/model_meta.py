@@ -122,11 +122,11 @@ def norm_eps(module: torch.nn.Module) -> float:
     raise ValueError(f"norm module {type(module).__name__} has no epsilon attribute")
 
 
-def build_meta(model, tokenizer, messages: list[dict], input_ids, selection: Selection,
+def build_meta(model, tokenizer, messages: list[dict], input_ids, selection: Selection, dims: ModelDims,
                strategy: str, numerics: str, fingerprint: str | None = None) -> TraceMeta:
     """The metadata known before generation starts (generated ids, text and chunks come at finish).
-    `fingerprint`: the model's `model_fingerprint`, when the caller has it already (hashing every
-    weight takes about half a second for the default model on a CPU)."""
+    `dims`: the model's `model_dims`. `fingerprint`: the model's `model_fingerprint`, when the caller
+    has it already (hashing every weight takes about half a second for the default model on a CPU)."""
     import transformers
 
     param = next(model.parameters())
@@ -140,5 +140,5 @@ def build_meta(model, tokenizer, messages: list[dict], input_ids, selection: Sel
         torch_version=str(torch.__version__), transformers_version=transformers.__version__,
         strategy=strategy, numerics=numerics, messages=[dict(m) for m in messages],
         input_ids=np.asarray(input_ids, dtype=np.int64),
-        dims=model_dims(model), points=selection.points, layers=selection.layers,
+        dims=dims, points=selection.points, layers=selection.layers,
     )

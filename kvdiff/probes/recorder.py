@@ -136,7 +136,7 @@ class TraceRecorder:
         else:
             selection = Selection.parse(dims.num_layers, capture, layers, positions, dims.points())
         ids = list(input_ids) if input_ids is not None else render_prompt_ids(tokenizer, messages)
-        meta = build_meta(model, tokenizer, messages, ids, selection, strategy, numerics, fingerprint)
+        meta = build_meta(model, tokenizer, messages, ids, selection, dims, strategy, numerics, fingerprint)
         if digested is not None:
             meta.trace_mode, meta.digest_points, meta.digest_layers = trace_mode, digested.points, digested.layers
         writer = TraceWriter(path, meta, compression=compression,
