@@ -275,3 +275,17 @@ def test_a_cache_hits_new_turn_replays_a_graph(bf16_folder, numerics):
     assert got.chunks[0].cache == "hit" and 1 < rows[0] <= 64 and rows[1:] == [1] * (len(got.token_ids) - 1)
     # exact numerics: the graph's rows have the eager prefill's bits, so every token is the same
     assert got.token_ids[:2] == want.token_ids[:2] if numerics == "fast" else got.token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_rope_kernel_is_apply_rope(dtype):
+    from kvdiff.engine import rope_kernel
+    from kvdiff.engine.adapters import apply_rope
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for T, H, D in [(1, 9, 64), (37, 32, 128), (5, 8, 96)]:
+        x = torch.randn(T, H, D, device="cuda", generator=gen).to(dtype)
+        angle = torch.rand(T, D // 2, device="cuda", generator=gen).repeat(1, 2) * 100
+        cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+        tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+        torch.testing.assert_close(rope_kernel.rotate(x, cos, sin), apply_rope(x, cos, sin), rtol=tol, atol=tol)

@@ -15,6 +15,7 @@ import torch
 
 from kvdiff.engine.adapters import Adapter, apply_rope
 from kvdiff.engine.attention_plan import ForwardAttention, KeySet, key_sets
+from kvdiff.engine import rope_kernel
 from kvdiff.engine.kv_cache import BlockPool, Segment
 from kvdiff.engine.strategies import rerotate_keys
 from kvdiff.trace.format import dense_router_rows
@@ -55,6 +56,9 @@ class ModelRunner:
         # where the pool holds K and V as attention reads them at a power-of-two head width
         self.paged_exact = (exact and pool.device.type == "cuda" and pool.holds_kv
                             and adapter.head_dim & (adapter.head_dim - 1) == 0)
+        # fast numerics on CUDA rotate q and k in one kernel each, where the adapter uses apply_rope for both
+        self.fused_rope = (not exact and pool.device.type == "cuda" and rope_kernel.available
+                           and type(adapter).rotate_q is Adapter.rotate_q)
         routers = [layer.router for layer in adapter.layers if layer.router is not None]
         self.experts_shape = (int(routers[0].num_experts), int(routers[0].top_k)) if routers else None
 
@@ -126,8 +130,10 @@ class ModelRunner:
                 cos, sin = ropes[layer.rope_kind] = cos.to(x.device), sin.to(x.device)
             q, k, v = a.qkv(layer, h)
             probes.capture("k_pre_rope", i, k)
-            q = a.rotate_q(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+            if self.fused_rope and q.stride(-1) == 1 and k.stride(-1) == 1:
+                q, k = rope_kernel.rotate(q, cos, sin), rope_kernel.rotate(k, cos, sin)
+            else:
+                q, k = a.rotate_q(q, cos, sin), apply_rope(k, cos, sin)
             if write_rows is None:
                 self.pool.write(i, write_slots, k, v)
             elif write_rows.numel():
