@@ -1,4 +1,4 @@
-"""CUDA graphs for fast-numerics decode steps (and a cache hit's few new rows): the host out of the step.
+"""CUDA graphs for decode steps (and a cache hit's few new rows): the host out of the step.
 
 A decode step runs the same kernels on the same shapes from one step to the next; only the
 inputs change (each row's token, position, new slot and slot table). Launching them one by one
@@ -83,7 +83,7 @@ def graphs_apply(runner: ModelRunner) -> bool:
 
 
 class DecodeGraphs:
-    """The decode graphs of one engine (its pool's addresses are baked into them)."""
+    """The graphs of one engine (its pool's addresses are baked into them), captured as needed."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
