@@ -128,6 +128,18 @@ def test_chunk_tokens_are_kept_per_text_until_the_vocabulary_changes():
     assert after.prompt_ids == render_prompt_ids(tok, SEED_MESSAGES) != first.prompt_ids
 
 
+def test_a_tokenizer_with_kept_tokens_can_still_be_freed():
+    import gc
+    import weakref
+
+    tok = tiny_tokenizer()
+    split_conversation(tok, SEED_MESSAGES)
+    gone = weakref.ref(tok)
+    del tok
+    gc.collect()
+    assert gone() is None       # its cache of token ids does not keep it alive
+
+
 def test_boundary_merge_is_an_error_naming_the_position():
     tok = tiny_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -85,21 +85,21 @@ class TokenCache:
     """Token ids of the texts one tokenizer tokenized last (each alone), least recently used
     dropped past TOKEN_CACHE_TEXTS: a cached system prompt is tokenized once, not again on every
     request that sends it. Ids are a function of the text and the vocabulary; the entries are
-    dropped when the vocabulary's size changes (tokens added)."""
+    dropped when the vocabulary's size changes (tokens added). It holds no reference to its
+    tokenizer, so that the weak mapping from tokenizers to caches lets a tokenizer go."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.vocabulary = len(tokenizer)
+    def __init__(self, vocabulary: int):
+        self.vocabulary = vocabulary
         self.ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
-    def encode(self, texts: list[str]) -> list[tuple[int, ...]]:
+    def encode(self, tokenizer, texts: list[str]) -> list[tuple[int, ...]]:
         """Token ids of each text, tokenized alone (the texts not kept in one batched call)."""
-        if len(self.tokenizer) != self.vocabulary:
-            self.vocabulary = len(self.tokenizer)
+        if len(tokenizer) != self.vocabulary:
+            self.vocabulary = len(tokenizer)
             self.ids.clear()
         missing = list(dict.fromkeys(t for t in texts if t not in self.ids))
         if missing:
-            encoded = self.tokenizer(missing, add_special_tokens=False)["input_ids"]
+            encoded = tokenizer(missing, add_special_tokens=False)["input_ids"]
             self.ids.update((t, tuple(int(i) for i in ids)) for t, ids in zip(missing, encoded))
         out = [self.ids[t] for t in texts]
         for t in texts:
@@ -116,8 +116,8 @@ def _encode_all(tokenizer, texts: list[str]) -> list[tuple[int, ...]]:
     """Token ids of each text, tokenized alone, through the tokenizer's TokenCache."""
     cache = _TOKEN_CACHES.get(tokenizer)
     if cache is None:
-        cache = _TOKEN_CACHES[tokenizer] = TokenCache(tokenizer)
-    return cache.encode(texts)
+        cache = _TOKEN_CACHES[tokenizer] = TokenCache(len(tokenizer))
+    return cache.encode(tokenizer, texts)
 
 
 def _window_texts(tokenizer, kept: Messages) -> list[str] | None:
