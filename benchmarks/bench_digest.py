@@ -14,9 +14,11 @@ full, as `compare` writes by default where the first difference is past layer 0)
 capture, isolated-local, so that there is a divergence to find) on an N-token prompt and prints
 the time to the first difference (the digest diff's end), the whole run's and its peak memory.
 `--host-bound` instead times a 30-layer tiny model (kvdiff/engine/tiny.py, width 64), whose
-compute is negligible, so that its runs are bound by Python as a GPU's are: 32 prompt tokens +
+compute is negligible, so that its runs are bound by Python as a GPU's are: 33 prompt tokens +
 128 generated, the reference path and kvdiff's engine, each digest-captured against the same run
-unprobed in alternated pairs; besides the ratio, the difference of the medians per capture, in us.
+unprobed in alternated pairs; besides the ratio, the difference of the medians per capture, in us,
+and that of a 1-token request (what a trace costs whatever its length: opening, the prompt's
+forward, closing).
 """
 
 from __future__ import annotations
@@ -114,7 +116,8 @@ class Counted:
 
 
 def host_bound(pairs: int, new_tokens: int = 128) -> None:
-    """Digest capture on vs off on a tiny model: the host's cost per capture, the reference path and the engine."""
+    """Digest capture on vs off on a tiny model: the host's cost per capture, the reference path and
+    the engine; and what a trace costs whatever its length (the same with one new token)."""
     logging.getLogger("kvdiff").setLevel(logging.WARNING)      # not a line per trace written
     model, tokenizer = build_tiny_model("tiny-llama", num_layers=30)
     fingerprint = model_fingerprint(model)
@@ -123,32 +126,37 @@ def host_bound(pairs: int, new_tokens: int = 128) -> None:
     with tempfile.TemporaryDirectory() as name:
         path = Path(name) / "t.h5"
 
-        def recorder(strategy: str) -> TraceRecorder:
+        def recorder(strategy: str, new: int) -> TraceRecorder:
             return TraceRecorder.for_model(model, tokenizer, messages, path, strategy=strategy, fingerprint=fingerprint,
-                                           max_new_tokens=new_tokens, trace_mode="digest")
+                                           max_new_tokens=new, trace_mode="digest")
 
-        def reference(sink=None):
+        def reference(new: int, sink=None):
             if sink is None:
-                return reference_generate(model, tokenizer, messages, new_tokens)
+                return reference_generate(model, tokenizer, messages, new)
             with attach_probes(model, sink) as probes:
-                out = reference_generate(model, tokenizer, messages, new_tokens, sink=probes)
+                out = reference_generate(model, tokenizer, messages, new, sink=probes)
             return sink.finish(out.token_ids, out.text)
 
-        def engine_run(sink=None):
-            (out,) = engine.generate([messages], max_new_tokens=new_tokens, sinks={} if sink is None else {0: sink})
+        def engine_run(new: int, sink=None):
+            (out,) = engine.generate([messages], max_new_tokens=new, sinks={} if sink is None else {0: sink})
             return None if sink is None else sink.finish(out.token_ids, out.text, out.chunks)
+
+        def paired_runs(run, strategy: str, new: int) -> list[tuple[float, float]]:
+            return [(timed(lambda: run(new)), timed(lambda: run(new, recorder(strategy, new)))) for _ in range(pairs)]
 
         n = len(render_prompt_ids(tokenizer, messages))
         for label, run, strategy in (("reference", reference, "reference"), ("engine (prefix)", engine_run, "prefix")):
-            counted = Counted(recorder(strategy))
-            run(counted)                                            # warm-up, and the captures a run makes
-            runs = [(timed(run), timed(lambda: run(recorder(strategy)))) for _ in range(pairs)]
+            counted = Counted(recorder(strategy, new_tokens))
+            run(new_tokens, counted)                               # warm-up, and the captures a run makes
+            runs = paired_runs(run, strategy, new_tokens)
             plain, digest = statistics.median(p for p, _ in runs), statistics.median(d for _, d in runs)
+            per_trace = statistics.median(d - p for p, d in paired_runs(run, strategy, 1))
             log.info("host-bound, %s, %d + %d tokens of a 30-layer tiny model, %d captures: digest capture %.2fx "
-                     "unprobed (median of %d pairs, %.2f-%.2f; plain %.3f s, digest %.3f s): %.1f us a capture",
+                     "unprobed (median of %d pairs, %.2f-%.2f; plain %.3f s, digest %.3f s): %.1f us a capture; "
+                     "with 1 new token %.0f ms more than unprobed",
                      label, n, new_tokens, counted.captures, statistics.median(d / p for p, d in runs), len(runs),
                      min(d / p for p, d in runs), max(d / p for p, d in runs), plain, digest,
-                     (digest - plain) / counted.captures * 1e6)
+                     (digest - plain) / counted.captures * 1e6, per_trace * 1e3)
 
 
 def main() -> None:
