@@ -372,3 +372,8 @@ def test_taps_run_around_a_forward_after_the_modules_own_hooks_and_come_off():
     seen.clear()
     bare(x), hooked(x)
     assert seen == [] and "forward" not in bare.__dict__ and len(hooked._forward_hooks) == 1
+    taps.add(bare, [lambda m, args, kwargs: seen.append("tap")], [])
+    inner = bare.forward
+    bare.forward = lambda *args: inner(*args) * 2          # wrapped again after the tap, as accelerate would
+    taps.remove()
+    assert torch.equal(bare(x), 2 * torch.nn.functional.linear(x, bare.weight, bare.bias)) and seen == []  # inert
