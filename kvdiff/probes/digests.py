@@ -33,6 +33,7 @@ class _RepeatPlan:
     groups: list[list[list[int]]]
     order: torch.Tensor
     tables: list[tuple[str, str, slice]]      # hash dataset, stats dataset, the table's columns in `order`
+    empty: tuple[torch.Tensor, torch.Tensor]    # the empty digest (a zero hash, NaN statistics), on the device
 
 
 def changed_in_place(point: str, layer: int | None) -> ProbeIntegrityError:
@@ -113,12 +114,11 @@ class DigestTaker:
             if plan is None:
                 return False
         digests = [row_digests(_stacked([[rows[i] for i in part] for part in parts])) for parts in plan.groups]
-        device = digests[0][0].device
-        hashes = torch.cat([h for h, _ in digests] + [torch.zeros(1, dtype=torch.int64, device=device)])
-        stats = torch.cat([s for _, s in digests] + [torch.full((1, len(DIGEST_STATS)), float("nan"), device=device)])
+        hashes = torch.cat([h for h, _ in digests] + [plan.empty[0]])
+        stats = torch.cat([s for _, s in digests] + [plan.empty[1]])
         if (self._pending and position <= self._pending[-1][0]) or len(self._pending) >= PENDING_STEPS:
             self.flush()        # one write holds increasing positions: a later row still replaces an earlier one
-        self._pending.append((position, hashes[plan.order], stats[plan.order]))
+        self._pending.append((position, hashes.index_select(0, plan.order), stats.index_select(0, plan.order)))
         return True
 
     def _plan_for(self, keys: list[tuple[str, int | None]], rows: list[torch.Tensor]) -> _RepeatPlan | None:
@@ -135,7 +135,10 @@ class DigestTaker:
             tables.append((digest_path(layer, table, "hash"), digest_path(layer, table, "stats"),
                            slice(len(order), len(order) + len(columns))))
             order += [where.get((point, layer), len(rows)) for point in columns]
-        return _RepeatPlan(list(keys), members, torch.tensor(order, device=rows[0].device), tables)
+        device = rows[0].device
+        empty = (torch.zeros(1, dtype=torch.int64, device=device),
+                 torch.full((1, len(DIGEST_STATS)), float("nan"), device=device))
+        return _RepeatPlan(list(keys), members, torch.tensor(order, device=device), tables, empty)
 
     def flush(self) -> None:
         """Write the held decode steps' digests: one write of each table for all of them."""
