@@ -330,7 +330,7 @@ class TraceRecorder:
         if not self._fired and same and (
                 [rows.numel() for rows in log] == repeat.staged.numels if self._digests is None else
                 [log[i].numel() for i in repeat.digested] == repeat.digest_sizes):
-            self._fired = logged
+            self._fired = repeat.fired       # equal to `logged`, and what was checked: compared by identity
             if (self._reads_only, self._fired) != self._checked:
                 self._check_fired()
             self._positions = None
