@@ -88,11 +88,17 @@ def test_bucketed_attention_equals_each_group_alone(shared_len):
         torch.testing.assert_close(out[span], want[0], rtol=1e-5, atol=1e-6)
 
 
-def test_partial_attention_in_row_blocks_equals_one_block(monkeypatch):
+def test_partial_attention_in_row_blocks_and_fused_equal_one_block(monkeypatch):
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 50, H, D), torch.randn(2, 70, KVH, D), torch.randn(2, 70, KVH, D)
     visible = torch.rand(2, 50, 70) > 0.3
+    visible[:, :3] = False                                            # rows that see no key
+    fused, fused_lse = partial_attention(q, k, v, visible, 0.3)
+    monkeypatch.setattr(cascade, "_fused", lambda q, v: False)        # the matmul form, as off the CPU
     whole, lse = partial_attention(q, k, v, visible, 0.3)
+    torch.testing.assert_close(fused, whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_lse, lse, rtol=1e-5, atol=1e-6)
+    assert torch.isinf(lse[:, :3]).all() and (whole[:, :3] == 0).all()
     monkeypatch.setattr(cascade, "SCORE_BUDGET", 2 * H * 70 * 7)     # blocks of 7 rows
     blocked, blse = partial_attention(q, k, v, visible, 0.3)
     torch.testing.assert_close(blocked, whole, rtol=1e-6, atol=1e-6)
