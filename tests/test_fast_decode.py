@@ -9,10 +9,10 @@ from kvdiff.engine import Engine
 from kvdiff.engine.fast_decode import fast_numerics, row_linear
 
 
-def test_row_linear_is_the_linear_for_one_row_and_many():
+def test_row_linear_is_the_linear_for_few_rows_and_many():
     torch.manual_seed(0)
     weight, bias = torch.randn(1536, 576), torch.randn(1536)
-    for shape in [(576,), (1, 576), (1, 1, 576), (3, 576), (2, 5, 576)]:
+    for shape in [(576,), (1, 576), (1, 1, 576), (3, 576), (2, 5, 576), (16, 576), (70, 576), (0, 576)]:
         x = torch.randn(shape)
         out = row_linear(x, weight, bias)
         assert out.shape == shape[:-1] + (1536,)
