@@ -57,9 +57,13 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible
     return torch.cat([o for o, _ in parts], 1), torch.cat([lse for _, lse in parts], 1)
 
 
+# SDPA's CPU flash kernel with its log-sum-exp is a private torch op: used where this torch has it
+FUSED_CPU = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
 def _fused(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether `partial_attention` runs the CPU's fused kernel (values as wide as the queries)."""
-    return q.device.type == "cpu" and v.shape[-1] == q.shape[-1]
+    return q.device.type == "cpu" and v.shape[-1] == q.shape[-1] and FUSED_CPU
 
 
 def _partial_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
