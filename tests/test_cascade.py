@@ -7,11 +7,12 @@ import random
 import pytest
 import torch
 
-import kvdiff.engine.cascade as cascade
+import kvdiff.engine.partial_attention as partial
 import kvdiff.engine.attention_plan as attention_plan
 from kvdiff.engine import Engine
 from kvdiff.engine.attention_plan import KeySet
-from kvdiff.engine.cascade import PAD_SLACK, CascadePlan, partial_attention, plan_buckets
+from kvdiff.engine.cascade import PAD_SLACK, CascadePlan, plan_buckets
+from kvdiff.engine.partial_attention import partial_attention
 from kvdiff.engine.kv_cache import BlockPool
 
 H, KVH, D = 4, 2, 8
@@ -94,12 +95,12 @@ def test_partial_attention_in_row_blocks_and_fused_equal_one_block(monkeypatch):
     visible = torch.rand(2, 50, 70) > 0.3
     visible[:, :3] = False                                            # rows that see no key
     fused, fused_lse = partial_attention(q, k, v, visible, 0.3)
-    monkeypatch.setattr(cascade, "_fused", lambda q, v: False)        # the matmul form, as off the CPU
+    monkeypatch.setattr(partial, "_fused", lambda q, v: False)        # the matmul form, as off the CPU
     whole, lse = partial_attention(q, k, v, visible, 0.3)
     torch.testing.assert_close(fused, whole, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fused_lse, lse, rtol=1e-5, atol=1e-6)
     assert torch.isinf(lse[:, :3]).all() and (whole[:, :3] == 0).all()
-    monkeypatch.setattr(cascade, "SCORE_BUDGET", 2 * H * 70 * 7)     # blocks of 7 rows
+    monkeypatch.setattr(partial, "SCORE_BUDGET", 2 * H * 70 * 7)     # blocks of 7 rows
     blocked, blse = partial_attention(q, k, v, visible, 0.3)
     torch.testing.assert_close(blocked, whole, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(blse, lse, rtol=1e-6, atol=1e-6)

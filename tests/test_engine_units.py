@@ -11,8 +11,8 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 import kvdiff
 from kvdiff.engine import Engine
-from kvdiff.engine.cascade import merge_states, partial_attention
-from kvdiff.engine.cascade import with_sinks as with_sinks_of
+from kvdiff.engine.partial_attention import merge_states, partial_attention
+from kvdiff.engine.partial_attention import with_sinks as with_sinks_of
 from kvdiff.engine.chunks import split_conversation
 from kvdiff.engine.kv_cache import BlockPool, BlockTable, OutOfBlocks
 from kvdiff.engine.numerics import CPU_ROW_TILE, exact_attention, exact_numerics, invariant_linear

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvdiff.engine.cascade import merge_states, partial_attention, single_attention, with_sinks
+from kvdiff.engine.partial_attention import merge_states, partial_attention, single_attention, with_sinks
 from kvdiff.engine.kv_cache import BlockPool
 
 MIN_SHARED = 32     # shared keys worth a cascade on the host
