@@ -89,19 +89,20 @@ class ModelRunner:
         attention = ForwardAttention.build(groups, spans, a.windows, self._keys, self.exact, dev, self.paged_exact)
         if attention.decode_slots is not None:
             read = write_slots = attention.decode_slots
-            write_rows, writes_all = None, True
+            write_rows = None
         else:
-            write = torch.cat([g.write_slots for g in groups])
+            # which rows write is known on the host (RowGroup.writes): no device read to find them
             read = torch.cat([g.read_slots for g in groups])
-            write_rows = (write >= 0).nonzero().squeeze(1)
-            write_slots = write[write_rows]
-            writes_all = write_rows.numel() == tokens.numel()
+            writing = [g.write_slots for g in groups if g.writes]
+            write_slots = torch.cat(writing) if writing else read[:0]
+            write_rows = None if len(writing) == len(groups) else torch.tensor(
+                [i for g, s in zip(groups, spans) if g.writes for i in range(s.start, s.stop)], dtype=torch.long,
+                device=dev)
         x = a.embed_tokens(tokens)
         ropes = {kind: a.rope(x, encoded, kind) for kind in a.rope_kinds}
         probes = _Probes(groups, spans, positions)
         probes.begin()
-        x = self.layers(x, ropes, attention, write_slots, write_rows if not writes_all else None, read, probes,
-                        num_layers)
+        x = self.layers(x, ropes, attention, write_slots, write_rows, read, probes, num_layers)
         logits = self._final(x, groups, spans, probes) if num_layers is None else [None] * len(groups)
         probes.end()
         return logits
