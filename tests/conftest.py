@@ -93,15 +93,46 @@ def _routing(router, logits):
         top, ids = logits.topk(router.top_k)
         return top.softmax(-1), ids
     top, ids = logits.softmax(-1).topk(router.top_k)
-    return top / top.sum(), ids
+    return top / top.sum(-1, keepdim=True), ids
+
+
+def _router(model, layer: int):
+    """`layer`'s router: `mlp.gate`, gpt-oss's `mlp.router`."""
+    mlp = model.model.layers[layer].mlp
+    return mlp.gate if hasattr(mlp, "gate") else mlp.router
+
+
+def assert_router_points_are_the_models(model, tok, messages: list, tmp_path):
+    """A recording of `messages`: at every layer and prompt position its router_logits are the
+    model's own (`output_router_logits`) and its experts (float32) the ids the model's router
+    picks from them. Returns the trace's path."""
+    import numpy as np
+    import torch
+
+    from kvdiff.conversation import render_prompt_ids
+    from kvdiff.run.record import record
+    from kvdiff.trace import open_trace
+
+    path = record(model, tok, messages, tmp_path / "router.h5", max_new_tokens=3)
+    ids = render_prompt_ids(tok, messages)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+    with open_trace(path) as tr:
+        prompt = np.arange(len(ids))
+        for layer in range(model.config.num_hidden_layers):
+            logits = tr.point(layer, "router_logits", prompt)
+            experts = tr.point(layer, "experts", prompt)
+            assert np.array_equal(logits, out.router_logits[layer].numpy())
+            assert experts.dtype == np.float32
+            assert np.array_equal(experts, _routing(_router(model, layer), torch.from_numpy(logits))[1].numpy())
+    return path
 
 
 def plant_router_logit(model, layer: int, position: int, offset: float):
     """A hook on `layer`'s router (`mlp.gate`, gpt-oss's `mlp.router`): at `position` of a prefill,
     the logit ranked k+1 is set to the k-th's plus `offset` (> 0: it takes the k-th's place), and
     that row's choice recomputed."""
-    mlp = model.model.layers[layer].mlp
-    gate = mlp.gate if hasattr(mlp, "gate") else mlp.router
+    gate = _router(model, layer)
     k = gate.top_k
 
     def hook(module, args, output):

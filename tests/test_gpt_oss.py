@@ -23,6 +23,7 @@ from kvdiff.trace.points import ALL_POINTS, MOE_POINTS
 
 from conftest import (SEED_MESSAGES, SHARING_SYSTEM, SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_isolated_local_is_a_position_mismatch,
                       assert_prefix_exact_rows_are_the_forwards, assert_reference_is_transformers_generation,
+                      assert_router_points_are_the_models,
                       planted_flip)
 
 MESSAGES = SEED_MESSAGES
@@ -89,17 +90,7 @@ def test_prefix_exact_is_bitwise_the_reference_with_a_cached_system_prompt(gpt_o
 
 
 def test_reference_probes_hold_the_routers_logits_and_choices(gpt_oss, tmp_path):
-    model, tok = gpt_oss
-    path = record(model, tok, MESSAGES, tmp_path / "t.h5", max_new_tokens=3)
-    ids = render_prompt_ids(tok, MESSAGES)
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
-    with open_trace(path) as tr:
-        prompt = np.arange(len(ids))
-        for layer in range(model.config.num_hidden_layers):
-            logits = tr.point(layer, "router_logits", prompt)
-            assert np.array_equal(logits, out.router_logits[layer].numpy())
-            assert np.array_equal(tr.point(layer, "experts", prompt), torch.from_numpy(logits).topk(2).indices.numpy())
+    assert_router_points_are_the_models(*gpt_oss, MESSAGES, tmp_path)     # its choice: the top k of the logits
 
 
 def test_the_traces_hold_the_sinks_attention_applied(gpt_oss, tmp_path):

@@ -22,6 +22,7 @@ from kvdiff.trace.format import DENSE_EXPERT
 from kvdiff.trace.points import ALL_POINTS, MOE_POINTS
 
 from conftest import (SEED_MESSAGES, SHARING_SYSTEM, assert_every_strategy_runs, assert_isolated_local_is_a_position_mismatch,
+                      assert_router_points_are_the_models,
                       assert_prefix_exact_rows_are_the_forwards, moved_router_flip, planted_flip, prefix_exact_run)
 
 MESSAGES = SEED_MESSAGES
@@ -61,20 +62,9 @@ def test_every_strategy_runs(moe, strategy, numerics):
 
 def test_reference_probes_hold_the_routers_logits_and_choices(moe, tmp_path):
     model, tok = moe
-    path = record(model, tok, MESSAGES, tmp_path / "t.h5", max_new_tokens=3)
-    ids = render_prompt_ids(tok, MESSAGES)
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+    path = assert_router_points_are_the_models(model, tok, MESSAGES, tmp_path)    # its choice: the top k of the softmax
     with open_trace(path) as tr:
         assert tr.meta.points == model_dims(model).points() and tr.meta.dims.num_experts == 8
-        prompt = np.arange(len(ids))
-        for layer in range(model.config.num_hidden_layers):
-            logits = tr.point(layer, "router_logits", prompt)
-            experts = tr.point(layer, "experts", prompt)
-            assert np.array_equal(logits, out.router_logits[layer].numpy())
-            assert experts.dtype == np.float32
-            top = torch.from_numpy(logits).softmax(-1).topk(2).indices.numpy()
-            assert np.array_equal(experts, top)
 
 
 def test_prefix_exact_is_bitwise_the_reference_with_a_cached_system_prompt(moe, tmp_path):
