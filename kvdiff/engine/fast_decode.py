@@ -22,6 +22,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from kvdiff.engine.numerics import is_llama_rms_norm, rms_norm_forward, swapped_forwards
+
 # oneDNN's inner product is a private torch op: used where this torch has it, else MKL's linear
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -53,8 +55,6 @@ def _forward(module: nn.Linear):
 def fast_forwards(model: nn.Module) -> list[tuple[nn.Module, Callable]]:
     """(module, its fast forward) for every CPU nn.Linear of `model` (`fast_linear`) and, where
     Triton runs, every CUDA RMSNorm of the Llama formula (`numerics.rms_norm_forward`)."""
-    from kvdiff.engine.numerics import is_llama_rms_norm, rms_norm_forward
-
     out: list[tuple[nn.Module, Callable]] = []
     for m in model.modules():
         if isinstance(m, nn.Linear) and m.weight.device.type == "cpu":
@@ -74,11 +74,6 @@ def fast_numerics(model: nn.Module, forwards: list[tuple[nn.Module, Callable]] |
     `fast_forwards(model)` where the caller keeps it); restored on exit."""
     if forwards is None:
         forwards = fast_forwards(model)
-    patched = [(m, forward) for m, forward in forwards if "forward" not in m.__dict__]
-    for m, forward in patched:     # what nn.Module.__setattr__ does with a plain attribute, without its checks
-        m.__dict__["forward"] = forward
-    try:
+    # a module whose forward is already replaced (a wrapper, exact numerics) keeps it
+    with swapped_forwards([(m, forward) for m, forward in forwards if "forward" not in m.__dict__]):
         yield model
-    finally:
-        for m, _ in patched:
-            del m.__dict__["forward"]

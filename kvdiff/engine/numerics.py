@@ -220,6 +220,23 @@ def patched_forwards(model: nn.Module) -> list[tuple[nn.Module, object]]:
 
 
 @contextlib.contextmanager
+def swapped_forwards(forwards: list[tuple[nn.Module, object]]) -> Iterator[None]:
+    """Each (module, forward) pair's forward set on the module instance inside the block; what the
+    instance had before (nothing, or a wrapper such as accelerate's) is put back on exit."""
+    saved = [m.__dict__.get("forward") for m, _ in forwards]
+    for m, forward in forwards:      # what nn.Module.__setattr__ does with a plain attribute, without its checks
+        m.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        for (m, _), before in zip(forwards, saved):
+            if before is None:
+                del m.__dict__["forward"]
+            else:
+                m.__dict__["forward"] = before
+
+
+@contextlib.contextmanager
 def exact_numerics(model: nn.Module, forwards: list[tuple[nn.Module, object]] | None = None,
                    attention: bool = True) -> Iterator[nn.Module]:
     """Run `model` with batch-invariant numerics inside the block; everything is restored on exit.
@@ -238,23 +255,16 @@ def exact_numerics(model: nn.Module, forwards: list[tuple[nn.Module, object]] | 
             model._kvdiff_exact_depth -= 1
         return
     patched = patched_forwards(model) if forwards is None else forwards
-    saved_forward = [m.__dict__.get("forward") for m, _ in patched]
     previous = model.config._attn_implementation
-    for m, forward in patched:      # what nn.Module.__setattr__ does with a plain attribute, without its checks
-        m.__dict__["forward"] = forward
-    if attention:
-        register_exact_attention()
-        model.set_attn_implementation(EXACT_ATTENTION)
-        model._kvdiff_exact_depth = 1
-    log.debug("exact numerics on for %d modules", len(patched))
-    try:
-        yield model
-    finally:
+    with swapped_forwards(patched):
         if attention:
-            model._kvdiff_exact_depth = 0
-            model.set_attn_implementation(previous)
-        for (m, _), fwd in zip(patched, saved_forward):
-            if fwd is None:
-                del m.__dict__["forward"]
-            else:
-                m.__dict__["forward"] = fwd
+            register_exact_attention()
+            model.set_attn_implementation(EXACT_ATTENTION)
+            model._kvdiff_exact_depth = 1
+        log.debug("exact numerics on for %d modules", len(patched))
+        try:
+            yield model
+        finally:
+            if attention:
+                model._kvdiff_exact_depth = 0
+                model.set_attn_implementation(previous)
