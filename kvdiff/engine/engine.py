@@ -47,8 +47,8 @@ class Engine:
     """Chunked generation with a chunk registry over one transformers model.
 
     Greedy by default; `temperature > 0` samples (seeded by `seed`) with optional top-k / top-p.
-    On a GPU, fast-numerics decode steps replay CUDA graphs (decode_graph.py) unless
-    `cuda_graphs=False` or a probe records them.
+    On a GPU, decode steps and a cache hit's few new rows replay CUDA graphs (decode_graph.py)
+    unless `cuda_graphs=False` or a probe records them.
     """
 
     def __init__(self, model, tokenizer, strategy: Strategy | str = Strategy.PREFIX,

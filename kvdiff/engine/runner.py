@@ -30,7 +30,7 @@ class RowGroup:
     token_ids: list[int]
     positions: list[int]          # global sequence positions (causal masking, probes)
     encoded: list[int]            # positions RoPE encodes them at
-    write_slots: torch.Tensor     # (T,) slots for their K/V; -1: do not write (already cached)
+    write_slots: torch.Tensor     # (T,) slots for their K/V (-1 where `writes` is False)
     read_slots: torch.Tensor      # (T,) slots attention reads at these positions
     segments: list[Segment]       # keys they may attend to, in sequence order
     lo: int = 0                   # lowest sequence position they may attend to
