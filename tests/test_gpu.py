@@ -177,8 +177,12 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two G
 @pytest.mark.parametrize("numerics", ["exact", "fast"])
 def test_a_model_split_across_two_gpus_gives_the_tokens_of_one_gpu(bf16_folder, numerics):
     single, tok = kvdiff.load_model(str(bf16_folder), dtype="bfloat16", device="cuda:0")
-    split, _ = kvdiff.load_model(str(bf16_folder), dtype="bfloat16", device_map="balanced")
+    weights = sum(p.numel() * p.element_size() for p in single.parameters())
+    budget = weights * 7 // 10 // 2**20           # MiB: the model does not fit one GPU's share
+    split, _ = kvdiff.load_model(str(bf16_folder), dtype="bfloat16", device_map="auto", gpu_memory=f"{budget}MiB")
     assert {p.device.index for p in split.parameters()} == {0, 1}
+    for gpu in (0, 1):
+        assert sum(p.numel() * p.element_size() for p in split.parameters() if p.device.index == gpu) <= budget * 2**20
     outs = {}
     for name, model in (("single", single), ("split", split)):
         with exact_numerics(model) if numerics == "exact" else contextlib.nullcontext():

@@ -11,7 +11,7 @@ import torch
 import kvdiff
 from kvdiff.engine.loading import fill_cache_atomically
 from kvdiff.engine.reference import reference_generate
-from kvdiff.errors import ModelLoadError, UnsupportedModelError
+from kvdiff.errors import InputError, ModelLoadError, UnsupportedModelError
 
 from conftest import SEED_PROMPT
 
@@ -78,6 +78,18 @@ def test_unknown_dtype_and_device_are_input_errors():
         kvdiff.load_model("tiny-llama", dtype="float8")
     with pytest.raises(ModelLoadError, match="device"):
         kvdiff.load_model("tiny-llama", device="tpu")
+
+
+def test_a_device_map_or_gpu_budget_the_machine_cannot_honour_is_a_clear_error(tmp_path):
+    with pytest.raises(InputError, match="use one of auto, balanced"):
+        kvdiff.load_model(str(tmp_path), device_map="everywhere")
+    with pytest.raises(InputError, match="only applies to a model split with --device-map"):
+        kvdiff.load_model(str(tmp_path), gpu_memory="20GiB")
+    with pytest.raises(InputError, match="write it like 20GiB"):
+        kvdiff.load_model(str(tmp_path), device_map="auto", gpu_memory="twenty gigs")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="no CUDA GPU is visible"):
+            kvdiff.load_model(str(tmp_path), device_map="auto", gpu_memory="1.5GiB")
 
 
 def _slow_fill(target: str, marker: str) -> str:

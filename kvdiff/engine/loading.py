@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from kvdiff.engine.device_map import check_all_on_gpus, check_device_map, gpu_budget
 from kvdiff.errors import InputError, KvdiffError, ModelLoadError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -187,21 +188,7 @@ def _check_architecture(config) -> None:
         )
 
 
-DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
-
-
-def check_device_map(device_map: str | None) -> None:
-    """A device map kvdiff passes to accelerate needs a known strategy and more than one GPU's worth of CUDA."""
-    if device_map is None:
-        return
-    if device_map not in DEVICE_MAPS:
-        raise InputError(f"unknown device map {device_map!r}: use one of {', '.join(DEVICE_MAPS)}")
-    if not torch.cuda.is_available():
-        raise ModelLoadError(f"device map {device_map!r} splits a model across GPUs, but no CUDA GPU is visible: "
-                             "drop --device-map")
-
-
-def _load_folder(folder: Path, dtype: torch.dtype, device_map: str | None = None):
+def _load_folder(folder: Path, dtype: torch.dtype, device_map: str | None = None, gpu_memory: str | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if not (folder / "config.json").is_file():
@@ -217,27 +204,30 @@ def _load_folder(folder: Path, dtype: torch.dtype, device_map: str | None = None
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True,
-                                                     device_map=device_map)
+                                                     device_map=device_map, max_memory=gpu_budget(gpu_memory))
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot load the model in {folder}: {exc}") from exc
+    check_all_on_gpus(model, folder)
     return model, tokenizer
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", device="cpu", device_map: str | None = None):
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", device="cpu", device_map: str | None = None,
+               gpu_memory: str | None = None):
     """Load `(model, tokenizer)` from local files only.
 
     `name_or_path` is the default model's name `smollm2-135m`, a tiny test model name
     (`tiny-llama`, `tiny-mistral`, `tiny-qwen2`, `tiny-qwen3`, `tiny-qwen3-moe`, `tiny-gemma3`, `tiny-gpt-oss`, `tiny-deepseek-v3`), a transformers
     model folder,
     or a `.gguf` file. `device_map` (auto, balanced, ...) splits a folder's or GGUF's model across
-    the visible GPUs with accelerate instead of placing it on `device`. Raises ModelLoadError
+    the visible GPUs with accelerate instead of placing it on `device`, each GPU holding at most
+    `gpu_memory` of weights when given (`20GiB`). Raises ModelLoadError
     with a one-line fix when it cannot.
     """
     from kvdiff.engine.tiny import TINY_FAMILIES, build_tiny_model
 
     torch_dtype = parse_dtype(dtype)
     torch_device = resolve_device(device)
-    check_device_map(device_map)
+    check_device_map(device_map, gpu_memory)
     name = str(name_or_path)
     if name in TINY_FAMILIES and device_map is not None:
         raise InputError(f"--device-map needs a model folder or .gguf file, not the built-in {name}")
@@ -265,7 +255,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", device="cpu",
             folder = path
         else:
             raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
-        model, tokenizer = _load_folder(folder, torch_dtype, device_map)
+        model, tokenizer = _load_folder(folder, torch_dtype, device_map, gpu_memory)
         source = name
     model.eval()
     if device_map is None:
