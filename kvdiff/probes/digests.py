@@ -170,11 +170,14 @@ class DigestTaker:
         for (layer, table), taken in self._taken.items():
             columns = self.columns[layer, table]
             parts = {point: batched[d] if isinstance(d, int) else d for point, d in taken.items()}
+            # A model split across GPUs hands a layer's input over on the previous layer's GPU:
+            # a table's digests (a few numbers a row) meet on its first capture's device.
+            device = next(iter(parts.values()))[0].device
+            parts = {point: (h.to(device), s.to(device)) for point, (h, s) in parts.items()}
             if parts.keys() == columns.keys():          # every point fired: one stack each
                 hashes = torch.stack([parts[point][0] for point in columns], 1)
                 stats = torch.stack([parts[point][1] for point in columns], 1)
             else:
-                device = next(iter(parts.values()))[0].device
                 hashes = torch.zeros(positions.size, len(columns), dtype=torch.int64, device=device)
                 stats = torch.full((positions.size, len(columns), len(DIGEST_STATS)), float("nan"), device=device)
                 for point, (h, s) in parts.items():
