@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 NEG_INF = float("-inf")
 SCORE_BUDGET = 1 << 24   # score elements one partial-attention block holds (64 MiB in float32)
+NO_PLAN_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]   # not cuDNN
 
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
@@ -114,6 +116,16 @@ def single_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     Shapes as in `partial_attention`; returns (B, T, H, D) in q's dtype.
     """
     mask = None if visible is None else visible.unsqueeze(1)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    if not q.is_cuda:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2)
+    # For a masked grouped-query call SDPA picks cuDNN on Hopper, which builds a plan for each new
+    # (rows, keys) shape: 40-600 ms, paid by nearly every request of a new length. The fused
+    # kernels have no per-shape cost and take keys with as many heads as the queries.
+    groups = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
+    with sdpa_kernel(NO_PLAN_BACKENDS):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, scale=scale)
     return out.transpose(1, 2)
