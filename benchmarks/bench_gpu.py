@@ -35,6 +35,7 @@ from bench_engine import conv, hf_generate  # noqa: E402
 from kvdiff.cli.ci import BENCHMARK_SKIPPED  # noqa: E402
 from kvdiff.engine import Engine  # noqa: E402
 from kvdiff.engine.numerics import exact_numerics  # noqa: E402
+from kvdiff.run.model_cache import ModelKey  # noqa: E402
 from kvdiff.conversation import render_prompt_ids  # noqa: E402
 from kvdiff.engine.reference import reference_generate  # noqa: E402
 from shapes import DEFAULT_SHAPES, REAL_SHAPES, random_model  # noqa: E402
@@ -184,7 +185,7 @@ def bench_scale(setup: Setup) -> list[Row]:
     messages = conv(tok.decode(ids), "What is the capital of France?")
     n = len(render_prompt_ids(tok, messages))
     name = f"random:{model.config.hidden_size}"
-    cache = {(name, "bfloat16", "cuda", None): (model, tok)}
+    cache = {ModelKey(name, "bfloat16", "cuda"): (model, tok)}
     marks: dict[str, float] = {}
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()

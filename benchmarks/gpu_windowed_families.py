@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from bench_families import SHAPES, build  # noqa: E402
 from kvdiff.conversation import render_prompt_ids  # noqa: E402
 from kvdiff.run.compare import compare  # noqa: E402
+from kvdiff.run.model_cache import ModelKey  # noqa: E402
 
 WINDOW = 128
 SYSTEM = "You are a helpful assistant. Always answer in French."
@@ -35,7 +36,7 @@ def check(family: str) -> bool:
     model, tok, params = build(family)
     model = model.to("cuda", torch.bfloat16)
     print(f"{family}: {params / 1e6:.0f}M parameters, window {WINDOW}, prompt {len(render_prompt_ids(tok, LONG))} tokens")
-    cache = {(family, "bfloat16", "cuda", None): (model, tok)}
+    cache = {ModelKey(family, "bfloat16", "cuda"): (model, tok)}
     ok = True
     for strategy, warm in (("prefix", OTHER), ("prefix", False), ("isolated-local", False)):
         result = compare(LONG, model=family, strategy=strategy, numerics="exact", warm=warm, max_new_tokens=8,

@@ -15,6 +15,7 @@ import os
 import pytest
 
 import kvdiff
+from kvdiff.run.model_cache import ModelKey
 
 SEED_SYSTEM = "You are a helpful assistant. Always answer in French."
 SEED_PROMPT = "What is the capital of France?"
@@ -217,7 +218,7 @@ def prefix_exact_run(model, tok, name: str, messages: list, other: list, tmp_pat
     from kvdiff.run.compare import compare
 
     result = compare(messages, model=name, strategy="prefix", numerics="exact", warm=other, max_new_tokens=6,
-                     out=tmp_path / "run", model_cache={(name, "float32", "cpu", None): (model, tok)})
+                     out=tmp_path / "run", model_cache={ModelKey(name): (model, tok)})
     report = result.report.to_json()
     assert result.exit_code == 0 and report["first_bit_difference"] is None
     assert [c["cache"] for c in report["chunks"]] == ["hit", "miss", "miss"]
@@ -240,7 +241,7 @@ def assert_isolated_local_is_a_position_mismatch(model, tok, name: str, messages
     from kvdiff.run.compare import compare
 
     result = compare(messages, model=name, strategy="isolated-local", numerics="exact", max_new_tokens=6,
-                     out=tmp_path / "run", model_cache={(name, "float32", "cpu", None): (model, tok)})
+                     out=tmp_path / "run", model_cache={ModelKey(name): (model, tok)})
     report = result.report.to_json()
     user = next(c for c in report["chunks"] if c["name"] == "user")
     assert result.exit_code == 1
@@ -259,7 +260,7 @@ def assert_isolated_global_is_missing_context(model, tok, name: str, messages: l
     from kvdiff.run.compare import compare
 
     result = compare(messages, model=name, strategy="isolated-global", numerics="exact", warm=warm, max_new_tokens=6,
-                     out=tmp_path / "run", model_cache={(name, "float32", "cpu", None): (model, tok)})
+                     out=tmp_path / "run", model_cache={ModelKey(name): (model, tok)})
     report = result.report.to_json()
     user = next(c for c in report["chunks"] if c["name"] == "user")
     assert result.exit_code == 1 and user["cache"] == ("hit" if warm else "miss")

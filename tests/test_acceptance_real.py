@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from kvdiff.run.compare import compare
+from kvdiff.run.model_cache import ModelKey
 from kvdiff.gate.cases import load_cases
 from kvdiff.gate.runner import run_cases
 
@@ -18,7 +19,7 @@ GATE_FILE = Path(__file__).parent / "gate" / "default.toml"
 @pytest.fixture(scope="module")
 def models(default_model):
     """compare's model cache, holding the session's default model (one copy in a whole test run)."""
-    return {("smollm2-135m", "float32", "cpu", None): default_model}
+    return {ModelKey("smollm2-135m"): default_model}
 
 
 def run(tmp_path, models, strategy, numerics="exact", **options):

@@ -25,6 +25,9 @@ BAD_OPTIONS = [
     ("unknown-dtype", ["--dtype", "float8"], "unknown dtype 'float8'"),
     ("unknown-device", ["--device", "tpu"], "unknown device 'tpu'"),
     ("messages-and-prompt", ["--messages", "m.json", "-p", "hi"], "give either --messages or --prompt/--system"),
+    ("unknown-device-map", ["--device-map", "everywhere"], "unknown device map 'everywhere': use one of auto"),
+    ("gpu-memory-alone", ["--gpu-memory", "20GiB"], "only applies to a model split with --device-map"),
+    ("gpu-memory-not-a-size", ["--device-map", "auto", "--gpu-memory", "lots"], "'lots' is not a size: write it like"),
 ]
 
 

@@ -16,6 +16,7 @@ from kvdiff.engine import Engine
 from kvdiff.engine.attention_plan import ForwardAttention, key_sets
 from kvdiff.engine.kv_cache import Segment
 from kvdiff.engine.numerics import KEY_TILE, exact_numerics
+from kvdiff.run.model_cache import ModelKey
 from kvdiff.engine.reference import reference_generate
 from kvdiff.engine.runner import RowGroup
 from kvdiff.engine.tiny import build_tiny_model
@@ -29,7 +30,7 @@ LONG_USER = SEED_PROMPT + " The quick brown fox jumps over the lazy dog, and the
 MESSAGES = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": LONG_USER}]
 OTHER = SHARING_SYSTEM
 NAME = "tiny-gemma3-window32"
-KEY = (NAME, "float32", "cpu", None)
+KEY = ModelKey(NAME)
 
 
 @pytest.fixture(scope="module")

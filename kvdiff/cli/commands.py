@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from kvdiff.cli.options import (
-    DEFAULT_MODEL, DEFAULT_NUMERICS, DEFAULT_RATIO, DEFAULT_STRATEGY, DEFAULT_TRACE_MODE, Device, DeviceMap, DType,
+    DEFAULT_MODEL, DEFAULT_NUMERICS, DEFAULT_RATIO, DEFAULT_STRATEGY, DEFAULT_TRACE_MODE, Device, DeviceMap, DType, GpuMemory,
     MessagesFile, Model, NumericsOption, Point, Prompt, RecomputeRatio, StrategyOption, System, TraceModeOption,
     ZoomLayers, ZoomPositions,
 )
@@ -31,6 +31,7 @@ def generate(
     dtype: DType = "float32",
     device: Device = "cpu",
     device_map: DeviceMap = None,
+    gpu_memory: GpuMemory = None,
 ) -> None:
     """Generate greedily on the reference (continuous) path and print the answer.
 
@@ -42,7 +43,8 @@ def generate(
     from kvdiff.reports.printable import printable
 
     conversation = build_messages(prompt, system, messages)
-    loaded_model, tokenizer = load_model(model, dtype=dtype, device=device, device_map=device_map)
+    loaded_model, tokenizer = load_model(model, dtype=dtype, device=device, device_map=device_map,
+                                         gpu_memory=gpu_memory)
     out = reference_generate(loaded_model, tokenizer, conversation, max_new_tokens)
     echo(printable(out.text))        # a model may generate control characters: shown as escapes
 
@@ -62,6 +64,7 @@ def compare(
     dtype: DType = "float32",
     device: Device = "cpu",
     device_map: DeviceMap = None,
+    gpu_memory: GpuMemory = None,
     capture: Optional[str] = typer.Option(None, "--capture", help="Probe points to record, comma-separated (default all)."),
     layers: Optional[str] = typer.Option(None, "--layers", help="--trace-mode full: layers to record, e.g. "
                                          "0-3,29 (default all)."),
@@ -95,7 +98,7 @@ def compare(
         result = run_compare(
             conversation, model=model, strategy=strategy, numerics=numerics, recompute_ratio=recompute_ratio,
             chunk_size=chunk_size, max_new_tokens=max_new_tokens, dtype=dtype, device=device, device_map=device_map,
-            capture=capture, layers=layers, warm=warm_up, out=out, html=html, json_path=json_out, progress=step,
+            gpu_memory=gpu_memory, capture=capture, layers=layers, warm=warm_up, out=out, html=html, json_path=json_out, progress=step,
             engine=engine, trace_mode=trace_mode, zoom_layers=zoom_layers, zoom_positions=zoom_positions,
         )
     log.info("artefacts in %s", result.out_dir)

@@ -17,6 +17,8 @@ DType = Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float1
 Device = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")]
 DeviceMap = Annotated[Optional[str], typer.Option(
     "--device-map", help="Split the model across the visible GPUs (auto, balanced, sequential); replaces --device.")]
+GpuMemory = Annotated[Optional[str], typer.Option(
+    "--gpu-memory", help="With --device-map: the most weights each GPU holds, e.g. 20GiB (default: what is free).")]
 StrategyOption = Annotated[str, typer.Option("--strategy", help=f"Chunk strategy: {Strategy.names()}.")]
 NumericsOption = Annotated[str, typer.Option(
     "--numerics", help="exact (batch-invariant, bitwise reproducible) or fast (cascade attention).")]

@@ -66,6 +66,7 @@ def compare(
     dtype: str = "float32",
     device: str = "cpu",
     device_map: str | None = None,
+    gpu_memory: str | None = None,
     capture: str | None = None,
     layers: str | None = None,
     warm: bool | Messages = False,
@@ -92,6 +93,8 @@ def compare(
     `zoom_positions` around the first difference (`kvdiff.run.zoom`); the traces are the zoom
     run's. "full" records every row once (`capture` and `layers` select what).
 
+    `model_cache`: models kept across calls, by `kvdiff.run.model_cache.ModelKey`.
+
     `engine`: "kvdiff" (its own chunked engine, as above), or an engine under test
     ("transformers", "vllm", "llama.cpp"), which runs cold, cold again and warm instead
     (`kvdiff.run.engine_compare`); strategy, numerics, chunking and capture options are kvdiff's
@@ -99,16 +102,17 @@ def compare(
     """
     from kvdiff.engine import Engine
     from kvdiff.engine.chunks import split_conversation
-    from kvdiff.engine.loading import load_model
     from kvdiff.probes.recorder import TraceRecorder
     from kvdiff.run.blend_errors import blend_errors_section
+    from kvdiff.run.model_cache import ModelKey, cached_model
     from kvdiff.run.record import record
 
     if engine != "kvdiff":
         return _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, html, json_path,
                                      model_cache, progress, strategy=strategy, numerics=numerics,
                                      recompute_ratio=recompute_ratio, chunk_size=chunk_size, dtype=dtype,
-                                     device=device, device_map=device_map, capture=capture, layers=layers,
+                                     device=device, device_map=device_map, gpu_memory=gpu_memory, capture=capture,
+                                     layers=layers,
                                      trace_mode=trace_mode, zoom_layers=zoom_layers, zoom_positions=zoom_positions)
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
@@ -120,13 +124,7 @@ def compare(
     with claimed_out_dir(out, str(strategy)) as out_dir, discarded_on_failure(out_dir, ARTEFACTS + FIRST_PASS):
         check_report_copies(json_path, html, out_dir)
         step("loading model")
-        key = (model, dtype, device, device_map)
-        if model_cache is not None and key in model_cache:
-            loaded, tokenizer = model_cache[key]
-        else:
-            loaded, tokenizer = load_model(model, dtype=dtype, device=device, device_map=device_map)
-            if model_cache is not None:
-                model_cache[key] = (loaded, tokenizer)
+        loaded, tokenizer = cached_model(model_cache, ModelKey(model, dtype, device, device_map, gpu_memory))
 
         # The engine drops empty messages (no chunk); the reference must render the same prompt.
         chunked = split_conversation(tokenizer, messages, chunk_size=chunk_size)
@@ -232,7 +230,8 @@ def _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, ht
 
     name = EngineName.parse(engine)
     defaults = {"strategy": Strategy.PREFIX, "numerics": Numerics.EXACT, "recompute_ratio": DEFAULT_RECOMPUTE_RATIO,
-                "chunk_size": None, "dtype": "float32", "device": "cpu", "device_map": None, "capture": None,
+                "chunk_size": None, "dtype": "float32", "device": "cpu", "device_map": None, "gpu_memory": None,
+                "capture": None,
                 "layers": None}
     digest = {k: kvdiff_only.pop(k) for k in ("trace_mode", "zoom_layers", "zoom_positions")}
     given = [k for k, v in kvdiff_only.items() if v != defaults[k]]

@@ -56,7 +56,7 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
     cold and warm run again with a zoom window in full (as `kvdiff.compare`), which also holds
     the logits at the first token flip.
     """
-    from kvdiff.engine.loading import load_model
+    from kvdiff.run.model_cache import ModelKey, cached_model
     from kvdiff.run.record import record
 
     name = EngineName.parse(engine)
@@ -70,13 +70,7 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
     with claimed_out_dir(out, str(name)) as out_dir, discarded_on_failure(out_dir, ARTEFACTS + FIRST_PASS):
         check_report_copies(json_path, html, out_dir, ARTEFACTS)
         step("loading model")
-        key = (model, "float32", "cpu", None)
-        if model_cache is not None and key in model_cache:
-            loaded, tokenizer = model_cache[key]
-        else:
-            loaded, tokenizer = load_model(model)
-            if model_cache is not None:
-                model_cache[key] = (loaded, tokenizer)
+        loaded, tokenizer = cached_model(model_cache, ModelKey(model))
         ids = render_prompt_ids(tokenizer, messages)
         step(f"starting {name}")
         recorded = _Recorded(loaded, tokenizer, messages, ids, out_dir, options.max_new_tokens, mode)
