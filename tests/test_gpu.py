@@ -78,8 +78,10 @@ def test_exact_operations_give_every_row_the_same_bits_whatever_rows_beside_it(d
     torch.testing.assert_close(attn.float(), dense, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("splits", [None, 1, 3, 16])      # None: as many as key_splits chooses
+@pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_paged_decode_kernel_matches_gathered_attention(dtype):
+def test_paged_decode_kernel_matches_gathered_attention(dtype, with_sinks, splits):
     from kvdiff.engine import paged_kernel
     from kvdiff.engine.kv_cache import BlockPool
     from kvdiff.engine.paged_decode import PagedDecode
@@ -92,11 +94,13 @@ def test_paged_decode_kernel_matches_gathered_attention(dtype):
     order = torch.randperm(1000 * 16)
     key_slots = [order[i * 3000:i * 3000 + n].numpy() for i, n in enumerate((1, 63, 64, 65, 2461))]
     q = torch.randn(len(key_slots), H, D, device="cuda", dtype=dtype)
+    sinks = torch.randn(H, device="cuda") if with_sinks else None
     plan = PagedDecode.build(key_slots, torch.device("cuda"))
-    fused = paged_kernel.paged_decode(q, pool.k[0], pool.v[0], plan.table, plan.lengths, 0.125)
+    fused = paged_kernel.paged_decode(q, pool.k[0], pool.v[0], plan.table, plan.lengths, 0.125, sinks, splits)
+    assert paged_kernel.key_splits(len(key_slots) * KVH, q.device) > 1     # the default splits these rows' keys
     paged_kernel.available = False      # the gather-and-SDPA path
     try:
-        gathered = plan.attend(pool, 0, q, 0.125)
+        gathered = plan.attend(pool, 0, q, 0.125, sinks)
     finally:
         paged_kernel.available = True
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
