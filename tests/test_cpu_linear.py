@@ -34,6 +34,31 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch(shape):
     assert row_invariance_failures(invariant_linear, weight, rows) == []
 
 
+@pytest.mark.parametrize("shape", [(49152, 576), (576, 576)], ids=lambda s: "%dx%d" % s)
+def test_the_weight_first_form_of_the_lm_head_is_row_invariant_too(shape):
+    torch.manual_seed(0)
+    weight = torch.randn(shape)
+    rows = torch.randn(ALL_ROWS, shape[1])
+
+    def head(x, w):
+        return invariant_linear(x, w, weight_first=True)
+
+    assert row_invariance_failures(head, weight, rows) == []
+    torch.testing.assert_close(head(rows[:5], weight), rows[:5] @ weight.t(), rtol=1e-4, atol=1e-4)
+
+
+def test_exact_numerics_take_the_lm_head_weight_first(tiny_llama):
+    from kvdiff.engine.numerics import patched_forwards
+
+    model = tiny_llama[0]
+    head = model.get_output_embeddings()
+    forwards = dict((id(m), f) for m, f in patched_forwards(model))
+    rows = torch.randn(3, head.weight.shape[1])
+    assert torch.equal(forwards[id(head)](rows), cpu_linear.weight_first_matmul(rows, head.weight))
+    layer = model.model.layers[0].self_attn.q_proj
+    assert torch.equal(forwards[id(layer)](rows), cpu_linear.cpu_invariant_matmul(rows, layer.weight))
+
+
 def test_a_small_form_with_other_bits_is_not_used(monkeypatch):
     # the first call for a weight finds the small form's bits differ and keeps to the tiles
     monkeypatch.setattr(cpu_linear, "_CHECK", cpu_linear.SmallRowsCheck())

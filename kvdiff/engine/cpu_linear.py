@@ -9,6 +9,9 @@ bits between 32 and 1,177 rows. Every gemm of one fixed shape is deterministic, 
 - up to SMALL_ROWS rows (a decode step): one matmul of the rows padded to SMALL_ROWS, which
   costs about a third of a 16-row tile for the small layers of a decode step.
 
+The output embedding (the LM head) goes weight first instead (`weight_first_matmul`): a forward
+applies it to a row or two, where the forms above cost 4x a plain matmul on its wide weight.
+
 MKL's blocked kernels give both forms the same bits per row (each output a dot product in the
 same order), but that is MKL's choice and not a promise: the first call for each weight
 computes probe rows both ways, at every position of the small form, and keeps to the tiles
@@ -26,6 +29,7 @@ log = logging.getLogger(__name__)
 
 ROW_TILE = 16      # rows per tile of the batched form
 SMALL_ROWS = 4     # at most this many rows: one matmul of exactly this many rows
+HEAD_TILE = 4      # rows per tile of the weight-first form
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -41,6 +45,16 @@ def tiled_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     tiles = pad_rows(rows, ROW_TILE).view(-1, ROW_TILE, rows.shape[-1])
     out = torch.bmm(tiles, weight.t().unsqueeze(0).expand(tiles.shape[0], -1, -1))
     return out.reshape(-1, weight.shape[0])[:rows.shape[0]]
+
+
+def weight_first_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`rows @ weight.T` as `weight @ tile.T` for HEAD_TILE-row tiles, in one batched matmul: every
+    tile is a gemm of one shape, so a row's bits do not depend on the rows beside it. For one row
+    of SmolLM2's 49,152 x 576 head: 2.9 ms against 9.2 ms for the small form (2 cores, MKL); for
+    2,455 rows 1.3x the row tiles, as every tile reads the whole weight."""
+    tiles = pad_rows(rows, HEAD_TILE).view(-1, HEAD_TILE, rows.shape[-1])
+    out = torch.bmm(weight.unsqueeze(0).expand(tiles.shape[0], -1, -1), tiles.transpose(1, 2))
+    return out.transpose(1, 2).reshape(-1, weight.shape[0])[:rows.shape[0]]
 
 
 def small_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

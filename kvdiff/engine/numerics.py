@@ -29,7 +29,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from kvdiff.engine.cpu_linear import ROW_TILE as CPU_ROW_TILE, cpu_invariant_matmul, pad_rows
+from kvdiff.engine.cpu_linear import ROW_TILE as CPU_ROW_TILE, cpu_invariant_matmul, pad_rows, weight_first_matmul
 from kvdiff.errors import KvdiffError
 
 log = logging.getLogger(__name__)
@@ -41,9 +41,11 @@ QUERY_BLOCK = 128      # CPU attention: query rows per block (a multiple of both
 EXACT_ATTENTION = "kvdiff_exact"
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     weight_first: bool = False) -> torch.Tensor:
     """`nn.functional.linear` whose row results do not depend on the number of rows (the bias
-    is added separately)."""
+    is added separately); `weight_first`: on the CPU, cpu_linear's form for a weight that sees a
+    row or two a forward (the LM head)."""
     if x.is_cuda and x.dtype != torch.float32 and x.dim() >= 2 and x.numel() == x.shape[-1]:
         # One row (a decode step): its 64-row tile is the row repeated, as a stride-0 view; a row's
         # bits do not depend on the other rows of its tile, and this costs no padding call.
@@ -51,7 +53,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return out if bias is None else out + bias
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_cuda:
-        out = cpu_invariant_matmul(flat, weight)
+        out = weight_first_matmul(flat, weight) if weight_first else cpu_invariant_matmul(flat, weight)
     elif flat.dtype != torch.float32:      # one matmul of whole 64-row tiles
         out = nn.functional.linear(pad_rows(flat, CUDA_ROW_TILE), weight)[:flat.shape[0]]
     else:        # float32 on a GPU: a matmul per tile (the batched form was not invariant there)
@@ -180,9 +182,9 @@ def _on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x if x.device == device else x.to(device)
 
 
-def _linear_forward(module: nn.Linear):
+def _linear_forward(module: nn.Linear, weight_first: bool = False):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return invariant_linear(_on(x, module.weight.device), module.weight, module.bias)
+        return invariant_linear(_on(x, module.weight.device), module.weight, module.bias, weight_first)
     return forward
 
 
@@ -205,15 +207,17 @@ def is_llama_rms_norm(module: nn.Module) -> bool:
 
 
 def patched_forwards(model: nn.Module) -> list[tuple[nn.Module, object]]:
-    """(module, exact forward) for every module exact numerics replace: all nn.Linear, on CUDA
+    """(module, exact forward) for every module exact numerics replace: all nn.Linear (the output
+    embedding in cpu_linear's weight-first form on the CPU), on CUDA
     every RMSNorm (transformers' Llama/Mistral/Qwen2/Qwen3 norms share one formula), and the
     routers and experts of a mixture of experts."""
     from kvdiff.engine.exact_moe import moe_forwards
 
     out: list[tuple[nn.Module, object]] = moe_forwards(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for m in model.modules():
         if isinstance(m, nn.Linear):
-            out.append((m, _linear_forward(m)))
+            out.append((m, _linear_forward(m, weight_first=m is head)))
         elif is_llama_rms_norm(m) and m.weight.is_cuda:
             out.append((m, rms_norm_forward(m)))
     return out
