@@ -76,17 +76,20 @@ def main() -> None:
     rows.append(("16 requests sharing a system chunk vs 16 sequential generate", seq_s, batch_s,
                  seq_s / batch_s, ">= 4x"))
 
-    # 4. exact vs fast numerics on the same request.
-    req = conv("You are a helpful assistant.", "What is the capital of France?")
-    times = {"fast": float("inf"), "exact": float("inf")}
-    for numerics in times:
-        Engine(model, tok, numerics=numerics).generate([req], max_new_tokens=2)
+    # 4. exact vs fast numerics on the same request: one engine a side, as a server keeps one (a new
+    # engine hashes the weights, ~0.2 s on both sides), strategy none so that each run computes
+    # the whole prompt.
+    req = conv("You are a helpful assistant.", "Write a long story about a dragon.")
+    engines = {numerics: Engine(model, tok, strategy="none", numerics=numerics) for numerics in ("fast", "exact")}
+    times = {numerics: float("inf") for numerics in engines}
+    for eng in engines.values():
+        eng.generate([req], max_new_tokens=2)
     for _ in range(REPEATS):
-        for numerics in times:
-            spent, _ = timed(lambda: Engine(model, tok, numerics=numerics).generate([req], max_new_tokens=32))
+        for numerics, eng in engines.items():
+            spent, out = timed(lambda: eng.generate([req], max_new_tokens=32))
             times[numerics] = min(times[numerics], spent)
-    rows.append(("exact vs fast numerics, same request (32 tokens), time", times["fast"], times["exact"],
-                 times["exact"] / times["fast"], "<= 1.5x"))
+    rows.append(("exact vs fast numerics, same request (%d tokens), time" % out[0].stats.generated_tokens,
+                 times["fast"], times["exact"], times["exact"] / times["fast"], "<= 1.3x"))
 
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
