@@ -9,9 +9,9 @@ from typing import Optional
 import typer
 
 from kvdiff.cli.options import (
-    DEFAULT_MODEL, DEFAULT_NUMERICS, DEFAULT_RATIO, DEFAULT_STRATEGY, DEFAULT_TRACE_MODE, Device, DeviceMap, DType, GpuMemory,
-    MessagesFile, Model, NumericsOption, Point, Prompt, RecomputeRatio, StrategyOption, System, TraceModeOption,
-    ZoomLayers, ZoomPositions,
+    DEFAULT_MODEL, DEFAULT_NUMERICS, DEFAULT_RATIO, DEFAULT_STRATEGY, DEFAULT_TRACE_MODE, Device, DeviceMap, DType,
+    GpuMemory, MessagesFile, Model, NumericsOption, Point, Prompt, RecomputeRatio, StrategyOption, System,
+    TraceModeOption, ZoomLayers, ZoomPositions,
 )
 from kvdiff.cli.app import app, check_point, command, console, echo, for_humans, progress, show_report
 from kvdiff.errors import InputError
@@ -98,8 +98,8 @@ def compare(
         result = run_compare(
             conversation, model=model, strategy=strategy, numerics=numerics, recompute_ratio=recompute_ratio,
             chunk_size=chunk_size, max_new_tokens=max_new_tokens, dtype=dtype, device=device, device_map=device_map,
-            gpu_memory=gpu_memory, capture=capture, layers=layers, warm=warm_up, out=out, html=html, json_path=json_out, progress=step,
-            engine=engine, trace_mode=trace_mode, zoom_layers=zoom_layers, zoom_positions=zoom_positions,
+            gpu_memory=gpu_memory, capture=capture, layers=layers, warm=warm_up, out=out, html=html, json_path=json_out,
+            progress=step, engine=engine, trace_mode=trace_mode, zoom_layers=zoom_layers, zoom_positions=zoom_positions,
         )
     log.info("artefacts in %s", result.out_dir)
     if for_humans(html, json_out):

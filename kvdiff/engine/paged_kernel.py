@@ -30,6 +30,25 @@ MAX_SPLITS = 16
 
 if available:
     @triton.jit
+    def _walk_tiles(q, k_ptr, v_ptr, slots_ptr, length, first, last, sk_s, sv_s, scale,
+                    D: tl.constexpr, DP: tl.constexpr, GP: tl.constexpr, IEEE: tl.constexpr, BN: tl.constexpr):
+        """The online softmax state (max, sum, output) of the query heads `q` over key tiles
+        [first, last) of one row's slots (`k_ptr`/`v_ptr` at its KV head), keys past `length` masked."""
+        dims = tl.arange(0, DP)
+        m_i = tl.full((GP,), float("-inf"), tl.float32)
+        l_i = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, DP), tl.float32)
+        for tile in range(first, last):
+            cols = tile * BN + tl.arange(0, BN)
+            inside = cols < length
+            slots = tl.load(slots_ptr + cols, mask=inside, other=0)
+            kv_mask = inside[:, None] & (dims[None, :] < D)
+            k = tl.load(k_ptr + slots[:, None] * sk_s + dims[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + slots[:, None] * sv_s + dims[None, :], mask=kv_mask, other=0.0)
+            m_i, l_i, acc = online_softmax_tile(q, k, v, inside[None, :], m_i, l_i, acc, scale, IEEE)
+        return m_i, l_i, acc
+
+    @triton.jit
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, sink_ptr, o_ptr, scale,
                              sq_n, sq_h, sk_s, sk_h, sv_s, sv_h, st_n, sl_n, so_n, so_h,
                              GROUPS: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -41,24 +60,14 @@ if available:
         q_mask = (members[:, None] < GROUPS) & (dims[None, :] < D)
         q = tl.load(q_ptr + row * sq_n + heads[:, None] * sq_h + dims[None, :], mask=q_mask, other=0.0)
         length = tl.load(len_ptr + row * sl_n)
-        m_i = tl.full((GP,), float("-inf"), tl.float32)
-        l_i = tl.zeros((GP,), tl.float32)
-        acc = tl.zeros((GP, DP), tl.float32)
-        for start in range(0, length, BN):
-            cols = start + tl.arange(0, BN)
-            inside = cols < length
-            slots = tl.load(table_ptr + row * st_n + cols, mask=inside, other=0)
-            kv_mask = inside[:, None] & (dims[None, :] < D)
-            k = tl.load(k_ptr + slots[:, None] * sk_s + kv_head * sk_h + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + slots[:, None] * sv_s + kv_head * sv_h + dims[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = online_softmax_tile(q, k, v, inside[None, :], m_i, l_i, acc, scale, IEEE)
+        m_i, l_i, acc = _walk_tiles(q, k_ptr + kv_head * sk_h, v_ptr + kv_head * sv_h, table_ptr + row * st_n,
+                                    length, 0, tl.cdiv(length, BN), sk_s, sv_s, scale, D, DP, GP, IEEE, BN)
         sink = 0.0
         if HAS_SINKS:
             sink = tl.load(sink_ptr + heads, mask=members < GROUPS, other=0.0).to(tl.float32)
         out = finish_softmax(m_i, l_i, acc, sink, HAS_SINKS)
         tl.store(o_ptr + row * so_n + heads[:, None] * so_h + dims[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=q_mask)
-
 
     @triton.jit
     def _paged_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale,
@@ -75,18 +84,9 @@ if available:
         tiles = tl.cdiv(length, BN)
         per_split = tl.cdiv(tiles, SPLITS)
         first = split * per_split
-        last = tl.minimum(first + per_split, tiles)
-        m_i = tl.full((GP,), float("-inf"), tl.float32)
-        l_i = tl.zeros((GP,), tl.float32)
-        acc = tl.zeros((GP, DP), tl.float32)
-        for tile in range(first, last):
-            cols = tile * BN + tl.arange(0, BN)
-            inside = cols < length
-            slots = tl.load(table_ptr + row * st_n + cols, mask=inside, other=0)
-            kv_mask = inside[:, None] & (dims[None, :] < D)
-            k = tl.load(k_ptr + slots[:, None] * sk_s + kv_head * sk_h + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + slots[:, None] * sv_s + kv_head * sv_h + dims[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = online_softmax_tile(q, k, v, inside[None, :], m_i, l_i, acc, scale, IEEE)
+        m_i, l_i, acc = _walk_tiles(q, k_ptr + kv_head * sk_h, v_ptr + kv_head * sv_h, table_ptr + row * st_n,
+                                    length, first, tl.minimum(first + per_split, tiles), sk_s, sv_s, scale,
+                                    D, DP, GP, IEEE, BN)
         state = (row * SPLITS + split) * H + heads          # partial states laid out (row, split, head)
         alive = members < GROUPS
         tl.store(m_ptr + state, m_i, mask=alive)
