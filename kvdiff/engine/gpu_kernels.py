@@ -80,11 +80,17 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, sink_ptr, o_ptr, T, L, scale
     for start in range(0, L, BN):
         cols = start + tl.arange(0, BN)
         in_keys = cols < L
-        k = tl.load(k_ptr + cols[:, None] * sk_l + kv_head * sk_h + dims[None, :], mask=in_keys[:, None], other=0.0)
-        v = tl.load(v_ptr + cols[:, None] * sv_l + kv_head * sv_h + dims[None, :], mask=in_keys[:, None], other=0.0)
         vis = tl.load(vis_ptr + rows[:, None] * svis_t + cols[None, :],
                       mask=(rows[:, None] < T) & in_keys[None, :], other=0)
-        m_i, l_i, acc = online_softmax_tile(q, k, v, vis != 0, m_i, l_i, acc, scale, IEEE)
+        # A tile no row of the block sees would leave every row's state as it is (the fully
+        # masked tile's no-op, which a row meets anyway past its last key): skipped, as the CPU
+        # path skips it; that is half the tiles of a causal prefill.
+        if tl.max(vis.to(tl.int32)) != 0:
+            k = tl.load(k_ptr + cols[:, None] * sk_l + kv_head * sk_h + dims[None, :], mask=in_keys[:, None],
+                        other=0.0)
+            v = tl.load(v_ptr + cols[:, None] * sv_l + kv_head * sv_h + dims[None, :], mask=in_keys[:, None],
+                        other=0.0)
+            m_i, l_i, acc = online_softmax_tile(q, k, v, vis != 0, m_i, l_i, acc, scale, IEEE)
     sink = 0.0
     if HAS_SINKS:
         sink = tl.load(sink_ptr + head).to(tl.float32)
@@ -167,8 +173,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.
     L, KVH, _ = k.shape
     q, k, v, vis = (_unit_last_stride(t) for t in (q, k, v, visible))   # a bool mask loads as is
     out = torch.empty_like(q)
-    # Every block walks all key tiles: a tile past a row's last visible key is fully masked and
-    # leaves its state bit-for-bit unchanged, so the number of keys never changes a row's bits.
+    # A tile past a row's last visible key is fully masked and leaves its state bit-for-bit
+    # unchanged, so neither the number of keys nor the tiles a block skips change a row's bits.
     with torch.cuda.device(q.device):   # Triton launches on the current device, not the tensors'
         _attention_kernel[(-(-T // BLOCK_M), H)](
             q, k, v, vis, out if sinks is None else sinks.contiguous(), out, T, L, scale,
