@@ -1,7 +1,5 @@
 import multiprocessing
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
