@@ -49,36 +49,20 @@ if available:
         return m_i, l_i, acc
 
     @triton.jit
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, sink_ptr, o_ptr, scale,
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, sink_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, scale,
                              sq_n, sq_h, sk_s, sk_h, sv_s, sv_h, st_n, sl_n, so_n, so_h,
-                             GROUPS: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                             IEEE: tl.constexpr, HAS_SINKS: tl.constexpr, BN: tl.constexpr):
-        row, kv_head = tl.program_id(0), tl.program_id(1)
-        members = tl.arange(0, GP)
-        heads = kv_head * GROUPS + members
-        dims = tl.arange(0, DP)
-        q_mask = (members[:, None] < GROUPS) & (dims[None, :] < D)
-        q = tl.load(q_ptr + row * sq_n + heads[:, None] * sq_h + dims[None, :], mask=q_mask, other=0.0)
-        length = tl.load(len_ptr + row * sl_n)
-        m_i, l_i, acc = _walk_tiles(q, k_ptr + kv_head * sk_h, v_ptr + kv_head * sv_h, table_ptr + row * st_n,
-                                    length, 0, tl.cdiv(length, BN), sk_s, sv_s, scale, D, DP, GP, IEEE, BN)
-        sink = 0.0
-        if HAS_SINKS:
-            sink = tl.load(sink_ptr + heads, mask=members < GROUPS, other=0.0).to(tl.float32)
-        out = finish_softmax(m_i, l_i, acc, sink, HAS_SINKS)
-        tl.store(o_ptr + row * so_n + heads[:, None] * so_h + dims[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=q_mask)
-
-    @triton.jit
-    def _paged_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale,
-                            sq_n, sq_h, sk_s, sk_h, sv_s, sv_h, st_n, sl_n,
-                            SPLITS: tl.constexpr, H: tl.constexpr, GROUPS: tl.constexpr, GP: tl.constexpr,
-                            D: tl.constexpr, DP: tl.constexpr, IEEE: tl.constexpr, BN: tl.constexpr):
+                             SPLITS: tl.constexpr, H: tl.constexpr, GROUPS: tl.constexpr, GP: tl.constexpr,
+                             D: tl.constexpr, DP: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr,
+                             BN: tl.constexpr):
+        """Program (row, KV head, split): the query heads of that KV head over the split's share of
+        the row's key tiles. With one split the output itself; else the partial state, laid out
+        (row, split, head), for _merge_splits_kernel."""
         row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         members = tl.arange(0, GP)
         heads = kv_head * GROUPS + members
         dims = tl.arange(0, DP)
-        q_mask = (members[:, None] < GROUPS) & (dims[None, :] < D)
+        alive = members < GROUPS
+        q_mask = alive[:, None] & (dims[None, :] < D)
         q = tl.load(q_ptr + row * sq_n + heads[:, None] * sq_h + dims[None, :], mask=q_mask, other=0.0)
         length = tl.load(len_ptr + row * sl_n)
         tiles = tl.cdiv(length, BN)
@@ -87,11 +71,18 @@ if available:
         m_i, l_i, acc = _walk_tiles(q, k_ptr + kv_head * sk_h, v_ptr + kv_head * sv_h, table_ptr + row * st_n,
                                     length, first, tl.minimum(first + per_split, tiles), sk_s, sv_s, scale,
                                     D, DP, GP, IEEE, BN)
-        state = (row * SPLITS + split) * H + heads          # partial states laid out (row, split, head)
-        alive = members < GROUPS
-        tl.store(m_ptr + state, m_i, mask=alive)
-        tl.store(l_ptr + state, l_i, mask=alive)
-        tl.store(acc_ptr + state[:, None] * DP + dims[None, :], acc, mask=alive[:, None])
+        if SPLITS == 1:
+            sink = 0.0
+            if HAS_SINKS:
+                sink = tl.load(sink_ptr + heads, mask=alive, other=0.0).to(tl.float32)
+            out = finish_softmax(m_i, l_i, acc, sink, HAS_SINKS)
+            tl.store(o_ptr + row * so_n + heads[:, None] * so_h + dims[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=q_mask)
+        else:
+            state = (row * SPLITS + split) * H + heads
+            tl.store(m_ptr + state, m_i, mask=alive)
+            tl.store(l_ptr + state, l_i, mask=alive)
+            tl.store(acc_ptr + state[:, None] * DP + dims[None, :], acc, mask=alive[:, None])
 
     @triton.jit
     def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, o_ptr, so_n, so_h,
@@ -161,19 +152,19 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     out = torch.empty_like(q)
     sink_ptr = out if sinks is None else sinks.contiguous()
     strides = (q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-               table.stride(0), lengths.stride(0))
-    with torch.cuda.device(q.device):   # Triton launches on the current device, not the tensors'
-        if splits == 1:
-            _paged_decode_kernel[(G, kv_heads)](
-                q, k_pool, v_pool, table, lengths, sink_ptr, out, scale, *strides, out.stride(0), out.stride(1),
-                IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None, BN=BLOCK_N, **shapes)
-            return out
+               table.stride(0), lengths.stride(0), out.stride(0), out.stride(1))
+    # The splits' partial states (max, sum, output); one split writes the output alone, its
+    # partial-state stores compiled out, and `out` stands in for their pointers.
+    maxima = sums = partial = out
+    if splits > 1:
         maxima = torch.empty(G * splits * H, dtype=torch.float32, device=q.device)
         sums = torch.empty_like(maxima)
         partial = torch.empty(G * splits * H, shapes["DP"], dtype=torch.float32, device=q.device)
-        _paged_split_kernel[(G, kv_heads, splits)](
-            q, k_pool, v_pool, table, lengths, maxima, sums, partial, scale, *strides,
-            SPLITS=splits, H=H, IEEE=q.dtype == torch.float32, BN=BLOCK_N, **shapes)
-        _merge_splits_kernel[(G, kv_heads)](maxima, sums, partial, sink_ptr, out, out.stride(0), out.stride(1),
-                                            SPLITS=splits, H=H, HAS_SINKS=sinks is not None, **shapes)
+    with torch.cuda.device(q.device):   # Triton launches on the current device, not the tensors'
+        _paged_decode_kernel[(G, kv_heads, splits)](
+            q, k_pool, v_pool, table, lengths, sink_ptr, out, maxima, sums, partial, scale, *strides,
+            SPLITS=splits, H=H, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None, BN=BLOCK_N, **shapes)
+        if splits > 1:
+            _merge_splits_kernel[(G, kv_heads)](maxima, sums, partial, sink_ptr, out, out.stride(0), out.stride(1),
+                                                SPLITS=splits, H=H, HAS_SINKS=sinks is not None, **shapes)
     return out
