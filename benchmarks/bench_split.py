@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import sys
 import tempfile
 
@@ -26,7 +25,8 @@ import torch  # noqa: E402
 
 import kvdiff  # noqa: E402
 from bench_engine import conv  # noqa: E402
-from bench_gpu import BATCH, PAIRS, SYSTEM_2K, Row, Setup, bench_digest, decode_rate, print_rows  # noqa: E402
+from bench_gpu import (BATCH, PAIRS, SYSTEM_2K, Row, Setup, bench_digest, decode_rate, print_rows,  # noqa: E402
+                       warm_ttft)
 from kvdiff.cli.ci import BENCHMARK_SKIPPED  # noqa: E402
 from kvdiff.engine import Engine  # noqa: E402
 from shapes import REAL_SHAPES, random_model  # noqa: E402
@@ -71,17 +71,8 @@ def ttft_rows(single, split, tok) -> list[Row]:
     for name, model in (("single", single), ("split", split)):
         Engine(model, tok, strategy="prefix", kv_budget_bytes=KV_BUDGET).generate([conv(SYSTEM_2K, "Hi")],
                                                                                   max_new_tokens=1)    # compile
-        eng = Engine(model, tok, strategy="prefix", kv_budget_bytes=KV_BUDGET)
-        for user in ("Hi", "Name a colour."):
-            eng.generate([conv("Warm up.", user)], max_new_tokens=1)
-        cold = eng.generate([conv(SYSTEM_2K, "What is the capital of France?")], max_new_tokens=1)[0]
-        hits = []
-        for user in HIT_TURNS:
-            torch.cuda.synchronize()
-            hits.append(eng.generate([conv(SYSTEM_2K, user)], max_new_tokens=1)[0].stats.ttft_s)
-        firsts[name] = (cold.stats.ttft_s, statistics.median(hits))
-        del eng
-        gc.collect()
+        firsts[name] = warm_ttft(model, tok, SYSTEM_2K, HIT_TURNS, KV_BUDGET)
+        gc.collect()          # engines hold their KV pools in reference cycles
     (cold_1, hit_1), (cold_2, hit_2) = firsts["single"], firsts["split"]
     return [Row("TTFT, cold 2,455-token prompt: one GPU vs split, s", cold_1, cold_2, cold_2 / cold_1, "report"),
             Row("TTFT, cached 2,455-token chunk (hit): one GPU vs split, s", hit_1, hit_2, hit_2 / hit_1, "report"),
