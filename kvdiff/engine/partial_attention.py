@@ -124,7 +124,8 @@ def single_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     # (rows, keys) shape: 40-600 ms, paid by nearly every request of a new length. The fused
     # kernels have no per-shape cost and take keys with as many heads as the queries.
     groups = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
     with sdpa_kernel(NO_PLAN_BACKENDS):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, scale=scale)
