@@ -36,6 +36,7 @@ from kvdiff.cli.ci import BENCHMARK_SKIPPED  # noqa: E402
 from kvdiff.engine import Engine  # noqa: E402
 from kvdiff.engine.numerics import exact_numerics  # noqa: E402
 from kvdiff.run.model_cache import ModelKey  # noqa: E402
+from kvdiff.trace.fingerprint import model_fingerprint  # noqa: E402
 from kvdiff.conversation import render_prompt_ids  # noqa: E402
 from kvdiff.engine.reference import reference_generate  # noqa: E402
 from shapes import DEFAULT_SHAPES, REAL_SHAPES, random_model  # noqa: E402
@@ -162,13 +163,15 @@ def bench_capture(setup: Setup) -> list[Row]:
 def bench_digest(setup: Setup) -> list[Row]:
     """Digest capture (the default of compare) on vs off: a prompt-heavy and a decode-heavy request."""
     model, tok, trace_dir, rows = setup.model, setup.tok, setup.trace_dir, []
+    fingerprint = model_fingerprint(model)      # once per model, as compare does (bench_digest.py too)
     kvdiff.record(model, tok, conv("Hi", "Hi"), os.path.join(trace_dir, "warm.h5"), max_new_tokens=2,
-                  trace_mode="digest")
+                  trace_mode="digest", fingerprint=fingerprint)
     for req, new in ((conv(SYSTEM_2K, "What is the capital of France?"), NEW),
                      (conv(SYSTEM_2K[:2000], "Tell me a long story."), 256)):
         path = os.path.join(trace_dir, f"digest-{new}.h5")
         row = paired(setup, "", lambda: reference_generate(model, tok, req, new),
-                     lambda: kvdiff.record(model, tok, req, path, max_new_tokens=new, trace_mode="digest"), "<= 1.1x")
+                     lambda: kvdiff.record(model, tok, req, path, max_new_tokens=new, trace_mode="digest",
+                                           fingerprint=fingerprint), "<= 1.1x")
         row.name = (f"digest capture on vs off, {len(render_prompt_ids(tok, req))} + {new} tokens, "
                     f"trace {os.path.getsize(path) / 1e6:.1f} MB, s")
         os.remove(path)

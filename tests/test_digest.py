@@ -12,6 +12,7 @@ from kvdiff.analysis import diff
 from kvdiff.analysis.digests import first_digest_mismatch
 from kvdiff.cli import app
 from kvdiff.errors import InputError
+from kvdiff.trace.format import digest_tables
 from kvdiff.run.compare import compare
 from kvdiff.run.zoom import repeat_findings
 from kvdiff.trace import open_trace
@@ -74,6 +75,27 @@ def test_a_digest_trace_hashed_another_way_is_refused(tiny_llama, tmp_path):
     with h5py.File(path, "a") as f:
         f["digests"].attrs["row_hash"] = "elements-widened"
     with pytest.raises(kvdiff.errors.TraceError, match="hashed by 'elements-widened'.*record it again"):
+        open_trace(path)
+
+
+def test_a_digest_trace_holds_a_table_for_every_layer_and_refuses_an_earlier_layout(tiny_llama, tmp_path):
+    """Digests of every layer in one dataset a table, (positions, layers, points), each cell the
+    digest of that layer's row; norm weights of the window's layers; a trace laid out a dataset
+    per layer is refused."""
+    import h5py
+    model, tok = tiny_llama
+    path = kvdiff.record(model, tok, SEEDS, tmp_path / "t.h5", max_new_tokens=2, trace_mode="digest",
+                         layers="1", positions="3-4")
+    with open_trace(path) as trace:
+        layers, points = trace.meta.digest_layers, digest_tables(trace.meta.digest_points, 0)[""]
+        resid = trace.point(1, "resid_post")
+        assert np.array_equal(trace.digests(1, "resid_post")[0][[3, 4]], row_digests(torch.from_numpy(resid))[0].numpy())
+    with h5py.File(path, "a") as f:
+        assert f["digests/layers/hash"].shape == (len(trace.digest_positions), len(layers), len(points))
+        assert f["digests/layers/kv_hash"].shape[1:] == (len(layers), 2)
+        assert list(f["norms"]) == ["1"]        # norm weights of the window's layers alone
+        del f["digests"].attrs["layout"]
+    with pytest.raises(kvdiff.errors.TraceError, match="a dataset per layer.*record it again"):
         open_trace(path)
 
 

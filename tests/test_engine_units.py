@@ -200,6 +200,26 @@ def test_fingerprint_is_stable_and_weight_sensitive():
     assert model_fingerprint(m1) != model_fingerprint(m2)
 
 
+def test_tokenizer_fingerprint_is_remembered_and_follows_changes():
+    """The fingerprint is computed once per tokenizer object, and again when the tokenizer is
+    changed in place: tokens added, a new chat template, a new post-processor."""
+    from tokenizers import processors
+
+    from kvdiff.trace.fingerprint import tokenizer_fingerprint
+
+    _, tok = kvdiff.load_model("tiny-llama")
+    first = tokenizer_fingerprint(tok)
+    assert tokenizer_fingerprint(tok) == first
+    seen = {first}
+    tok.add_tokens(["<kvdiff-added>"])
+    seen.add(tokenizer_fingerprint(tok))
+    tok.chat_template = "{{ messages[0]['content'] }}"
+    seen.add(tokenizer_fingerprint(tok))
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    seen.add(tokenizer_fingerprint(tok))
+    assert len(seen) == 4
+
+
 def test_device_weight_digests_match_their_definition_across_chunks(monkeypatch):
     """The on-device hash (run here on CPU tensors) against numpy: words mixed with their index
     and summed modulo 2**64, whatever the chunking and word size."""

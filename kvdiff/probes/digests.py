@@ -1,6 +1,6 @@
 """The recorder's digest side: every capture's rows hashed where they are (trace/digest.py) and
-the digests handed to the writer, a row of a layer's points per position in each of its tables
-(format.digest_tables); what a digest trace records outside its zoom window."""
+the digests handed to the writer, a row of every layer's points per position in each of its
+tables (format.digest_tables); what a digest trace records outside its zoom window."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class _RepeatPlan:
     keys: list[tuple[str, int | None]]
     groups: list[list[list[int]]]
     order: torch.Tensor
-    tables: list[tuple[str, str, slice]]      # hash dataset, stats dataset, the table's columns in `order`
+    tables: list[tuple[str, str, slice, tuple[int, ...]]]   # hash and stats datasets, the table's columns in `order`, its row shape
     empty: tuple[torch.Tensor, torch.Tensor]    # the empty digest (a zero hash, NaN statistics), on the device
 
 
@@ -64,9 +64,13 @@ class DigestTaker:
     that did not fire in a forward has a zero hash and NaN statistics in its row."""
 
     def __init__(self, writer: TraceWriter, tables: dict[tuple[int | None, str], Sequence[str]]):
-        """`tables`: (layer, table name) -> its columns (format.digest_tables)."""
+        """`tables`: (layer, table name) -> its columns (format.digest_tables), layers in the
+        order of the tables' layer axis."""
         self.writer = writer
-        self.columns = {key: {point: i for i, point in enumerate(points)} for key, points in tables.items()}
+        # (final, table name) -> the layers of its layer axis ([None] for the final points) and its columns
+        self._tables: dict[tuple[bool, str], tuple[list[int | None], tuple[str, ...]]] = {}
+        for (layer, table), columns in tables.items():
+            self._tables.setdefault((layer is None, table), ([], tuple(columns)))[0].append(layer)
         self._batch = DigestBatch()
         self._taken: dict[tuple[int | None, str], dict[str, tuple | int]] = {}
         self._positions: np.ndarray | None = None
@@ -131,10 +135,11 @@ class DigestTaker:
         at = {i: n for n, i in enumerate(i for parts in members for part in parts for i in part)}
         where = {key: at[i] for i, key in enumerate(keys)}
         order, tables = [], []
-        for (layer, table), columns in self.columns.items():
-            tables.append((digest_path(layer, table, "hash"), digest_path(layer, table, "stats"),
-                           slice(len(order), len(order) + len(columns))))
-            order += [where.get((point, layer), len(rows)) for point in columns]
+        for (final, table), (layers, columns) in self._tables.items():
+            shape = (len(columns),) if final else (len(layers), len(columns))
+            tables.append((digest_path(final, table, "hash"), digest_path(final, table, "stats"),
+                           slice(len(order), len(order) + len(layers) * len(columns)), shape))
+            order += [where.get((point, layer), len(rows)) for layer in layers for point in columns]
         device = rows[0].device
         empty = (torch.zeros(1, dtype=torch.int64, device=device),
                  torch.full((1, len(DIGEST_STATS)), float("nan"), device=device))
@@ -148,8 +153,8 @@ class DigestTaker:
         hashes = torch.stack([h for _, h, _ in self._pending])
         stats = torch.stack([s for _, _, s in self._pending])
         self._pending = []
-        for hash_path, stats_path, columns in self._plan.tables:
-            h, s = hashes[:, columns], stats[:, columns]
+        for hash_path, stats_path, columns, shape in self._plan.tables:
+            h, s = hashes[:, columns].view(-1, *shape), stats[:, columns].view(-1, *shape, len(DIGEST_STATS))
             self.writer.write_rows_at(hash_path, positions, h, tuple(h.shape))
             self.writer.write_rows_at(stats_path, positions, s, tuple(s.shape))
 
@@ -166,24 +171,34 @@ class DigestTaker:
             self._cloned.add((point, layer))
         self._watched = []
         batched = self._batch.digests() if len(self._batch) else []
-        positions = self._positions
-        for (layer, table), taken in self._taken.items():
-            columns = self.columns[layer, table]
-            parts = {point: batched[d] if isinstance(d, int) else d for point, d in taken.items()}
-            # A model split across GPUs hands a layer's input over on the previous layer's GPU:
-            # a table's digests (a few numbers a row) meet on its first capture's device.
-            device = next(iter(parts.values()))[0].device
-            parts = {point: (h.to(device), s.to(device)) for point, (h, s) in parts.items()}
-            if parts.keys() == columns.keys():          # every point fired: one stack each
-                hashes = torch.stack([parts[point][0] for point in columns], 1)
-                stats = torch.stack([parts[point][1] for point in columns], 1)
-            else:
-                hashes = torch.zeros(positions.size, len(columns), dtype=torch.int64, device=device)
-                stats = torch.full((positions.size, len(columns), len(DIGEST_STATS)), float("nan"), device=device)
-                for point, (h, s) in parts.items():
-                    hashes[:, columns[point]] = h
-                    stats[:, columns[point]] = s
-            self.writer.write_rows_at(digest_path(layer, table, "hash"), positions, hashes, tuple(hashes.shape))
-            self.writer.write_rows_at(digest_path(layer, table, "stats"), positions, stats, tuple(stats.shape))
+        for (final, table), (layers, columns) in self._tables.items():
+            fired = {(layer, point): batched[d] if isinstance(d, int) else d
+                     for layer in layers for point, d in self._taken.get((layer, table), {}).items()}
+            if fired:
+                self._write_table(final, table, layers, columns, fired)
         self._taken = {}
         self._positions = None
+
+    def _write_table(self, final: bool, table: str, layers: list[int | None], columns: tuple[str, ...],
+                     fired: dict[tuple[int | None, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One forward's rows of a digest table: (positions, layers, columns) ((positions,
+        columns) for the final points), a cell that did not fire at an empty digest."""
+        n = self._positions.size
+        # A model split across GPUs hands a layer's input over on the previous layer's GPU: a
+        # table's digests (a few numbers a row) meet on its first capture's device.
+        device = next(iter(fired.values()))[0].device
+        cells = [(layer, point) for layer in layers for point in columns]
+        if len(fired) == len(cells):          # every cell fired: one stack each
+            hashes = torch.stack([fired[c][0].to(device) for c in cells], 1)
+            stats = torch.stack([fired[c][1].to(device) for c in cells], 1)
+        else:
+            hashes = torch.zeros(n, len(cells), dtype=torch.int64, device=device)
+            stats = torch.full((n, len(cells), len(DIGEST_STATS)), float("nan"), device=device)
+            at = {c: i for i, c in enumerate(cells)}
+            for cell, (h, s) in fired.items():
+                hashes[:, at[cell]] = h.to(device)
+                stats[:, at[cell]] = s.to(device)
+        shape = (n, len(columns)) if final else (n, len(layers), len(columns))
+        self.writer.write_rows_at(digest_path(final, table, "hash"), self._positions, hashes.view(shape), shape)
+        self.writer.write_rows_at(digest_path(final, table, "stats"), self._positions,
+                                  stats.view(*shape, len(DIGEST_STATS)), (*shape, len(DIGEST_STATS)))

@@ -19,7 +19,7 @@ import torch
 from kvdiff.conversation import render_prompt_ids
 from kvdiff.probes.digests import DigestTaker, changed_in_place
 from kvdiff.probes.model_meta import build_meta, latent_weights, model_dims, norm_eps, norm_modules, router_biases
-from kvdiff.trace.points import FINAL_NORMS, LAYER_NORMS, READ_POINTS
+from kvdiff.trace.points import FINAL_NORMS, FINAL_POINTS, LAYER_NORMS, READ_POINTS
 from kvdiff.probes.selection import Selection
 from kvdiff.trace.ranges import format_ranges
 from kvdiff.trace.sink import ProbeIntegrityError, Provenance
@@ -120,7 +120,8 @@ class TraceRecorder:
         """A recorder writing a trace of `model` (any path: reference, engine) to `path`.
 
         `input_ids` default to the conversation rendered with the chat template. Norm weights and
-        epsilons are found with `spec` (default: the architecture's built-in spec); with latent
+        epsilons, those of the layers with full rows (and the final norm's with the final points),
+        are found with `spec` (default: the architecture's built-in spec); with latent
         attention, each recorded layer's kv_b_proj is written too where kv_latent is captured, and
         with DeepSeek's routing its router bias where router_logits are.
         `max_new_tokens`, if known, sizes a short trace's file to its rows (`TraceWriter`).
@@ -144,7 +145,8 @@ class TraceRecorder:
                              window_positions=None if digested is None or selection.positions is None
                              else max(1, len(selection.positions)))
         for (layer, norm), module in norm_modules(model, spec or default_spec(model)).items():
-            writer.write_norm_weight(layer, norm, module.weight, norm_eps(module))
+            if layer in selection.layers or (layer is None and any(p in FINAL_POINTS for p in selection.points)):
+                writer.write_norm_weight(layer, norm, module.weight, norm_eps(module))
         if "kv_latent" in selection.points:      # what expands the latents into each head's K and V
             for layer, weight in latent_weights(model, selection.layers).items():
                 writer.write_latent_weight(layer, weight)

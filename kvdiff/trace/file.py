@@ -25,7 +25,7 @@ from kvdiff.trace.ranges import format_ranges
 from kvdiff.trace.sink import ProbeIntegrityError
 from kvdiff.trace.column import LatchingFile, TraceColumn
 from kvdiff.trace.format import (
-    DIGEST_GROUP, DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FORMAT_NAME, KV_ONLY_SCHEMA_VERSION, SCHEMA_VERSION, TraceMeta,
+    DIGEST_GROUP, DIGEST_LAYOUT, DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FORMAT_NAME, KV_ONLY_SCHEMA_VERSION, SCHEMA_VERSION, TraceMeta,
 )
 
 _CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
@@ -87,7 +87,8 @@ class TraceFile:
         allocated_chunks = (self.compression is None and consecutive and first < chunk_rows
                             and dtype.isnative and dtype.kind in "biuf")
         ds = self._new_column(name, row_shape, dtype, chunk_rows, allocated_chunks)
-        ds.attrs[DTYPE_ATTR] = torch_dtype
+        if not name.startswith(DIGEST_GROUP + "/"):       # digests are stored as they were computed
+            ds.attrs[DTYPE_ATTR] = torch_dtype
         col = self._columns[name] = TraceColumn(ds, row_shape, dtype, chunk_rows, self._io if allocated_chunks else None)
         return col
 
@@ -258,6 +259,7 @@ class TraceFile:
             group = self._file.require_group(DIGEST_GROUP)
             group.create_dataset("positions", data=digested)
             group.attrs["row_hash"] = ROW_HASH
+            group.attrs["layout"] = DIGEST_LAYOUT
             self._file.attrs["schema_version"] = DIGEST_SCHEMA_VERSION
         self._write_meta(meta)
         self._file.attrs["complete"] = True

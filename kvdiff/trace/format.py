@@ -187,10 +187,14 @@ def point_group(layer: int | None) -> str:
     return FINAL_GROUP if layer is None else f"layers/{layer}"
 
 
-def digest_path(layer: int | None, table: str, part: str) -> str:
-    """Dataset of a digest table of `layer` (None: the final points): part "hash" (int64, a
-    column per point) or "stats" (float32 rms and max_abs per point)."""
-    return f"{DIGEST_GROUP}/{point_group(layer)}/{table}{part}"
+DIGEST_LAYOUT = "layer-axis"     # /digests' attribute `layout`: one dataset a table for every layer
+
+
+def digest_path(final: bool, table: str, part: str) -> str:
+    """Dataset of a digest table, of every digested layer (rows of layers x points) or of the
+    final points (`final`): part "hash" (int64, a column per point) or "stats" (float32 rms and
+    max_abs per point)."""
+    return f"{DIGEST_GROUP}/{FINAL_GROUP if final else 'layers'}/{table}{part}"
 
 
 def digest_tables(points: tuple[str, ...], layer: int | None) -> dict[str, tuple[str, ...]]:

@@ -90,6 +90,7 @@ class TraceReader:
             # digest traces: the positions holding digests (a full trace: none)
             self.digest_positions: np.ndarray = check_digests(self.path, self._file, self.meta, self.positions)
             self._datasets: dict[tuple[int | None, str], tuple[h5py.Dataset, str]] = {}
+            self._digest_tables: dict[str, np.ndarray] = {}
         except (KeyError, OSError, RuntimeError) as exc:     # HDF5 cannot read the file's structure
             self._file.close()
             raise TraceError(f"trace {self.path} is damaged ({exc}); record it again") from None
@@ -172,14 +173,18 @@ class TraceReader:
         if point not in columns or (layer is not None and layer not in self.meta.digest_layers):
             raise TraceError(f"trace {self.path} holds no digests of {point!r} in {point_group(layer)!r}")
         pos = self.digest_positions if rows is None else self.digest_positions[rows]
-        column = columns.index(point)
-        out = []
-        for part in ("hash", "stats"):
-            ds = self._file[digest_path(layer, table, part)]
-            lo = int(pos.min()) if pos.size else 0
-            out.append(self._read(ds, slice(lo, int(pos.max()) + 1))[pos - lo, column] if pos.size
-                       else np.zeros((0, *ds.shape[2:]), ds.dtype))
-        return out[0], out[1]
+        cell = (columns.index(point),) if layer is None else (self.meta.digest_layers.index(layer), columns.index(point))
+        hashes, stats = (self._digest_table(digest_path(layer is None, table, part)) for part in ("hash", "stats"))
+        return hashes[(pos, *cell)], stats[(pos, *cell)]
+
+    def _digest_table(self, name: str) -> np.ndarray:
+        """A digest dataset's rows to the last digested position, read once (a table holds every
+        layer's digests, read a point at a time: a 32k-token trace's are ~100 MB)."""
+        table = self._digest_tables.get(name)
+        if table is None:
+            end = int(self.digest_positions[-1]) + 1 if self.digest_positions.size else 0
+            table = self._digest_tables[name] = self._read(self._file[name], slice(0, end))
+        return table
 
     def norm_stats(self, layer: int | None) -> dict[str, dict[str, np.ndarray]]:
         """Norm name -> statistic name -> float64 (n_positions,) for `layer` (None: final norm)."""
