@@ -78,6 +78,28 @@ def test_exact_operations_give_every_row_the_same_bits_whatever_rows_beside_it(d
     torch.testing.assert_close(attn.float(), dense, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("window, with_sinks", [(None, False), (None, True), (300, False)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_exact_decode_rows_get_the_bits_of_the_prefill_whatever_their_segments(dtype, window, with_sinks):
+    """The exact decode kernel (a row's 256-key segments side by side, merged afterwards) gives a
+    row at any position the bits the prefill kernel gives it: rows at segment edges, one key
+    into a segment, past several segments, in a batch of rows of different lengths."""
+    from kvdiff.engine import gpu_kernels
+
+    torch.manual_seed(1)
+    T, H, KVH, D = 1100, 8, 2, 64
+    q = torch.randn(T, H, D, device="cuda", dtype=dtype)
+    k, v = (torch.randn(T, KVH, D, device="cuda", dtype=dtype) for _ in range(2))
+    sinks = torch.randn(H, device="cuda") if with_sinks else None
+    i, j = torch.arange(T, device="cuda")[:, None], torch.arange(T, device="cuda")[None, :]
+    visible = (j <= i) & (j > i - window) if window else j <= i
+    prefill = gpu_kernels.attention(q, k, v, visible, 0.125, sinks)
+    rows = torch.tensor([0, 63, 255, 256, 511, 700, 1099], device="cuda")
+    table = torch.arange(T, device="cuda", dtype=torch.int64).expand(len(rows), T).contiguous()
+    decoded = gpu_kernels.paged_attention(q[rows], k, v, table, rows + 1, window, 0.125, sinks)
+    assert torch.equal(decoded, prefill[rows])
+
+
 @pytest.mark.parametrize("splits", [None, 1, 3, 16])      # None: as many as key_splits chooses
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

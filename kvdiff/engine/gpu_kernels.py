@@ -3,7 +3,10 @@
 Each program computes its rows with a fixed instruction sequence that does not depend on how
 many rows are computed beside them: attention walks keys in fixed 64-key tiles aligned to
 sequence position 0 with an online softmax (a fully masked tile leaves the running state
-bit-for-bit unchanged), and RMSNorm reduces one row per program. torch's own reductions and
+bit-for-bit unchanged), the tiles of each 256-key segment (aligned to position 0 too) into a
+state of their own, merged into the row's state in position order; so a decode row's segments
+can be computed side by side and merged afterwards with the same bits. RMSNorm reduces one row
+per program. torch's own reductions and
 fp32 matmuls pick their strategy from the tensor's shape, so their rows are not invariant on a
 GPU (benchmarks/gpu_invariance.py shows which are).
 
@@ -25,6 +28,7 @@ except ImportError as exc:  # a CUDA torch without Triton
 
 BLOCK_M = 64   # query rows per program
 BLOCK_N = 64   # keys per tile: must equal numerics.KEY_TILE's alignment
+KEY_SEGMENT = 256   # keys per segment, aligned to position 0: its tiles are folded into a state of their own
 
 
 @triton.jit
@@ -62,13 +66,27 @@ def finish_softmax(m_i, l_i, acc, sink, HAS_SINKS: tl.constexpr):
     return acc / l_i[:, None]
 
 
+@triton.jit
+def merge_segment(m_i, l_i, acc, m_s, l_s, acc_s):
+    """Fold a segment's online-softmax state (`m_s`, `l_s`, `acc_s`) into the running one, in
+    position order. A row the segment showed no key keeps its state bit for bit. Shared by the
+    exact attention kernel and the exact decode's merge, so that both merge alike."""
+    top = tl.maximum(m_i, m_s)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    alpha, beta = tl.exp(m_i - top_safe), tl.exp(m_s - top_safe)
+    saw = m_s != float("-inf")
+    l_new = tl.where(saw, l_i * alpha + l_s * beta, l_i)
+    acc_new = tl.where(saw[:, None], acc * alpha[:, None] + acc_s * beta[:, None], acc)
+    return tl.where(saw, top, m_i), l_new, acc_new
+
+
 # Triton compiles a variant per integer argument divisible by 16; the row and key counts and
 # the mask's row stride vary from call to call, and a variant must never change a row's bits.
 @triton.jit(do_not_specialize=["T", "L", "svis_t"])
 def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, sink_ptr, o_ptr, T, L, scale,
                       sq_t, sq_h, sk_l, sk_h, sv_l, sv_h, svis_t, so_t, so_h,
                       GROUPS: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr):
+                      BM: tl.constexpr, BN: tl.constexpr, SEG: tl.constexpr):
     block, head = tl.program_id(0), tl.program_id(1)
     kv_head = head // GROUPS
     rows = block * BM + tl.arange(0, BM)
@@ -77,20 +95,25 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, sink_ptr, o_ptr, T, L, scale
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
-    for start in range(0, L, BN):
-        cols = start + tl.arange(0, BN)
-        in_keys = cols < L
-        vis = tl.load(vis_ptr + rows[:, None] * svis_t + cols[None, :],
-                      mask=(rows[:, None] < T) & in_keys[None, :], other=0)
-        # A tile no row of the block sees would leave every row's state as it is (the fully
-        # masked tile's no-op, which a row meets anyway past its last key): skipped, as the CPU
-        # path skips it; that is half the tiles of a causal prefill.
-        if tl.max(vis.to(tl.int32)) != 0:
-            k = tl.load(k_ptr + cols[:, None] * sk_l + kv_head * sk_h + dims[None, :], mask=in_keys[:, None],
-                        other=0.0)
-            v = tl.load(v_ptr + cols[:, None] * sv_l + kv_head * sv_h + dims[None, :], mask=in_keys[:, None],
-                        other=0.0)
-            m_i, l_i, acc = online_softmax_tile(q, k, v, vis != 0, m_i, l_i, acc, scale, IEEE)
+    for segment in range(0, L, SEG):
+        m_s = tl.full((BM,), float("-inf"), tl.float32)
+        l_s = tl.zeros((BM,), tl.float32)
+        acc_s = tl.zeros((BM, D), tl.float32)
+        for start in range(segment, segment + SEG, BN):
+            cols = start + tl.arange(0, BN)
+            in_keys = cols < L
+            vis = tl.load(vis_ptr + rows[:, None] * svis_t + cols[None, :],
+                          mask=(rows[:, None] < T) & in_keys[None, :], other=0)
+            # A tile no row of the block sees would leave every row's state as it is (the fully
+            # masked tile's no-op, which a row meets anyway past its last key): skipped, as the CPU
+            # path skips it; that is half the tiles of a causal prefill.
+            if tl.max(vis.to(tl.int32)) != 0:
+                k = tl.load(k_ptr + cols[:, None] * sk_l + kv_head * sk_h + dims[None, :], mask=in_keys[:, None],
+                            other=0.0)
+                v = tl.load(v_ptr + cols[:, None] * sv_l + kv_head * sv_h + dims[None, :], mask=in_keys[:, None],
+                            other=0.0)
+                m_s, l_s, acc_s = online_softmax_tile(q, k, v, vis != 0, m_s, l_s, acc_s, scale, IEEE)
+        m_i, l_i, acc = merge_segment(m_i, l_i, acc, m_s, l_s, acc_s)
     sink = 0.0
     if HAS_SINKS:
         sink = tl.load(sink_ptr + head).to(tl.float32)
@@ -100,28 +123,32 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, sink_ptr, o_ptr, T, L, scale
 
 
 # The exact kernel's walk for decode rows read through a slot table (a CUDA graph's step):
-# program (row, head) holds the row as the first of a 64-row block, the other 63 empty, exactly
-# as `attention` holds a one-row call, and walks the same position-aligned key tiles, so the row
-# gets the bits `attention` gives it. Table column j holds the row's key at position j.
+# program (row, head, segment) holds the row as the first of a 64-row block, the other 63 empty,
+# exactly as `attention` holds a one-row call, and folds the segment's position-aligned key tiles
+# into a state of its own; _merge_segments_kernel then merges a row's segments in position order
+# as `attention` does, so the row gets the bits `attention` gives it, and a long context's
+# segments run side by side. Table column j holds the row's key at position j.
 @triton.jit
-def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, sink_ptr, o_ptr, scale, window,
-                            sq_n, sq_h, sk_s, sk_h, sv_s, sv_h, st_n, sl_n, so_n, so_h,
-                            GROUPS: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr,
-                            WINDOWED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    row, head = tl.program_id(0), tl.program_id(1)
+def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale, window,
+                            sq_n, sq_h, sk_s, sk_h, sv_s, sv_h, st_n, sl_n,
+                            H: tl.constexpr, SEGMENTS: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr,
+                            IEEE: tl.constexpr, WINDOWED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                            SEG: tl.constexpr):
+    row, head, segment = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // GROUPS
     lanes = tl.arange(0, BM)
     dims = tl.arange(0, D)
     q = tl.load(q_ptr + row * sq_n + lanes[:, None] * sq_n + head * sq_h + dims[None, :],
                 mask=lanes[:, None] < 1, other=0.0)
     length = tl.load(len_ptr + row * sl_n)
-    m_i = tl.full((BM,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BM,), tl.float32)
-    acc = tl.zeros((BM, D), tl.float32)
-    first = 0
+    m_s = tl.full((BM,), float("-inf"), tl.float32)
+    l_s = tl.zeros((BM,), tl.float32)
+    acc_s = tl.zeros((BM, D), tl.float32)
+    first = segment * SEG
+    last = tl.minimum(first + SEG, length)
     if WINDOWED:   # tiles wholly before the window are skipped: they would leave the state as it is
-        first = tl.maximum(length - window, 0) // BN * BN
-    for start in range(first, length, BN):
+        first = tl.maximum(first, tl.maximum(length - window, 0) // BN * BN)
+    for start in range(first, last, BN):
         cols = start + tl.arange(0, BN)
         in_keys = cols < length
         slots = tl.load(table_ptr + row * st_n + cols, mask=in_keys, other=0)
@@ -130,7 +157,30 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, sink_ptr, o
         vis = (lanes[:, None] < 1) & in_keys[None, :]
         if WINDOWED:
             vis = vis & (cols[None, :] >= length - window)
-        m_i, l_i, acc = online_softmax_tile(q, k, v, vis, m_i, l_i, acc, scale, IEEE)
+        m_s, l_s, acc_s = online_softmax_tile(q, k, v, vis, m_s, l_s, acc_s, scale, IEEE)
+    state = (row * SEGMENTS + segment) * H + head
+    tl.store(m_ptr + state + lanes, m_s, mask=lanes < 1)
+    tl.store(l_ptr + state + lanes, l_s, mask=lanes < 1)
+    tl.store(acc_ptr + (state + lanes[:, None]) * D + dims[None, :], acc_s, mask=lanes[:, None] < 1)
+
+
+@triton.jit
+def _merge_segments_kernel(m_ptr, l_ptr, acc_ptr, len_ptr, sink_ptr, o_ptr, sl_n, so_n, so_h,
+                           H: tl.constexpr, SEGMENTS: tl.constexpr, D: tl.constexpr, HAS_SINKS: tl.constexpr,
+                           BM: tl.constexpr, SEG: tl.constexpr):
+    row, head = tl.program_id(0), tl.program_id(1)
+    lanes = tl.arange(0, BM)
+    dims = tl.arange(0, D)
+    length = tl.load(len_ptr + row * sl_n)
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, D), tl.float32)
+    for segment in range(0, tl.cdiv(length, SEG)):
+        state = (row * SEGMENTS + segment) * H + head
+        m_s = tl.load(m_ptr + state + lanes, mask=lanes < 1, other=float("-inf"))
+        l_s = tl.load(l_ptr + state + lanes, mask=lanes < 1, other=0.0)
+        acc_s = tl.load(acc_ptr + (state + lanes[:, None]) * D + dims[None, :], mask=lanes[:, None] < 1, other=0.0)
+        m_i, l_i, acc = merge_segment(m_i, l_i, acc, m_s, l_s, acc_s)
     sink = 0.0
     if HAS_SINKS:
         sink = tl.load(sink_ptr + head).to(tl.float32)
@@ -149,13 +199,20 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     G, H, D = q.shape
     q = _unit_last_stride(q)
     out = torch.empty_like(q)
+    segments = max(1, -(-table.shape[1] // KEY_SEGMENT))     # from the table's width: a graph replays one grid
+    maxima = torch.empty(G * segments * H, dtype=torch.float32, device=q.device)
+    sums = torch.empty_like(maxima)
+    partial = torch.empty(G * segments * H, D, dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
-        _paged_attention_kernel[(G, H)](
-            q, k_pool, v_pool, table, lengths, out if sinks is None else sinks.contiguous(), out, scale,
-            window or 0, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0),
-            v_pool.stride(1), table.stride(0), lengths.stride(0), out.stride(0), out.stride(1),
-            GROUPS=H // k_pool.shape[1], D=D, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None,
-            WINDOWED=window is not None, BM=BLOCK_M, BN=BLOCK_N)
+        _paged_attention_kernel[(G, H, segments)](
+            q, k_pool, v_pool, table, lengths, maxima, sums, partial, scale, window or 0,
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+            table.stride(0), lengths.stride(0), H=H, SEGMENTS=segments, GROUPS=H // k_pool.shape[1], D=D,
+            IEEE=q.dtype == torch.float32, WINDOWED=window is not None, BM=BLOCK_M, BN=BLOCK_N, SEG=KEY_SEGMENT)
+        _merge_segments_kernel[(G, H)](
+            maxima, sums, partial, lengths, out if sinks is None else sinks.contiguous(), out, lengths.stride(0),
+            out.stride(0), out.stride(1), H=H, SEGMENTS=segments, D=D, HAS_SINKS=sinks is not None, BM=BLOCK_M,
+            SEG=KEY_SEGMENT)
     return out
 
 
@@ -180,7 +237,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.
             q, k, v, vis, out if sinks is None else sinks.contiguous(), out, T, L, scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), vis.stride(0),
             out.stride(0), out.stride(1),
-            GROUPS=H // KVH, D=D, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None, BM=BLOCK_M, BN=BLOCK_N)
+            GROUPS=H // KVH, D=D, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None, BM=BLOCK_M, BN=BLOCK_N,
+            SEG=KEY_SEGMENT)
     return out
 
 

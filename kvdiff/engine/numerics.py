@@ -13,7 +13,9 @@ Two pieces, shared by the engine and, through `exact_numerics(model)`, by the re
   with an online softmax in tile order, so a query at position p reads the same tiles with the
   same reduction order whether it is computed in a prefill, a chunked prefill or a decode step
   (tiles past p are fully masked and leave the running state bit-for-bit unchanged). On CUDA
-  a Triton kernel does the same walk (kvdiff/engine/gpu_kernels.py).
+  Triton kernels do the same walk, a 256-key segment of tiles at a time, the segments' states
+  merged in position order, so that a decode row's segments run side by side
+  (kvdiff/engine/gpu_kernels.py).
 - RMSNorm on CUDA: torch's row reduction picks its strategy from the row count, so exact
   numerics run every RMSNorm module through a one-row-per-program Triton kernel.
 - Mixture-of-experts layers: the router's linear and every expert's matmuls row-invariant
