@@ -6,9 +6,8 @@ sequence position 0 with an online softmax (a fully masked tile leaves the runni
 bit-for-bit unchanged), the tiles of each 256-key segment (aligned to position 0 too) into a
 state of their own, merged into the row's state in position order; so a decode row's segments
 can be computed side by side and merged afterwards with the same bits. RMSNorm reduces one row
-per program. torch's own reductions and
-fp32 matmuls pick their strategy from the tensor's shape, so their rows are not invariant on a
-GPU (benchmarks/gpu_invariance.py shows which are).
+per program. torch's own reductions and fp32 matmuls pick their strategy from the tensor's
+shape, so their rows are not invariant on a GPU (benchmarks/gpu_invariance.py shows which are).
 
 Imported only when exact numerics run on CUDA; Triton ships with CUDA builds of torch.
 """
@@ -70,7 +69,8 @@ def finish_softmax(m_i, l_i, acc, sink, HAS_SINKS: tl.constexpr):
 def merge_segment(m_i, l_i, acc, m_s, l_s, acc_s):
     """Fold a segment's online-softmax state (`m_s`, `l_s`, `acc_s`) into the running one, in
     position order. A row the segment showed no key keeps its state bit for bit. Shared by the
-    exact attention kernel and the exact decode's merge, so that both merge alike."""
+    exact attention kernel and the exact decode's merge, so that both merge alike, and by the
+    fast decode's merge of its key ranges (paged_kernel.py)."""
     top = tl.maximum(m_i, m_s)
     top_safe = tl.where(top == float("-inf"), 0.0, top)
     alpha, beta = tl.exp(m_i - top_safe), tl.exp(m_s - top_safe)

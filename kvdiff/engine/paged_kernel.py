@@ -22,7 +22,7 @@ try:
 except ImportError:
     available = False
 else:
-    from kvdiff.engine.gpu_kernels import finish_softmax, online_softmax_tile
+    from kvdiff.engine.gpu_kernels import finish_softmax, merge_segment, online_softmax_tile
 
 BLOCK_N = 64   # keys per tile
 MAX_SPLITS = 16
@@ -101,12 +101,7 @@ if available:
             m_s = tl.load(m_ptr + state, mask=alive, other=float("-inf"))
             l_s = tl.load(l_ptr + state, mask=alive, other=0.0)
             acc_s = tl.load(acc_ptr + state[:, None] * DP + dims[None, :], mask=alive[:, None], other=0.0)
-            top = tl.maximum(m_all, m_s)
-            top_safe = tl.where(top == float("-inf"), 0.0, top)
-            alpha, beta = tl.exp(m_all - top_safe), tl.exp(m_s - top_safe)
-            l_all = l_all * alpha + l_s * beta
-            acc_all = acc_all * alpha[:, None] + acc_s * beta[:, None]
-            m_all = top
+            m_all, l_all, acc_all = merge_segment(m_all, l_all, acc_all, m_s, l_s, acc_s)
         sink = 0.0
         if HAS_SINKS:
             sink = tl.load(sink_ptr + heads, mask=alive, other=0.0).to(tl.float32)
