@@ -69,3 +69,23 @@ def test_a_small_form_with_other_bits_is_not_used(monkeypatch):
     rows = torch.randn(300, 576)
     assert not cpu_linear._CHECK.agrees(weight)
     assert row_invariance_failures(invariant_linear, weight, rows) == []
+
+
+def test_row_tiles_are_kept_for_the_same_input_and_remade_when_it_changes():
+    """A linear's input as whole tiles: a row repeated, rows zero-padded; the same tensor at the
+    same version gets the tiles made for it, a changed or another tensor new ones."""
+    from kvdiff.engine.row_tiles import row_tiles
+
+    x = torch.randn(1, 1, 8)
+    tiles = row_tiles(x, 4)
+    assert tiles.shape == (1, 4, 8) and torch.equal(tiles, x.expand(1, 4, 8))
+    assert row_tiles(x, 4) is tiles
+    x.mul_(2)
+    assert torch.equal(row_tiles(x, 4), x.expand(1, 4, 8))
+    rows = torch.randn(2, 3, 8)
+    padded = row_tiles(rows, 4)
+    assert padded.shape == (8, 8) and torch.equal(padded[:6], rows.reshape(6, 8)) and not padded[6:].any()
+    assert row_tiles(rows.clone(), 4) is not padded
+    with torch.inference_mode():
+        frozen = torch.randn(5, 8)
+    assert row_tiles(frozen, 4) is row_tiles(frozen, 4)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from kvdiff.engine.cpu_linear import ROW_TILE as CPU_ROW_TILE, cpu_invariant_matmul, pad_rows, weight_first_matmul
+from kvdiff.engine.row_tiles import row_tiles
 from kvdiff.errors import KvdiffError
 
 log = logging.getLogger(__name__)
@@ -49,15 +50,15 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     is added separately); `weight_first`: on the CPU, cpu_linear's form for a weight that sees a
     row or two a forward (the LM head)."""
     if x.is_cuda and x.dtype != torch.float32 and x.dim() >= 2 and x.numel() == x.shape[-1]:
-        # One row (a decode step): its 64-row tile is the row repeated, as a stride-0 view; a row's
-        # bits do not depend on the other rows of its tile, and this costs no padding call.
-        out = nn.functional.linear(x.expand(*x.shape[:-2], CUDA_ROW_TILE, x.shape[-1]), weight)[..., :1, :]
+        # One row (a decode step): its 64-row tile is the row repeated (a row's bits do not
+        # depend on the other rows of its tile).
+        out = nn.functional.linear(row_tiles(x, CUDA_ROW_TILE), weight)[..., :1, :]
         return out if bias is None else out + bias
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_cuda:
         out = weight_first_matmul(flat, weight) if weight_first else cpu_invariant_matmul(flat, weight)
     elif flat.dtype != torch.float32:      # one matmul of whole 64-row tiles
-        out = nn.functional.linear(pad_rows(flat, CUDA_ROW_TILE), weight)[:flat.shape[0]]
+        out = nn.functional.linear(row_tiles(x, CUDA_ROW_TILE), weight)[:flat.shape[0]]
     else:        # float32 on a GPU: a matmul per tile (the batched form was not invariant there)
         weight_t = weight.t()
         out = torch.cat([part @ weight_t for part in pad_rows(flat, CUDA_ROW_TILE).split(CUDA_ROW_TILE)])
