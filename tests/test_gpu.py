@@ -319,3 +319,5 @@ def test_the_rope_kernel_is_apply_rope(dtype):
         cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
         tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
         torch.testing.assert_close(rope_kernel.rotate(x, cos, sin), apply_rope(x, cos, sin), rtol=tol, atol=tol)
+        if rope_kernel.rounds_like_torch(x, cos, sin):      # exact numerics: apply_rope's bits
+            assert torch.equal(rope_kernel.rotate(x, cos, sin, rounded=True), apply_rope(x, cos, sin))

@@ -56,8 +56,9 @@ class ModelRunner:
         # where the pool holds K and V as attention reads them at a power-of-two head width
         self.paged_exact = (exact and pool.device.type == "cuda" and pool.holds_kv
                             and adapter.head_dim & (adapter.head_dim - 1) == 0)
-        # fast numerics on CUDA rotate q and k in one kernel each, where the adapter uses apply_rope for both
-        self.fused_rope = (not exact and pool.device.type == "cuda" and rope_kernel.available
+        # on CUDA q and k are rotated in one kernel each, where the adapter uses apply_rope for both
+        # (exact numerics: where the kernel keeps apply_rope's bits, rope_kernel.rounds_like_torch)
+        self.fused_rope = (pool.device.type == "cuda" and rope_kernel.available
                            and type(adapter).rotate_q is Adapter.rotate_q)
         routers = [layer.router for layer in adapter.layers if layer.router is not None]
         self.experts_shape = (int(routers[0].num_experts), int(routers[0].top_k)) if routers else None
@@ -131,8 +132,9 @@ class ModelRunner:
                 cos, sin = ropes[layer.rope_kind] = cos.to(x.device), sin.to(x.device)
             q, k, v = a.qkv(layer, h)
             probes.capture("k_pre_rope", i, k)
-            if self.fused_rope and q.stride(-1) == 1 and k.stride(-1) == 1:
-                q, k = rope_kernel.rotate(q, cos, sin), rope_kernel.rotate(k, cos, sin)
+            if self.fused_rope and q.stride(-1) == 1 and k.stride(-1) == 1 and (
+                    not self.exact or rope_kernel.rounds_like_torch(q, cos, sin) and k.dtype == q.dtype):
+                q, k = rope_kernel.rotate(q, cos, sin, self.exact), rope_kernel.rotate(k, cos, sin, self.exact)
             else:
                 q, k = a.rotate_q(q, cos, sin), apply_rope(k, cos, sin)
             if write_rows is None:
