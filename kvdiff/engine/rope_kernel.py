@@ -54,11 +54,11 @@ if available:
         tl.store(o + HALF + i, second.to(dtype), mask=inside)
 
 
-def rounds_like_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether `rotate(..., rounded=True)` gives `apply_rope`'s bits: bfloat16 rows and cos/sin
-    (a product of two bfloat16 values is exact in float32, so rounding it to bfloat16 is what
-    torch's kernel does; float16 and float32 rows keep apply_rope)."""
-    return x.dtype == cos.dtype == sin.dtype == torch.bfloat16
+def rounds_like_torch(*tensors: torch.Tensor) -> bool:
+    """Whether `rotate(..., rounded=True)` gives `apply_rope`'s bits for these rows and cos/sin:
+    all bfloat16 (a product of two bfloat16 values is exact in float32, so rounding it to
+    bfloat16 is what torch's kernel does; float16 and float32 rows keep apply_rope)."""
+    return all(t.dtype == torch.bfloat16 for t in tensors)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounded: bool = False) -> torch.Tensor:

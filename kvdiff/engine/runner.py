@@ -133,7 +133,7 @@ class ModelRunner:
             q, k, v = a.qkv(layer, h)
             probes.capture("k_pre_rope", i, k)
             if self.fused_rope and q.stride(-1) == 1 and k.stride(-1) == 1 and (
-                    not self.exact or rope_kernel.rounds_like_torch(q, cos, sin) and k.dtype == q.dtype):
+                    not self.exact or rope_kernel.rounds_like_torch(q, k, cos, sin)):
                 q, k = rope_kernel.rotate(q, cos, sin, self.exact), rope_kernel.rotate(k, cos, sin, self.exact)
             else:
                 q, k = a.rotate_q(q, cos, sin), apply_rope(k, cos, sin)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kvdiff.trace.digest import DIGEST_STATS, DigestBatch, row_digests
-from kvdiff.trace.format import digest_path, digest_table_of
+from kvdiff.trace.format import digest_path, digest_table_of, digest_tables
 from kvdiff.trace.sink import ProbeIntegrityError
 from kvdiff.trace.staging import version_of
 from kvdiff.trace.writer import TraceWriter
@@ -63,14 +63,17 @@ class DigestTaker:
     `end_forward` once the forward is over (before the writer commits it). A point of a table
     that did not fire in a forward has a zero hash and NaN statistics in its row."""
 
-    def __init__(self, writer: TraceWriter, tables: dict[tuple[int | None, str], Sequence[str]]):
-        """`tables`: (layer, table name) -> its columns (format.digest_tables), layers in the
-        order of the tables' layer axis."""
+    def __init__(self, writer: TraceWriter, points: Sequence[str], layers: Sequence[int]):
+        """Digests of `points` at `layers` (in the order of the tables' layer axis) and of the
+        final points among `points`."""
         self.writer = writer
         # (final, table name) -> the layers of its layer axis ([None] for the final points) and its columns
-        self._tables: dict[tuple[bool, str], tuple[list[int | None], tuple[str, ...]]] = {}
-        for (layer, table), columns in tables.items():
-            self._tables.setdefault((layer is None, table), ([], tuple(columns)))[0].append(layer)
+        # (format.digest_tables)
+        self._tables: dict[tuple[bool, str], tuple[list[int | None], tuple[str, ...]]] = {
+            (False, table): (list(layers), columns)
+            for table, columns in (digest_tables(tuple(points), layers[0]) if layers else {}).items()}
+        self._tables.update(((True, table), ([None], columns))
+                            for table, columns in digest_tables(tuple(points), None).items())
         self._batch = DigestBatch()
         self._taken: dict[tuple[int | None, str], dict[str, tuple | int]] = {}
         self._positions: np.ndarray | None = None

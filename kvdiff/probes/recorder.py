@@ -25,7 +25,7 @@ from kvdiff.trace.ranges import format_ranges
 from kvdiff.trace.sink import ProbeIntegrityError, Provenance
 from kvdiff.probes.spec import ProbeSpec, default_spec
 from kvdiff.trace.staging import StageLayout, version_of
-from kvdiff.trace.format import ChunkRecord, ModelDims, digest_tables, point_group
+from kvdiff.trace.format import ChunkRecord, ModelDims, point_group
 from kvdiff.trace.writer import TraceWriter
 
 
@@ -89,9 +89,7 @@ class TraceRecorder:
         self.top_k = top_k
         self.digested = digested
         self._declared = digested or selection              # what must fire in every forward
-        self._digests = None if digested is None else DigestTaker(writer, {
-            (layer, table): columns for layer in (*digested.layers, None)
-            for table, columns in digest_tables(digested.points, layer).items()})
+        self._digests = None if digested is None else DigestTaker(writer, digested.points, digested.layers)
         self._positions: list[int] | None = None
         self._reads_only = False
         self._read_positions: set[int] = set()         # recorded in reads-only brackets (cache rows)
@@ -144,8 +142,9 @@ class TraceRecorder:
                              max_positions=None if max_new_tokens is None else len(ids) + max_new_tokens,
                              window_positions=None if digested is None or selection.positions is None
                              else max(1, len(selection.positions)))
+        final = any(p in FINAL_POINTS for p in selection.points)
         for (layer, norm), module in norm_modules(model, spec or default_spec(model)).items():
-            if layer in selection.layers or (layer is None and any(p in FINAL_POINTS for p in selection.points)):
+            if layer in selection.layers or (layer is None and final):
                 writer.write_norm_weight(layer, norm, module.weight, norm_eps(module))
         if "kv_latent" in selection.points:      # what expands the latents into each head's K and V
             for layer, weight in latent_weights(model, selection.layers).items():

@@ -112,8 +112,8 @@ def compare(
                                      model_cache, progress, strategy=strategy, numerics=numerics,
                                      recompute_ratio=recompute_ratio, chunk_size=chunk_size, dtype=dtype,
                                      device=device, device_map=device_map, gpu_memory=gpu_memory, capture=capture,
-                                     layers=layers,
-                                     trace_mode=trace_mode, zoom_layers=zoom_layers, zoom_positions=zoom_positions)
+                                     layers=layers, trace_mode=trace_mode, zoom_layers=zoom_layers,
+                                     zoom_positions=zoom_positions)
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
     warm_messages = None if isinstance(warm, bool) else validate_messages(warm)
@@ -231,8 +231,7 @@ def _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, ht
     name = EngineName.parse(engine)
     defaults = {"strategy": Strategy.PREFIX, "numerics": Numerics.EXACT, "recompute_ratio": DEFAULT_RECOMPUTE_RATIO,
                 "chunk_size": None, "dtype": "float32", "device": "cpu", "device_map": None, "gpu_memory": None,
-                "capture": None,
-                "layers": None}
+                "capture": None, "layers": None}
     digest = {k: kvdiff_only.pop(k) for k in ("trace_mode", "zoom_layers", "zoom_positions")}
     given = [k for k, v in kvdiff_only.items() if v != defaults[k]]
     if given:

@@ -25,7 +25,8 @@ from kvdiff.trace.ranges import format_ranges
 from kvdiff.trace.sink import ProbeIntegrityError
 from kvdiff.trace.column import LatchingFile, TraceColumn
 from kvdiff.trace.format import (
-    DIGEST_GROUP, DIGEST_LAYOUT, DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FORMAT_NAME, KV_ONLY_SCHEMA_VERSION, SCHEMA_VERSION, TraceMeta,
+    DIGEST_GROUP, DIGEST_LAYOUT, DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FORMAT_NAME, KV_ONLY_SCHEMA_VERSION, SCHEMA_VERSION,
+    TraceMeta,
 )
 
 _CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
