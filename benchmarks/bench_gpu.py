@@ -39,6 +39,7 @@ from kvdiff.run.model_cache import ModelKey  # noqa: E402
 from kvdiff.trace.fingerprint import model_fingerprint  # noqa: E402
 from kvdiff.conversation import render_prompt_ids  # noqa: E402
 from kvdiff.engine.reference import reference_generate  # noqa: E402
+from kvdiff.probes.recorder import TraceRecorder  # noqa: E402
 from shapes import DEFAULT_SHAPES, REAL_SHAPES, random_model  # noqa: E402
 
 SYSTEM_2K = " ".join(f"Rule {i}: answer briefly, politely and in plain words." for i in range(170))
@@ -161,19 +162,34 @@ def bench_capture(setup: Setup) -> list[Row]:
 
 
 def bench_digest(setup: Setup) -> list[Row]:
-    """Digest capture (the default of compare) on vs off: a prompt-heavy and a decode-heavy request."""
+    """Digest capture (the default of compare) on vs off, a prompt-heavy and a decode-heavy
+    request: the reference path (transformers' forward with taps), and kvdiff's engine (one
+    engine for both sides, its decode steps replaying CUDA graphs, which digest the captures)."""
     model, tok, trace_dir, rows = setup.model, setup.tok, setup.trace_dir, []
     fingerprint = model_fingerprint(model)      # once per model, as compare does (bench_digest.py too)
-    kvdiff.record(model, tok, conv("Hi", "Hi"), os.path.join(trace_dir, "warm.h5"), max_new_tokens=2,
-                  trace_mode="digest", fingerprint=fingerprint)
+    engine = Engine(model, tok, strategy="none", kv_budget_bytes=2**31)
+
+    def engine_run(req, new: int, path: str | None = None) -> None:
+        sink = None if path is None else TraceRecorder.for_model(
+            model, tok, req, path, strategy="none", fingerprint=fingerprint, max_new_tokens=new, trace_mode="digest")
+        (out,) = engine.generate([req], max_new_tokens=new, sinks={} if sink is None else {0: sink})
+        if sink is not None:
+            sink.finish(out.token_ids, out.text, out.chunks)
+
+    warm, warm_path = conv("Hi", "Hi"), os.path.join(trace_dir, "warm.h5")
+    kvdiff.record(model, tok, warm, warm_path, max_new_tokens=2, trace_mode="digest", fingerprint=fingerprint)
+    engine_run(warm, 4), engine_run(warm, 4, warm_path)
     for req, new in ((conv(SYSTEM_2K, "What is the capital of France?"), NEW),
                      (conv(SYSTEM_2K[:2000], "Tell me a long story."), 256)):
         path = os.path.join(trace_dir, f"digest-{new}.h5")
+        n = len(render_prompt_ids(tok, req))
         row = paired(setup, "", lambda: reference_generate(model, tok, req, new),
                      lambda: kvdiff.record(model, tok, req, path, max_new_tokens=new, trace_mode="digest",
                                            fingerprint=fingerprint), "<= 1.1x")
-        row.name = (f"digest capture on vs off, {len(render_prompt_ids(tok, req))} + {new} tokens, "
-                    f"trace {os.path.getsize(path) / 1e6:.1f} MB, s")
+        row.name = f"reference: digest capture on vs off, {n} + {new} tokens, trace {os.path.getsize(path) / 1e6:.1f} MB, s"
+        rows.append(row)
+        row = paired(setup, "", lambda: engine_run(req, new), lambda: engine_run(req, new, path), "<= 1.1x")
+        row.name = f"engine: digest capture on vs off, {n} + {new} tokens, trace {os.path.getsize(path) / 1e6:.1f} MB, s"
         os.remove(path)
         rows.append(row)
     return rows

@@ -7,6 +7,7 @@ table, and padding rows that touch nothing but the scratch slot.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,3 +81,79 @@ def test_a_cache_hits_new_turn_and_the_decode_run_as_graph_rows_and_give_the_eag
     new_turn = got[0].chunks[-1].positions[1] - got[0].chunks[0].positions[1]
     # one forward: the new turn's rows and the cached prompt's last row (which writes nothing); then decode
     assert rows == [new_turn + 1] + [2] * 7
+
+
+def _digest_run(model, tok, path, graphed: bool, captured: list | None = None, **window):
+    """The seeds' conversation through a `prefix` engine with a digest recorder: with `graphed`,
+    decode steps go through DecodeGraphs (off CUDA its static step runs eagerly), and `captured`
+    collects every (point, layer, rows) its probes digest. Returns the trace and the (position,
+    digested) of each step the graphs ran."""
+    from kvdiff.engine.graph_probes import GraphProbes
+    from kvdiff.probes.recorder import TraceRecorder
+
+    eng = Engine(model, tok, strategy="prefix", kv_budget_bytes=2**24)
+    if graphed:
+        eng.graphs = DecodeGraphs(eng.runner)
+    steps = []
+    if captured is not None:
+        capture = GraphProbes.capture
+
+        def keep(self, point, layer, rows):
+            if self.selection.wants(point, layer):
+                captured.append((point, layer, rows.clone()))
+            capture(self, point, layer, rows)
+
+        GraphProbes.capture = keep
+    try:
+        rec = TraceRecorder.for_model(model, tok, SEED_MESSAGES, path, strategy="prefix", max_new_tokens=6,
+                                      trace_mode="digest", **window)
+        if graphed:
+            replay = eng.graphs.replay
+            eng.graphs.replay = lambda rows, digested: steps.append((rows[0].encoded, digested is not None)) or replay(
+                rows, digested)
+        (out,) = eng.generate([SEED_MESSAGES], max_new_tokens=6, sinks={0: rec})
+        return rec.finish(out.token_ids, out.text, out.chunks), steps
+    finally:
+        if captured is not None:
+            GraphProbes.capture = capture
+
+
+def test_a_digest_traces_decode_steps_are_digested_inside_the_graphs_step(tmp_path):
+    from kvdiff.analysis.digests import first_digest_mismatch
+    from kvdiff.trace import open_trace
+    from kvdiff.trace.digest import row_digests
+
+    model, tok = build_tiny_model("tiny-llama")
+    captured = []
+    graphed, steps = _digest_run(model, tok, tmp_path / "graphed.h5", True, captured)
+    eager, _ = _digest_run(model, tok, tmp_path / "eager.h5", False)
+    assert [digested for _, digested in steps] == [True] * 5           # every decode step replayed a digesting step
+    with open_trace(graphed) as g, open_trace(eager) as e:
+        decode = g.digest_positions[-5:]
+        # the prompt's rows are the eager forward's; the first decode row differs where the static
+        # step's attention (the paged decode) rounds otherwise than the eager one's on the CPU
+        assert first_digest_mismatch(g, e) == (0, "attn_out", int(decode[0]))
+        per_step = len(captured) // 5
+        for n, (point, layer, rows) in enumerate(captured):
+            position = int(decode[n // per_step])
+            hashes, stats = g.digests(layer, point)
+            at = int(np.flatnonzero(g.digest_positions == position)[0])
+            assert hashes[at] == row_digests(rows)[0][0].item(), (point, layer, position)
+            assert np.allclose(stats[at], e.digests(layer, point)[1][at], rtol=1e-4), (point, layer)
+        assert {(p, l) for p, l, _ in captured} == {(p, l) for l in g.meta.digest_layers for p in g.meta.digest_points
+                                                  if p not in ("final_norm", "logits")} | {
+            ("final_norm", None), ("logits", None)}
+
+
+def test_decode_steps_in_the_zoom_window_or_of_a_full_trace_run_eagerly(tmp_path):
+    model, tok = build_tiny_model("tiny-llama")
+    n = len(kvdiff.conversation.render_prompt_ids(tok, SEED_MESSAGES))
+    _, steps = _digest_run(model, tok, tmp_path / "zoom.h5", True, layers="1", positions=f"{n + 1}-{n + 2}")
+    assert steps == [(n, True), (n + 3, True), (n + 4, True)]       # the window's two steps recorded as they ran
+    eng = Engine(model, tok, strategy="prefix", kv_budget_bytes=2**24)
+    eng.graphs = DecodeGraphs(eng.runner)
+    rec = kvdiff.probes.recorder.TraceRecorder.for_model(model, tok, SEED_MESSAGES, tmp_path / "full.h5",
+                                                         strategy="prefix", max_new_tokens=6)
+    eng.graphs.replay = lambda rows, digested: pytest.fail("a full trace's decode step replayed a graph")
+    (out,) = eng.generate([SEED_MESSAGES], max_new_tokens=6, sinks={0: rec})
+    rec.finish(out.token_ids, out.text, out.chunks)

@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -281,16 +282,49 @@ def test_decode_graphs_follow_sliding_windows_past_their_end(numerics):
     assert got == want
 
 
-def test_a_probed_run_decodes_eagerly(bf16_folder, tmp_path, monkeypatch):
+def test_a_full_trace_decodes_eagerly(bf16_folder, tmp_path, monkeypatch):
     from kvdiff.engine.decode_graph import DecodeGraphs
 
-    def refuse(self, groups):
-        raise AssertionError("a probed decode step replayed a graph")
+    def refuse(self, rows, digested):
+        raise AssertionError("a decode step recorded in full replayed a graph")
 
-    monkeypatch.setattr(DecodeGraphs, "forward", refuse)
-    result = compare(SUITE[0], model=str(bf16_folder), strategy="prefix", numerics="fast",
+    monkeypatch.setattr(DecodeGraphs, "replay", refuse)
+    result = compare(SUITE[0], model=str(bf16_folder), strategy="prefix", numerics="fast", trace_mode="full",
                      max_new_tokens=NEW, dtype="bfloat16", device="cuda", out=tmp_path / "run")
     assert result.report.to_json()["tokens_identical"] is not None
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_a_digest_traces_graphed_decode_steps_hash_the_eager_steps_bits(bf16_folder, tmp_path, numerics):
+    """Decode steps digested inside their CUDA graph (graph_probes.py) give the digests of the
+    same steps run eagerly, bit for bit, at every point, layer and position."""
+    from kvdiff.analysis.digests import first_digest_mismatch
+    from kvdiff.engine.decode_graph import DecodeGraphs
+    from kvdiff.probes.recorder import TraceRecorder
+    from kvdiff.trace import open_trace
+
+    model, tok = kvdiff.load_model(str(bf16_folder), dtype="bfloat16", device="cuda")
+    traces, replays = [], []
+    replay = DecodeGraphs.replay
+
+    def counted(self, rows, digested):
+        replays.append(digested is not None)
+        return replay(self, rows, digested)
+
+    for graphs in (True, False):
+        eng = Engine(model, tok, strategy="prefix", numerics=numerics, cuda_graphs=graphs)
+        if graphs:
+            eng.graphs.replay = counted.__get__(eng.graphs)
+        rec = TraceRecorder.for_model(model, tok, SUITE[0], tmp_path / f"{graphs}.h5", strategy="prefix",
+                                      numerics=numerics, max_new_tokens=24, trace_mode="digest")
+        (out,) = eng.generate([SUITE[0]], max_new_tokens=24, sinks={0: rec})
+        traces.append((rec.finish(out.token_ids, out.text, out.chunks), out.token_ids))
+    assert traces[0][1] == traces[1][1]
+    assert replays == [True] * (len(traces[0][1]) - 1) and len(replays) > 4
+    with open_trace(traces[0][0]) as graphed, open_trace(traces[1][0]) as eager:
+        assert first_digest_mismatch(graphed, eager) is None
+        for layer, point in ((0, "q"), (29, "resid_post"), (None, "logits")):
+            assert np.array_equal(graphed.digests(layer, point)[1], eager.digests(layer, point)[1])
 
 
 @pytest.mark.parametrize("numerics", ["fast", "exact"])

@@ -19,8 +19,10 @@ neighbours' among them (each layer writes every row's K/V before any row attends
 Graphs run only where they are equivalent to the eager step and need nothing from the host in
 the middle of it: one CUDA device with the paged decode kernels (fast numerics', or exact ones',
 which give each row the bits of the eager exact step), a model without routers (a router's
-expert choice sizes its tensors from the data) or latent attention, and no probe recording.
-Anything else runs the eager forward.
+expert choice sizes its tensors from the data) or latent attention, and no probe recording
+more than digests. A decode step whose probes record digests only (a digest trace outside its
+zoom window) replays a graph of its own that digests every capture inside the step
+(graph_probes.py). Anything else runs the eager forward.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 
 from kvdiff.engine.attention_plan import ForwardAttention, WindowPlan
+from kvdiff.engine.graph_probes import GraphProbes, graph_selection
 from kvdiff.engine.kv_cache import BlockTable
 from kvdiff.engine.paged_decode import PagedDecode
 from kvdiff.engine.runner import ModelRunner, RowGroup
@@ -53,8 +56,8 @@ class GraphRow:
 
 
 def decode_rows(groups: list[RowGroup]) -> list[GraphRow] | None:
-    """A decode forward's rows; None where a probe records one (a graph cannot call it)."""
-    if any(g.sink is not None or g.key_slots is None for g in groups):
+    """A decode forward's rows; None where a row's keys are not known on the host."""
+    if any(g.key_slots is None for g in groups):
         return None
     return [GraphRow(g.token_ids[0], g.encoded[0], g.key_slots) for g in groups]
 
@@ -101,8 +104,10 @@ class DecodeGraphs:
         self.tables = {w: torch.zeros(n, width, dtype=torch.long, device=dev) for w, width in self.width.items()}
         self.lengths = {t: torch.ones(n, dtype=torch.long, device=dev) for t in self.width}
         self.scratch_block: int | None = None    # held for the engine's life
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, what its probes digest or None) -> the graph, its logits and its probes
+        self.graphs: dict[tuple[int, object], tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphProbes | None]] = {}
         self.memory = None        # one memory pool for every bucket's graph
+        self._said_eager = False
 
     def prompt(self, planned: list[tuple[BlockTable, list[RowGroup]]]) -> list[torch.Tensor | None] | None:
         """The logits of each group that asks for them, of a `prefix` prompt forward (each
@@ -119,25 +124,45 @@ class DecodeGraphs:
         return [logits[end] if g.logits else None for g, end in zip(groups, ends)]
 
     def decode(self, groups: list[RowGroup]) -> list[torch.Tensor] | None:
-        """Each decode row's logits from a graph; None where it cannot be (more rows than a graph
-        holds, or a probe recording)."""
+        """Each decode row's logits from a graph, its digests handed to its sink where a probe
+        records digests only; None where it cannot be (more rows than a graph holds, or a probe
+        recording more than digests)."""
         rows = decode_rows(groups)
-        return None if rows is None or len(rows) > BUCKETS[-1] else self.forward(rows)
+        selections = {graph_selection(g) for g in groups} - {None}
+        if rows is None or len(rows) > BUCKETS[-1]:
+            return None
+        if not selections:
+            return self.forward(rows)
+        if len(selections) > 1 or False in selections:
+            if not self._said_eager:
+                log.info("probed decode steps recording more than digests run without CUDA graphs")
+                self._said_eager = True
+            return None
+        logits, probes = self.replay(rows, selections.pop())
+        probes.hand_over(groups)
+        return logits
 
     def forward(self, rows: list[GraphRow]) -> list[torch.Tensor]:
         """The float32 logits of each row (at most BUCKETS[-1]), from a replayed graph (off CUDA
         the static step runs eagerly: how the tests check it on the CPU)."""
+        return self.replay(rows, None)[0]
+
+    def replay(self, rows: list[GraphRow], digested) -> tuple[list[torch.Tensor], GraphProbes | None]:
+        """`forward`, and with `digested` (what the rows' sinks digest) the probes that digested
+        the step's captures."""
         B = len(rows)
         bucket = next(b for b in BUCKETS if b >= B)
         self._fill(rows, bucket)
         if not self.tokens.is_cuda:
-            return list(self._step(bucket)[:B])
-        if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(bucket)
+            probes = None if digested is None else GraphProbes(digested)
+            return list(self._step(bucket, probes)[:B]), probes
+        key = (bucket, digested)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bucket, digested)
             self._fill(rows, bucket)      # the capture's warm-up steps ran on padding only
-        graph, logits = self.graphs[bucket]
+        graph, logits, probes = self.graphs[key]
         graph.replay()
-        return list(logits[:B])
+        return list(logits[:B]), probes
 
     def _scratch_slot(self) -> int:
         if self.scratch_block is None:
@@ -171,8 +196,9 @@ class DecodeGraphs:
             self.lengths[w][:bucket].copy_(packed[:, 0])
             self.tables[w][:bucket, :longest].copy_(packed[:, 1:])
 
-    def _step(self, bucket: int) -> torch.Tensor:
-        """One decode forward of `bucket` rows from the static buffers: the logits (bucket, vocab)."""
+    def _step(self, bucket: int, probes: GraphProbes | None = None) -> torch.Tensor:
+        """One decode forward of `bucket` rows from the static buffers: the logits (bucket, vocab);
+        `probes` digest its captures."""
         a = self.runner.adapter
         x = a.embed_tokens(self.tokens[:bucket])
         ropes = {kind: a.rope(x, self.encoded[:bucket], kind) for kind in a.rope_kinds}
@@ -182,26 +208,34 @@ class DecodeGraphs:
                                                w if exact else None))
                  for w, t in self.table_of.items()}
         attention = ForwardAttention(plans, [slice(0, bucket)], slots)
-        x = self.runner.unprobed_layers(x, ropes, attention, slots)
-        return a.lm_head(a.final_norm(x)).float()
+        if probes is None:
+            return a.lm_head(a.final_norm(self.runner.unprobed_layers(x, ropes, attention, slots))).float()
+        x = self.runner.layers(x, ropes, attention, slots, None, slots, probes)
+        normed = a.final_norm(x)
+        logits = a.lm_head(normed).float()
+        probes.final(x, normed, logits)
+        probes.digest()
+        return logits
 
-    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, bucket: int, digested) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphProbes | None]:
         """Capture the bucket's step (after two warm-up steps on a side stream, which compile the
-        kernels and let cuBLAS pick its algorithms) with every row padding."""
+        kernels and let cuBLAS pick its algorithms) with every row padding; with `digested`, the
+        step digests its captures."""
         self._pad(bucket)
         side = torch.cuda.Stream(self.tokens.device)
         side.wait_stream(torch.cuda.current_stream(self.tokens.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step(bucket)
+                self._step(bucket, None if digested is None else GraphProbes(digested))
         torch.cuda.current_stream(self.tokens.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self.memory is None:
             self.memory = torch.cuda.graph_pool_handle()
+        probes = None if digested is None else GraphProbes(digested)
         with torch.cuda.graph(graph, pool=self.memory):
-            logits = self._step(bucket)
-        log.debug("captured a decode graph for %d rows", bucket)
-        return graph, logits
+            logits = self._step(bucket, probes)
+        log.debug("captured a decode graph for %d rows%s", bucket, "" if probes is None else ", digesting its captures")
+        return graph, logits, probes
 
     def _pad(self, bucket: int) -> None:
         """Make every row of the bucket padding (the scratch slot, one key)."""

@@ -48,7 +48,8 @@ class Engine:
 
     Greedy by default; `temperature > 0` samples (seeded by `seed`) with optional top-k / top-p.
     On a GPU, decode steps and a cache hit's few new rows replay CUDA graphs (decode_graph.py)
-    unless `cuda_graphs=False` or a probe records them.
+    unless `cuda_graphs=False` or a probe records them (a decode step whose probes record
+    digests only replays a graph that digests its captures: graph_probes.py).
     """
 
     def __init__(self, model, tokenizer, strategy: Strategy | str = Strategy.PREFIX,
@@ -238,8 +239,6 @@ class Engine:
         return self._forward(groups)
 
     def _decode(self, requests: list[Request], max_new_tokens: int, start: float) -> None:
-        if self.graphs is not None and any(r.sink is not None for r in requests):
-            log.info("probed requests decode without CUDA graphs (a graphed step cannot call the probes)")
         step = 0
         while True:
             active = []

@@ -24,15 +24,14 @@ PENDING_STEPS = 256     # repeated decode steps whose digests are held before on
 
 @dataclass(frozen=True)
 class _RepeatPlan:
-    """How a repeated one-position forward's captures become its tables' rows: the captures hashed
-    together (one size, dtype and device a group; concatenated a part at a time, one shape and
-    strides a part), and where each table's columns are in the groups' digests laid end to end
-    (a column that does not fire points past them, at an empty digest)."""
+    """How a one-position forward's digests become its tables' rows: where each cell of the
+    tables, laid end to end, is among the captures' digests (a cell that does not fire points
+    past them, at an empty digest); for captures hashed here, how they are grouped (one size,
+    dtype and device a group; concatenated a part at a time, one shape and strides a part)."""
 
     keys: list[tuple[str, int | None]]
-    groups: list[list[list[int]]]
+    groups: list[list[list[int]]]               # empty for digests taken where the captures ran
     order: torch.Tensor
-    tables: list[tuple[str, str, slice, tuple[int, ...]]]   # hash and stats datasets, the table's columns in `order`, its row shape
     empty: tuple[torch.Tensor, torch.Tensor]    # the empty digest (a zero hash, NaN statistics), on the device
 
 
@@ -74,6 +73,14 @@ class DigestTaker:
             for table, columns in (digest_tables(tuple(points), layers[0]) if layers else {}).items()}
         self._tables.update(((True, table), ([None], columns))
                             for table, columns in digest_tables(tuple(points), None).items())
+        # each table's hash and stats datasets, its cells' slice of the tables laid end to end, its row shape
+        self._layout: list[tuple[str, str, slice, tuple[int, ...]]] = []
+        cells = 0
+        for (final, table), (layers, columns) in self._tables.items():
+            shape = (len(columns),) if final else (len(layers), len(columns))
+            self._layout.append((digest_path(final, table, "hash"), digest_path(final, table, "stats"),
+                                 slice(cells, cells + len(layers) * len(columns)), shape))
+            cells += len(layers) * len(columns)
         self._batch = DigestBatch()
         self._taken: dict[tuple[int | None, str], dict[str, tuple | int]] = {}
         self._positions: np.ndarray | None = None
@@ -83,7 +90,8 @@ class DigestTaker:
         self._seen: set[tuple[str, int | None]] = set()
         self._cloned: set[tuple[str, int | None]] = set()
         self._watched: list[tuple[str, int | None, torch.Tensor, int, bool]] = []
-        self._plan: _RepeatPlan | None = None
+        self._plan: _RepeatPlan | None = None           # of the captures take_repeat hashes
+        self._taken_plan: _RepeatPlan | None = None     # of the digests take_digested is handed
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []    # repeated steps not yet written
 
     @property
@@ -116,17 +124,30 @@ class DigestTaker:
         steps'. False, with nothing taken, where the captures span devices: `take` each instead."""
         plan = self._plan
         if plan is None or plan.keys != keys:
-            self.flush()
             plan = self._plan = self._plan_for(keys, rows)
             if plan is None:
                 return False
         digests = [row_digests(_stacked([[rows[i] for i in part] for part in parts])) for parts in plan.groups]
-        hashes = torch.cat([h for h, _ in digests] + [plan.empty[0]])
-        stats = torch.cat([s for _, s in digests] + [plan.empty[1]])
+        self._hold(plan, position, [h for h, _ in digests], [s for _, s in digests])
+        return True
+
+    def take_digested(self, keys: list[tuple[str, int | None]], hashes: torch.Tensor, stats: torch.Tensor,
+                      position: int) -> None:
+        """A one-position forward's digests, taken where its captures ran (inside a CUDA graph's
+        step): `hashes` (n,) and `stats` (n, 2) of `keys` (every digested point once). Written
+        with the next steps'."""
+        plan = self._taken_plan
+        if plan is None or (plan.keys is not keys and plan.keys != keys):
+            plan = self._taken_plan = self._planned(keys, [], list(range(len(keys))), hashes.device)
+        self._hold(plan, position, [hashes], [stats])
+
+    def _hold(self, plan: _RepeatPlan, position: int, hashes: list[torch.Tensor], stats: list[torch.Tensor]) -> None:
+        """Keep a one-position forward's digests (in `plan`'s order of its keys) as its tables' row."""
+        hashes = torch.cat(hashes + [plan.empty[0]])
+        stats = torch.cat(stats + [plan.empty[1]])
         if (self._pending and position <= self._pending[-1][0]) or len(self._pending) >= PENDING_STEPS:
             self.flush()        # one write holds increasing positions: a later row still replaces an earlier one
         self._pending.append((position, hashes.index_select(0, plan.order), stats.index_select(0, plan.order)))
-        return True
 
     def _plan_for(self, keys: list[tuple[str, int | None]], rows: list[torch.Tensor]) -> _RepeatPlan | None:
         groups: dict[tuple[int, torch.dtype, torch.device], dict[tuple, list[int]]] = {}
@@ -135,18 +156,19 @@ class DigestTaker:
         if len({device for _, _, device in groups}) > 1:
             return None
         members = [list(parts.values()) for parts in groups.values()]
-        at = {i: n for n, i in enumerate(i for parts in members for part in parts for i in part)}
+        hashed = [i for parts in members for part in parts for i in part]
+        return self._planned(list(keys), members, hashed, rows[0].device)
+
+    def _planned(self, keys: list[tuple[str, int | None]], groups: list[list[list[int]]], hashed: list[int],
+                 device: torch.device) -> _RepeatPlan:
+        """The plan of digests of `keys[i]` for i in `hashed`, laid end to end in that order."""
+        at = {i: n for n, i in enumerate(hashed)}
         where = {key: at[i] for i, key in enumerate(keys)}
-        order, tables = [], []
-        for (final, table), (layers, columns) in self._tables.items():
-            shape = (len(columns),) if final else (len(layers), len(columns))
-            tables.append((digest_path(final, table, "hash"), digest_path(final, table, "stats"),
-                           slice(len(order), len(order) + len(layers) * len(columns)), shape))
-            order += [where.get((point, layer), len(rows)) for layer in layers for point in columns]
-        device = rows[0].device
+        order = [where.get((point, layer), len(keys)) for layers, columns in self._tables.values()
+                 for layer in layers for point in columns]
         empty = (torch.zeros(1, dtype=torch.int64, device=device),
                  torch.full((1, len(DIGEST_STATS)), float("nan"), device=device))
-        return _RepeatPlan(list(keys), members, torch.tensor(order, device=device), tables, empty)
+        return _RepeatPlan(keys, groups, torch.tensor(order, device=device), empty)
 
     def flush(self) -> None:
         """Write the held decode steps' digests: one write of each table for all of them."""
@@ -156,7 +178,7 @@ class DigestTaker:
         hashes = torch.stack([h for _, h, _ in self._pending])
         stats = torch.stack([s for _, _, s in self._pending])
         self._pending = []
-        for hash_path, stats_path, columns, shape in self._plan.tables:
+        for hash_path, stats_path, columns, shape in self._layout:
             h, s = hashes[:, columns].view(-1, *shape), stats[:, columns].view(-1, *shape, len(DIGEST_STATS))
             self.writer.write_rows_at(hash_path, positions, h, tuple(h.shape))
             self.writer.write_rows_at(stats_path, positions, s, tuple(s.shape))

@@ -106,6 +106,8 @@ class TraceRecorder:
         self._log_versions: list[int | None] = []
         self._all_for: Sequence[int] | None = None
         self._all_cache = np.zeros(0, np.int64)
+        self._digested_where_run = False      # this forward's digests came with take_digested
+        self._digested_of: tuple[list, list] = ([], [])     # the last `fired` taken, and its points' keys
 
     @classmethod
     def for_model(cls, model, tokenizer, messages: list[dict], path: str | os.PathLike, *,
@@ -183,6 +185,31 @@ class TraceRecorder:
         if self._digests is not None:           # a digest trace's step outside its window: digests only
             return kept.size == 0 and self._digests.keeps_by_reference
         return mask is None or bool(mask[0])
+
+    def graph_digests(self, positions: Sequence[int]) -> Selection | None:
+        """The points and layers digested when a forward at `positions` records digests only (a
+        digest trace outside its zoom window, whose captures may wait by reference), so that a
+        path may digest them inside a CUDA graph's step and hand them over with `take_digested`;
+        None when the forward must be captured as it runs."""
+        if self._digests is None or not self._digests.keeps_by_reference:
+            return None
+        return None if self._kept(positions)[0].size else self.digested
+
+    def take_digested(self, fired: list[tuple[str, int | None]], hashes: torch.Tensor, stats: torch.Tensor) -> None:
+        """A one-position forward's captures, digested where they ran (`graph_digests`): `fired`,
+        each capture's (point, layer) in order ("stats:" + the norm for a norm's), and `hashes`
+        (n,) and `stats` (n, 2) of its points' captures, in that order. The same `fired` object
+        each step saves comparing it again."""
+        if self._positions is None or len(self._positions) != 1:
+            raise ProbeIntegrityError("take_digested takes one position's digests inside a forward: call "
+                                      "begin_forward([position]) first")
+        if self._fired or self._logged:
+            raise ProbeIntegrityError("take_digested after captures of the same forward: a forward's captures are "
+                                      "either digested where they ran or captured, not both")
+        self._fired, self._logging, self._digested_where_run = fired, None, True
+        if self._digested_of[0] is not fired:
+            self._digested_of = (fired, [key for key in fired if not key[0].startswith("stats:")])
+        self._digests.take_digested(self._digested_of[1], hashes, stats, self._positions[0])
 
     def _kept(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
         """Positions to keep and, when some are dropped, the boolean mask selecting their rows.
@@ -306,6 +333,13 @@ class TraceRecorder:
         if self._positions is None:
             raise ProbeIntegrityError("end_forward called outside a forward: call begin_forward first")
         if self._logging is not None and self._end_repeat():
+            return
+        if self._digested_where_run:
+            self._digested_where_run = False
+            if (self._reads_only, self._fired) != self._checked:
+                self._check_fired()
+            self._positions = None
+            self.writer.commit()
             return
         if (self._reads_only, self._fired) != self._checked:      # decode steps repeat one layout: checked once
             self._check_fired()

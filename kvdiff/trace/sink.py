@@ -8,7 +8,7 @@ Implementations copy tensors at capture time and check integrity at `end_forward
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Hashable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -56,3 +56,17 @@ class ProbeSink(Protocol):
 
     def end_forward(self) -> None:
         """The forward is over: every declared probe must have fired once per layer."""
+
+
+@runtime_checkable
+class GraphDigestSink(ProbeSink, Protocol):
+    """A sink that takes a decode step's digests computed where its captures ran, inside a CUDA
+    graph's step (the engine's decode graphs), instead of the captures themselves."""
+
+    def graph_digests(self, positions: Sequence[int]) -> Hashable | None:
+        """The selection of what a forward at `positions` digests (it has `wants`), when that is
+        all it records; None when its captures must reach `capture` as they run."""
+
+    def take_digested(self, fired: list[tuple[str, int | None]], hashes: torch.Tensor, stats: torch.Tensor) -> None:
+        """Inside a one-position forward's bracket: what fired, in order ("stats:" + the norm for
+        a norm's statistics), and the hashes (n,) and statistics (n, 2) of its points' rows."""
