@@ -104,8 +104,11 @@ def test_a_row_hashes_the_same_on_a_gpu_as_on_the_host():      # and whatever it
     wide = torch.randn(9, 3001)
     wide[4, 7], wide[5, 9] = float("nan"), float("-inf")
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        logits = torch.randn(3, 20001)          # few wide rows: each split among programs
+        logits[1, 15000] = float("nan")
         for rows in (torch.randn(33, 4, 64).to(dtype), torch.randn(5, 7).to(dtype), wide.to(dtype)[:, 1:],
-                     torch.randn(6, 40).to(dtype).t()):       # odd widths, unaligned and strided views
+                     torch.randn(6, 40).to(dtype).t(),        # odd widths, unaligned and strided views
+                     logits.to(dtype), logits.to(dtype)[:, 1:]):
             host, on_gpu = row_digests(rows), row_digests(rows.cuda())
             assert torch.equal(host[0], on_gpu[0].cpu()), (dtype, rows.shape)
             assert torch.allclose(host[1], on_gpu[1].cpu(), rtol=2 ** -22, equal_nan=True), (dtype, rows.shape)

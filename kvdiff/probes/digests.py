@@ -92,7 +92,9 @@ class DigestTaker:
         self._watched: list[tuple[str, int | None, torch.Tensor, int, bool]] = []
         self._plan: _RepeatPlan | None = None           # of the captures take_repeat hashes
         self._taken_plan: _RepeatPlan | None = None     # of the digests take_digested is handed
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []    # repeated steps not yet written
+        # repeated steps not yet written: their position, hashes and statistics in `_pending_plan`'s order
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._pending_plan: _RepeatPlan | None = None
 
     @property
     def keeps_by_reference(self) -> bool:
@@ -128,26 +130,28 @@ class DigestTaker:
             if plan is None:
                 return False
         digests = [row_digests(_stacked([[rows[i] for i in part] for part in parts])) for parts in plan.groups]
-        self._hold(plan, position, [h for h, _ in digests], [s for _, s in digests])
+        hashes, stats = zip(*digests)
+        self._hold(plan, position, *((torch.cat(d) if len(d) > 1 else d[0]) for d in (hashes, stats)))
         return True
 
     def take_digested(self, keys: list[tuple[str, int | None]], hashes: torch.Tensor, stats: torch.Tensor,
                       position: int) -> None:
         """A one-position forward's digests, taken where its captures ran (inside a CUDA graph's
-        step): `hashes` (n,) and `stats` (n, 2) of `keys` (every digested point once). Written
-        with the next steps'."""
+        step): `hashes` (n,) and `stats` (n, 2) of `keys` (every digested point once), copied
+        here (a graph rewrites them at its next replay). Written with the next steps'."""
         plan = self._taken_plan
         if plan is None or (plan.keys is not keys and plan.keys != keys):
             plan = self._taken_plan = self._planned(keys, [], list(range(len(keys))), hashes.device)
-        self._hold(plan, position, [hashes], [stats])
+        self._hold(plan, position, hashes.clone(), stats.clone())
 
-    def _hold(self, plan: _RepeatPlan, position: int, hashes: list[torch.Tensor], stats: list[torch.Tensor]) -> None:
-        """Keep a one-position forward's digests (in `plan`'s order of its keys) as its tables' row."""
-        hashes = torch.cat(hashes + [plan.empty[0]])
-        stats = torch.cat(stats + [plan.empty[1]])
-        if (self._pending and position <= self._pending[-1][0]) or len(self._pending) >= PENDING_STEPS:
+    def _hold(self, plan: _RepeatPlan, position: int, hashes: torch.Tensor, stats: torch.Tensor) -> None:
+        """Keep a one-position forward's digests, in `plan`'s order, until `flush` makes them its
+        tables' rows (for all the held steps at once)."""
+        if (self._pending and (plan is not self._pending_plan or position <= self._pending[-1][0])
+                or len(self._pending) >= PENDING_STEPS):
             self.flush()        # one write holds increasing positions: a later row still replaces an earlier one
-        self._pending.append((position, hashes.index_select(0, plan.order), stats.index_select(0, plan.order)))
+        self._pending_plan = plan
+        self._pending.append((position, hashes, stats))
 
     def _plan_for(self, keys: list[tuple[str, int | None]], rows: list[torch.Tensor]) -> _RepeatPlan | None:
         groups: dict[tuple[int, torch.dtype, torch.device], dict[tuple, list[int]]] = {}
@@ -175,8 +179,11 @@ class DigestTaker:
         if not self._pending:
             return
         positions = np.array([p for p, _, _ in self._pending], dtype=np.int64)
-        hashes = torch.stack([h for _, h, _ in self._pending])
-        stats = torch.stack([s for _, _, s in self._pending])
+        empty = self._pending_plan.empty
+        steps = len(self._pending)
+        hashes = torch.cat([torch.stack([h for _, h, _ in self._pending]), empty[0].expand(steps, 1)], 1)
+        stats = torch.cat([torch.stack([s for _, _, s in self._pending]), empty[1].expand(steps, 1, -1)], 1)
+        hashes, stats = hashes.index_select(1, self._pending_plan.order), stats.index_select(1, self._pending_plan.order)
         self._pending = []
         for hash_path, stats_path, columns, shape in self._layout:
             h, s = hashes[:, columns].view(-1, *shape), stats[:, columns].view(-1, *shape, len(DIGEST_STATS))

@@ -29,6 +29,9 @@ from kvdiff.trace.format import ChunkRecord, ModelDims, point_group
 from kvdiff.trace.writer import TraceWriter
 
 
+STEPS_HELD = 64     # generated steps whose logits wait on the GPU for one top-k and one copy to the host
+
+
 @dataclass(frozen=True)
 class _Target:
     """Where the captures of one (point, layer) go: the dataset (or norm statistics group) and row shape."""
@@ -108,6 +111,7 @@ class TraceRecorder:
         self._all_cache = np.zeros(0, np.int64)
         self._digested_where_run = False      # this forward's digests came with take_digested
         self._digested_of: tuple[list, list] = ([], [])     # the last `fired` taken, and its points' keys
+        self._steps: list[tuple[int, int, int, torch.Tensor]] = []     # generated steps and their logits, on the GPU
 
     @classmethod
     def for_model(cls, model, tokenizer, messages: list[dict], path: str | os.PathLike, *,
@@ -323,11 +327,21 @@ class TraceRecorder:
                                      encoded if mask is None else encoded[mask], source.reused)
 
     def capture_step(self, step: int, position: int, logits_row: torch.Tensor, token_id: int) -> None:
-        row = logits_row.detach().reshape(-1)
-        values, ids = row.topk(min(self.top_k, row.numel()))    # where the row lives: a few numbers come over
-        values, ids = values.to("cpu", torch.float64), ids.cpu()
-        margin = float(values[0] - values[1]) if values.numel() > 1 else float("inf")
-        self.writer.append_step(step, position, token_id, ids.numpy(), values.numpy(), margin)
+        self._steps.append((step, position, token_id, logits_row.detach().reshape(1, -1).clone()))
+        if not logits_row.is_cuda or len(self._steps) >= STEPS_HELD:
+            self._write_steps()
+
+    def _write_steps(self) -> None:
+        """Hand the held steps' top-k to the writer: from a GPU, one top-k and one copy for all of
+        them (a top-k and a copy a step would wait for the GPU at every step)."""
+        if not self._steps:
+            return
+        steps, self._steps = self._steps, []
+        rows = torch.cat([s[3] for s in steps])
+        values, ids = rows.topk(min(self.top_k, rows.shape[1]), dim=1)    # where the rows live: a few numbers come over
+        for (step, position, token_id, _), top, top_ids in zip(steps, values.to("cpu", torch.float64), ids.cpu()):
+            margin = float(top[0] - top[1]) if top.numel() > 1 else float("inf")
+            self.writer.append_step(step, position, token_id, top_ids.numpy(), top.numpy(), margin)
 
     def end_forward(self) -> None:
         if self._positions is None:
@@ -433,6 +447,7 @@ class TraceRecorder:
             raise ProbeIntegrityError("finish called inside a forward: call end_forward first")
         records_kv = bool(self._declared.layers) and any(p in self._declared.points for p in READ_POINTS)
         kv_only = sorted(self._read_positions - self._computed_positions) if records_kv else []
+        self._write_steps()
         if self._digests is not None:
             self._digests.flush()
         return str(self.writer.close(generated_ids=list(generated_ids), text=text, chunks=list(chunks),

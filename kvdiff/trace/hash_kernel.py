@@ -23,6 +23,8 @@ except ImportError:
 
 BLOCK = 4096   # words per program; each program writes one partial sum
 ROW_WORDS = 512   # a row's 64-bit words read per step of its program
+PART_WORDS = 4096     # a wide row's words per program, where its rows are few
+SPLIT_BELOW_ROWS = 64     # rows fewer than this are split in parts (more rows fill the GPU as they are)
 
 
 if available:
@@ -53,46 +55,71 @@ def mixed_word_sum(words: torch.Tensor, mul1: int, mul2: int, mul3: int) -> torc
 
 if available:
     @triton.jit
-    def _row_digest_kernel(x_ptr, mult_ptr, hash_ptr, stats_ptr, width, row_stride, inv_sqrt_width,
-                           WORDS: tl.constexpr, WIDENED: tl.constexpr, CANONICAL_NAN: tl.constexpr):
+    def _row_digest_kernel(x_ptr, mult_ptr, hash_ptr, stats_ptr, squares_ptr, largest_ptr, width, row_stride,
+                           inv_sqrt_width, part_words, WORDS: tl.constexpr, WIDENED: tl.constexpr,
+                           CANONICAL_NAN: tl.constexpr, WHOLE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
+        part, parts = tl.program_id(1).to(tl.int64), tl.num_programs(1)
         base = x_ptr + row * row_stride
         n_words = (width + 1) // 2
+        end = tl.minimum(n_words, (part + 1) * part_words)
         total = tl.zeros([WORDS], dtype=tl.int64)
         squares = tl.zeros([WORDS], dtype=tl.float64)
         largest = tl.zeros([WORDS], dtype=tl.float32)
-        for start in range(0, n_words, WORDS):
+        for start in range(part * part_words, end, WORDS):
             k = start + tl.arange(0, WORDS).to(tl.int64)
-            lo = tl.load(base + 2 * k, mask=2 * k < width, other=0.0).to(tl.float32)
-            hi = tl.load(base + 2 * k + 1, mask=2 * k + 1 < width, other=0.0).to(tl.float32)
+            lo = tl.load(base + 2 * k, mask=(2 * k < width) & (k < end), other=0.0).to(tl.float32)
+            hi = tl.load(base + 2 * k + 1, mask=(2 * k + 1 < width) & (k < end), other=0.0).to(tl.float32)
             lo_bits, hi_bits = lo.to(tl.int32, bitcast=True), hi.to(tl.int32, bitcast=True)
             if WIDENED:     # a 16-bit NaN's payload widens differently on each device: one NaN
                 lo_bits = tl.where(lo != lo, CANONICAL_NAN, lo_bits)
                 hi_bits = tl.where(hi != hi, CANONICAL_NAN, hi_bits)
             word = (lo_bits.to(tl.int64) & 0xFFFFFFFF) | (hi_bits.to(tl.int64) << 32)
-            total += word * tl.load(mult_ptr + k, mask=k < n_words, other=0)
+            total += word * tl.load(mult_ptr + k, mask=k < end, other=0)
             squares += lo.to(tl.float64) * lo.to(tl.float64) + hi.to(tl.float64) * hi.to(tl.float64)
             largest = tl.maximum(largest, tl.maximum(tl.abs(lo), tl.abs(hi)))
         square_sum = tl.sum(squares, axis=0)
-        tl.store(hash_ptr + row, tl.sum(total, axis=0))
-        tl.store(stats_ptr + 2 * row, (tl.sqrt(square_sum) * inv_sqrt_width).to(tl.float32))
-        # a NaN element makes the sum of squares NaN (and only one does): max_abs is NaN too, as in torch
         largest_abs = tl.max(largest, axis=0)
-        tl.store(stats_ptr + 2 * row + 1, tl.where(square_sum != square_sum, square_sum.to(tl.float32), largest_abs))
+        if WHOLE:
+            tl.store(hash_ptr + row, tl.sum(total, axis=0))
+            tl.store(stats_ptr + 2 * row, (tl.sqrt(square_sum) * inv_sqrt_width).to(tl.float32))
+            tl.store(stats_ptr + 2 * row + 1, tl.where(square_sum != square_sum, square_sum.to(tl.float32),
+                                                       largest_abs))
+        else:       # one part of the row's words: partial sums, which the caller adds
+            at = row * parts + part
+            tl.store(hash_ptr + at, tl.sum(total, axis=0))
+            tl.store(squares_ptr + at, square_sum)
+            tl.store(largest_ptr + at, largest_abs)
 
 
 def row_digests(flat: torch.Tensor, multipliers: torch.Tensor, canonical_nan: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """digest.row_digests of the float rows `flat` (T, W) on a GPU in one launch: each row's
-    elements widened to float32 (a 16-bit NaN as `canonical_nan`), read as little-endian 64-bit words (the last zero-padded) and
-    summed times `multipliers` (one per word); rms and max_abs beside it."""
+    """digest.row_digests of the float rows `flat` (T, W) on a GPU: each row's elements widened
+    to float32 (a 16-bit NaN as `canonical_nan`), read as little-endian 64-bit words (the last
+    zero-padded) and summed times `multipliers` (one per word); rms and max_abs beside it. One
+    launch where the rows are many or narrow; a few rows of more than PART_WORDS words (a
+    decode step's logits) are split among programs, whose partial sums are then added."""
     if flat.stride(1) != 1:
         flat = flat.contiguous()
     rows, width = flat.shape
+    n_words = (width + 1) // 2
+    parts = triton.cdiv(n_words, PART_WORDS) if rows < SPLIT_BELOW_ROWS else 1
     hashes = torch.empty(rows, dtype=torch.int64, device=flat.device)
     stats = torch.empty(rows, 2, dtype=torch.float32, device=flat.device)
-    if rows:
-        with torch.cuda.device(flat.device):
-            _row_digest_kernel[(rows,)](flat, multipliers, hashes, stats, width, flat.stride(0), width ** -0.5,
-                                        WORDS=ROW_WORDS, WIDENED=flat.element_size() == 2,
-                                        CANONICAL_NAN=canonical_nan)
+    if not rows:
+        return hashes, stats
+    part_hashes, squares, largest = hashes, stats, stats      # unused when one program takes a whole row
+    if parts > 1:
+        part_hashes = torch.empty(rows, parts, dtype=torch.int64, device=flat.device)
+        squares = torch.empty(rows, parts, dtype=torch.float64, device=flat.device)
+        largest = torch.empty(rows, parts, dtype=torch.float32, device=flat.device)
+    with torch.cuda.device(flat.device):
+        _row_digest_kernel[(rows, parts)](flat, multipliers, part_hashes, stats, squares, largest, width,
+                                          flat.stride(0), width ** -0.5, n_words if parts == 1 else PART_WORDS,
+                                          WORDS=ROW_WORDS, WIDENED=flat.element_size() == 2,
+                                          CANONICAL_NAN=canonical_nan, WHOLE=parts == 1)
+    if parts > 1:
+        torch.sum(part_hashes, 1, out=hashes)
+        square_sum = squares.sum(1)
+        torch.mul(square_sum.sqrt(), width ** -0.5, out=stats[:, 0])
+        torch.where(square_sum.isnan(), square_sum.float(), largest.amax(1), out=stats[:, 1])
     return hashes, stats

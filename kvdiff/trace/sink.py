@@ -8,7 +8,7 @@ Implementations copy tensors at capture time and check integrity at `end_forward
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Protocol, Sequence, runtime_checkable
+from typing import Hashable, Protocol, Sequence
 
 import torch
 
@@ -58,7 +58,6 @@ class ProbeSink(Protocol):
         """The forward is over: every declared probe must have fired once per layer."""
 
 
-@runtime_checkable
 class GraphDigestSink(ProbeSink, Protocol):
     """A sink that takes a decode step's digests computed where its captures ran, inside a CUDA
     graph's step (the engine's decode graphs), instead of the captures themselves."""
