@@ -96,14 +96,20 @@ def _digest_run(model, tok, path, graphed: bool, captured: list | None = None, *
         eng.graphs = DecodeGraphs(eng.runner)
     steps = []
     if captured is not None:
-        capture = GraphProbes.capture
+        capture, read = GraphProbes.capture, GraphProbes.read
 
         def keep(self, point, layer, rows):
             if self.selection.wants(point, layer):
                 captured.append((point, layer, rows.clone()))
             capture(self, point, layer, rows)
 
-        GraphProbes.capture = keep
+        def keep_read(self, pool, layer, slots, value_point):     # the rows the cache holds at `slots`
+            for point, table in (("k", pool.k[layer]), (value_point, pool.v[layer])):
+                if self.selection.wants(point, layer):
+                    captured.append((point, layer, table.index_select(0, slots)))
+            read(self, pool, layer, slots, value_point)
+
+        GraphProbes.capture, GraphProbes.read = keep, keep_read
     try:
         rec = TraceRecorder.for_model(model, tok, SEED_MESSAGES, path, strategy="prefix", max_new_tokens=6,
                                       trace_mode="digest", **window)
@@ -115,7 +121,7 @@ def _digest_run(model, tok, path, graphed: bool, captured: list | None = None, *
         return rec.finish(out.token_ids, out.text, out.chunks), steps
     finally:
         if captured is not None:
-            GraphProbes.capture = capture
+            GraphProbes.capture, GraphProbes.read = capture, read
 
 
 def test_a_digest_traces_decode_steps_are_digested_inside_the_graphs_step(tmp_path):

@@ -16,7 +16,7 @@ from kvdiff.trace.format import digest_tables
 from kvdiff.run.compare import compare
 from kvdiff.run.zoom import repeat_findings
 from kvdiff.trace import open_trace
-from kvdiff.trace.digest import DigestBatch, row_digests
+from kvdiff.trace.digest import DigestBatch, gathered_row_digests, row_digests
 from tests.conftest import SEED_MESSAGES as SEEDS, SEED_PROMPT, SEED_SYSTEM
 
 STRATEGIES = ("none", "prefix", "isolated-local", "isolated-global", "rerotate", "blend")
@@ -114,6 +114,12 @@ def test_a_row_hashes_the_same_on_a_gpu_as_on_the_host():      # and whatever it
             assert torch.allclose(host[1], on_gpu[1].cpu(), rtol=2 ** -22, equal_nan=True), (dtype, rows.shape)
             assert torch.equal(host[1][:, 1].isnan(), on_gpu[1][:, 1].cpu().isnan())
             assert torch.equal(host[1][:, 1].nan_to_num(), on_gpu[1][:, 1].cpu().nan_to_num()), dtype   # exact
+        caches = [torch.randn(40, 3, 64, device="cuda").to(dtype) for _ in range(4)]     # a KV cache's layers
+        slots = torch.tensor([5, 0, 39], device="cuda")
+        hashes, stats = gathered_row_digests(caches, slots)
+        for j, cache in enumerate(caches):          # read where the cache holds them: the rows' own digests
+            assert torch.equal(hashes[:, j], row_digests(cache.index_select(0, slots))[0])
+            assert torch.equal(stats[:, j], row_digests(cache.index_select(0, slots))[1])
 
 
 def _record(model, tokenizer, path, **kwargs):

@@ -15,7 +15,7 @@ from typing import Hashable
 
 import torch
 
-from kvdiff.trace.digest import row_digests
+from kvdiff.trace.digest import gathered_row_digests, row_digests
 from kvdiff.trace.sink import ProbeIntegrityError
 
 
@@ -41,6 +41,7 @@ class GraphProbes:
         self.fired: list[tuple[str, int | None]] = []   # after `digest`: the points in `hashes`' order, then the norms
         self._captured: list[tuple[tuple[str, int | None], torch.Tensor, int]] = []
         self._norms: list[tuple[str, int | None]] = []
+        self._read: list[tuple[tuple[str, int], torch.Tensor, torch.Tensor]] = []     # (point, layer), cache, slots
         self.hashes: torch.Tensor | None = None     # (rows, points) int64, rewritten by each replay
         self.stats: torch.Tensor | None = None      # (rows, points, 2) float32
 
@@ -50,6 +51,13 @@ class GraphProbes:
     def capture(self, point: str, layer: int | None, rows: torch.Tensor) -> None:
         if self.selection.wants(point, layer):
             self._captured.append(((point, layer), rows, rows._version))
+
+    def read(self, pool, layer: int, slots: torch.Tensor, value_point: str) -> None:
+        """The K and V rows attention reads at `slots`: hashed where the cache holds them, every
+        layer's in one kernel at the step's end (`gathered_row_digests`)."""
+        for point, table in (("k", pool.k[layer]), (value_point, pool.v[layer])):
+            if self.selection.wants(point, layer):
+                self._read.append(((point, layer), table, slots))
 
     def norm(self, name: str, layer: int | None, inp: torch.Tensor, out: torch.Tensor) -> None:
         """A norm's statistics are kept in the zoom window only: here it only fires."""
@@ -80,9 +88,18 @@ class GraphProbes:
             hashes.append(h.view(stacked.shape[0], len(members)))
             stats.append(s.view(stacked.shape[0], len(members), -1))
             order += members
+        fired = [self._captured[i][0] for i in order]
+        reads: dict[tuple, list[int]] = {}
+        for i, (_, table, _) in enumerate(self._read):
+            reads.setdefault((table.dtype, table.shape[1:], table.stride()), []).append(i)
+        for members in reads.values():
+            h, s = gathered_row_digests([self._read[i][1] for i in members], self._read[members[0]][2])
+            hashes.append(h)
+            stats.append(s)
+            fired += [self._read[i][0] for i in members]
         self.hashes, self.stats = torch.cat(hashes, 1), torch.cat(stats, 1)
-        self.fired = [self._captured[i][0] for i in order] + self._norms
-        self._captured = []         # the graph's outputs are the digests; the captures may go
+        self.fired = fired + self._norms
+        self._captured, self._read = [], []        # the graph's outputs are the digests; the captures may go
 
     def hand_over(self, groups) -> None:
         """After the step: each row group's (one decode row's) digests to its sink, in the bracket

@@ -145,10 +145,7 @@ class ModelRunner:
             if layer.sinks is not None:
                 probes.capture("attn_sinks", i, layer.sinks.detach().expand(q.shape[0], -1))
             probes.capture("q", i, q)
-            if probes.active and (probes.wants("k", i) or probes.wants(a.value_point, i)):
-                kr, vr = self.pool.rows(i, read_slots)
-                probes.capture("k", i, kr)
-                probes.capture(a.value_point, i, vr)
+            probes.read(self.pool, i, read_slots, a.value_point)
             attn_out = layer.o_proj(o.reshape(o.shape[0], -1))
             probes.capture("attn_out", i, attn_out)
             if layer.attn_post_norm is not None:
@@ -253,6 +250,13 @@ class _Probes:
         for sink, s, pos, _ in self.views:
             if sink.wants(point, layer):
                 sink.capture(point, layer, rows[s] if self.sliced else rows, pos)
+
+    def read(self, pool: BlockPool, layer: int, slots: torch.Tensor, value_point: str) -> None:
+        """The K and V rows attention reads at `slots` (each row's), for the sinks recording them."""
+        if self.active and (self.wants("k", layer) or self.wants(value_point, layer)):
+            k, v = pool.rows(layer, slots)
+            self.capture("k", layer, k)
+            self.capture(value_point, layer, v)
 
     def norm(self, name: str, layer: int, inp: torch.Tensor, out: torch.Tensor) -> None:
         for sink, s, pos, _ in self.views:

@@ -28,6 +28,7 @@ DIGEST_STATS = ("rms", "max_abs")
 _GOLDEN = -7046029254386353131          # 0x9E3779B97F4A7C15 as int64
 _MIX1, _MIX2 = -4658895280553007687, -7723592293110705685    # splitmix64's constants as int64
 _multipliers: dict[tuple[int, torch.device], torch.Tensor] = {}
+_bases: dict[tuple[int, ...], torch.Tensor] = {}       # gathered_row_digests' tables' addresses, on their device
 BLOCK_ELEMENTS = 1 << 24          # rows hashed together on a GPU
 HOST_BLOCK_ELEMENTS = 1 << 18     # on the host: temporaries that stay in cache and in the heap
 CANONICAL_NAN = 0x7FC00000        # the bits a widened 16-bit NaN hashes as
@@ -66,6 +67,26 @@ def row_digests(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         parts = [_block_digests(flat[i:i + step]) for i in range(0, flat.shape[0], step)]
         return torch.cat([h for h, _ in parts]), torch.cat([s for _, s in parts])
     return _block_digests(flat)
+
+
+def gathered_row_digests(tables: list[torch.Tensor], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`row_digests` of the rows at `slots` of each of `tables` (one dtype and row shape, a KV
+    cache's layers): hashes (len(slots), len(tables)) and statistics (..., 2). On a GPU one
+    launch reads the rows where they are (no copy out of the cache: inside a CUDA graph's decode
+    step, 2 kernels a layer fewer); else the rows are gathered first."""
+    first = tables[0]
+    kernel = _gpu_kernel() if first.is_cuda else None
+    if (kernel is None or first.dtype not in kernel.TRITON_DTYPES or first[0].numel() == 0
+            or any(not t[0].is_contiguous() or t.stride() != first.stride() or t.shape[1:] != first.shape[1:]
+                   or t.dtype != first.dtype for t in tables)):
+        digests = [row_digests(t.index_select(0, slots.to(t.device))) for t in tables]
+        return torch.stack([h for h, _ in digests], 1), torch.stack([s for _, s in digests], 1)
+    key = tuple(t.data_ptr() for t in tables)
+    bases = _bases.get(key)
+    if bases is None:       # made outside a graph's capture (its warm-up step), where a copy from the host may run
+        bases = _bases[key] = torch.tensor(key, dtype=torch.int64, device=first.device)
+    return kernel.gathered_row_digests(tables, bases, slots, multipliers((first[0].numel() + 1) // 2, first.device),
+                                       CANONICAL_NAN)
 
 
 @functools.lru_cache(maxsize=1)

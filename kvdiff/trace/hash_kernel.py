@@ -55,19 +55,14 @@ def mixed_word_sum(words: torch.Tensor, mul1: int, mul2: int, mul3: int) -> torc
 
 if available:
     @triton.jit
-    def _row_digest_kernel(x_ptr, mult_ptr, hash_ptr, stats_ptr, squares_ptr, largest_ptr, width, row_stride,
-                           inv_sqrt_width, part_words, WORDS: tl.constexpr, WIDENED: tl.constexpr,
-                           CANONICAL_NAN: tl.constexpr, WHOLE: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        part, parts = tl.program_id(1).to(tl.int64), tl.num_programs(1)
-        base = x_ptr + row * row_stride
-        n_words = (width + 1) // 2
-        end = tl.minimum(n_words, (part + 1) * part_words)
+    def _digest_words(base, width, start, end, mult_ptr, WORDS: tl.constexpr, WIDENED: tl.constexpr,
+                      CANONICAL_NAN: tl.constexpr):
+        """The words start..end of the row at `base`: their hash sum, square sum and largest |x|."""
         total = tl.zeros([WORDS], dtype=tl.int64)
         squares = tl.zeros([WORDS], dtype=tl.float64)
         largest = tl.zeros([WORDS], dtype=tl.float32)
-        for start in range(part * part_words, end, WORDS):
-            k = start + tl.arange(0, WORDS).to(tl.int64)
+        for first in range(start, end, WORDS):
+            k = first + tl.arange(0, WORDS).to(tl.int64)
             lo = tl.load(base + 2 * k, mask=(2 * k < width) & (k < end), other=0.0).to(tl.float32)
             hi = tl.load(base + 2 * k + 1, mask=(2 * k + 1 < width) & (k < end), other=0.0).to(tl.float32)
             lo_bits, hi_bits = lo.to(tl.int32, bitcast=True), hi.to(tl.int32, bitcast=True)
@@ -78,18 +73,63 @@ if available:
             total += word * tl.load(mult_ptr + k, mask=k < end, other=0)
             squares += lo.to(tl.float64) * lo.to(tl.float64) + hi.to(tl.float64) * hi.to(tl.float64)
             largest = tl.maximum(largest, tl.maximum(tl.abs(lo), tl.abs(hi)))
-        square_sum = tl.sum(squares, axis=0)
-        largest_abs = tl.max(largest, axis=0)
+        return tl.sum(total, axis=0), tl.sum(squares, axis=0), tl.max(largest, axis=0)
+
+    @triton.jit
+    def _store_digest(hash_ptr, stats_ptr, at, total, square_sum, largest_abs, inv_sqrt_width):
+        tl.store(hash_ptr + at, total)
+        tl.store(stats_ptr + 2 * at, (tl.sqrt(square_sum) * inv_sqrt_width).to(tl.float32))
+        tl.store(stats_ptr + 2 * at + 1, tl.where(square_sum != square_sum, square_sum.to(tl.float32), largest_abs))
+
+    @triton.jit
+    def _row_digest_kernel(x_ptr, mult_ptr, hash_ptr, stats_ptr, squares_ptr, largest_ptr, width, row_stride,
+                           inv_sqrt_width, part_words, WORDS: tl.constexpr, WIDENED: tl.constexpr,
+                           CANONICAL_NAN: tl.constexpr, WHOLE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        part, parts = tl.program_id(1).to(tl.int64), tl.num_programs(1)
+        n_words = (width + 1) // 2
+        total, square_sum, largest_abs = _digest_words(x_ptr + row * row_stride, width, part * part_words,
+                                                       tl.minimum(n_words, (part + 1) * part_words), mult_ptr,
+                                                       WORDS, WIDENED, CANONICAL_NAN)
         if WHOLE:
-            tl.store(hash_ptr + row, tl.sum(total, axis=0))
-            tl.store(stats_ptr + 2 * row, (tl.sqrt(square_sum) * inv_sqrt_width).to(tl.float32))
-            tl.store(stats_ptr + 2 * row + 1, tl.where(square_sum != square_sum, square_sum.to(tl.float32),
-                                                       largest_abs))
+            _store_digest(hash_ptr, stats_ptr, row, total, square_sum, largest_abs, inv_sqrt_width)
         else:       # one part of the row's words: partial sums, which the caller adds
             at = row * parts + part
-            tl.store(hash_ptr + at, tl.sum(total, axis=0))
+            tl.store(hash_ptr + at, total)
             tl.store(squares_ptr + at, square_sum)
             tl.store(largest_ptr + at, largest_abs)
+
+    @triton.jit
+    def _gathered_digest_kernel(bases_ptr, slots_ptr, mult_ptr, hash_ptr, stats_ptr, width, row_stride,
+                                inv_sqrt_width, DTYPE: tl.constexpr, WORDS: tl.constexpr,
+                                WIDENED: tl.constexpr, CANONICAL_NAN: tl.constexpr):
+        row, table = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        base = tl.load(bases_ptr + table).to(tl.pointer_type(DTYPE)) + tl.load(slots_ptr + row) * row_stride
+        total, square_sum, largest_abs = _digest_words(base, width, 0, (width + 1) // 2, mult_ptr, WORDS, WIDENED,
+                                                       CANONICAL_NAN)
+        _store_digest(hash_ptr, stats_ptr, row * tl.num_programs(1) + table, total, square_sum, largest_abs,
+                      inv_sqrt_width)
+
+
+TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if available else {}
+
+
+def gathered_row_digests(tables: list[torch.Tensor], bases: torch.Tensor, slots: torch.Tensor, multipliers: torch.Tensor,
+                         canonical_nan: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`row_digests` of the rows at `slots` of each of `tables` (tensors of one dtype, row shape
+    and row stride, each row's elements contiguous: a KV cache's layers) in one launch, without
+    copying the rows out: hashes (len(slots), len(tables)) and statistics (..., 2). `bases` holds
+    the tables' addresses (int64, on their device; made by the caller, once)."""
+    first = tables[0]
+    width = first[0].numel()
+    hashes = torch.empty(slots.numel(), len(tables), dtype=torch.int64, device=first.device)
+    stats = torch.empty(slots.numel(), len(tables), 2, dtype=torch.float32, device=first.device)
+    with torch.cuda.device(first.device):
+        _gathered_digest_kernel[(slots.numel(), len(tables))](
+            bases, slots, multipliers, hashes, stats, width, first.stride(0), width ** -0.5,
+            DTYPE=TRITON_DTYPES[first.dtype],
+            WORDS=ROW_WORDS, WIDENED=first.element_size() == 2, CANONICAL_NAN=canonical_nan)
+    return hashes, stats
 
 
 def row_digests(flat: torch.Tensor, multipliers: torch.Tensor, canonical_nan: int) -> tuple[torch.Tensor, torch.Tensor]:
