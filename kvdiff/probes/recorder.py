@@ -327,8 +327,12 @@ class TraceRecorder:
                                      encoded if mask is None else encoded[mask], source.reused)
 
     def capture_step(self, step: int, position: int, logits_row: torch.Tensor, token_id: int) -> None:
-        self._steps.append((step, position, token_id, logits_row.detach().reshape(1, -1).clone()))
-        if not logits_row.is_cuda or len(self._steps) >= STEPS_HELD:
+        row = logits_row.detach().reshape(1, -1)
+        if not row.is_cuda:
+            self._steps.append((step, position, token_id, row))
+            return self._write_steps()
+        self._steps.append((step, position, token_id, row.clone()))     # the row may be a graph's output
+        if len(self._steps) >= STEPS_HELD:
             self._write_steps()
 
     def _write_steps(self) -> None:
