@@ -73,16 +73,15 @@ class NormScale:
 def norm_modules(model: torch.nn.Module, spec: ProbeSpec) -> dict[tuple[int | None, str], torch.nn.Module | NormScale]:
     """(layer, norm name) -> norm module (a NormScale for an offset norm: its weight is the scale
     `w * x / rms(x)` applies), for the spec's norm rules and its weight-only norms."""
-    patterns = [(r.point, r.pattern) for r in spec.rules if r.kind == "norm"] + list(spec.weight_norms.items())
+    patterns = [(norm, compile_pattern(pattern)) for norm, pattern in
+                [(r.point, r.pattern) for r in spec.rules if r.kind == "norm"] + list(spec.weight_norms.items())]
     found: dict[tuple[int | None, str], torch.nn.Module | NormScale] = {}
-    for norm, pattern in patterns:
-        regex = compile_pattern(pattern)
-        for name, module in model.named_modules():
+    for name, module in model.named_modules():        # one walk for every pattern
+        for norm, regex in patterns:
             if regex.match(name):
-                if type(module).__name__ in OFFSET_NORMS:
-                    module = NormScale(1.0 + module.weight.detach().float(), norm_eps(module))
                 found[(layer_of(name), norm)] = module
-    return found
+    return {key: NormScale(1.0 + m.weight.detach().float(), norm_eps(m)) if type(m).__name__ in OFFSET_NORMS else m
+            for key, m in sorted(found.items(), key=lambda item: [norm for norm, _ in patterns].index(item[0][1]))}
 
 
 def _expert_groups(model: torch.nn.Module) -> dict[str, int]:
