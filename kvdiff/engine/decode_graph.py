@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Hashable
 
 import numpy as np
 import torch
@@ -105,7 +106,8 @@ class DecodeGraphs:
         self.lengths = {t: torch.ones(n, dtype=torch.long, device=dev) for t in self.width}
         self.scratch_block: int | None = None    # held for the engine's life
         # (bucket, what its probes digest or None) -> the graph, its logits and its probes
-        self.graphs: dict[tuple[int, object], tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphProbes | None]] = {}
+        self.graphs: dict[tuple[int, Hashable | None],
+                          tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphProbes | None]] = {}
         self.memory = None        # one memory pool for every bucket's graph
         self._said_eager = False
 
@@ -147,7 +149,7 @@ class DecodeGraphs:
         the static step runs eagerly: how the tests check it on the CPU)."""
         return self.replay(rows, None)[0]
 
-    def replay(self, rows: list[GraphRow], digested) -> tuple[list[torch.Tensor], GraphProbes | None]:
+    def replay(self, rows: list[GraphRow], digested: Hashable | None) -> tuple[list[torch.Tensor], GraphProbes | None]:
         """`forward`, and with `digested` (what the rows' sinks digest) the probes that digested
         the step's captures."""
         B = len(rows)
@@ -217,7 +219,8 @@ class DecodeGraphs:
         probes.digest()
         return logits
 
-    def _capture(self, bucket: int, digested) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphProbes | None]:
+    def _capture(self, bucket: int, digested: Hashable | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor,
+                                                                    GraphProbes | None]:
         """Capture the bucket's step (after two warm-up steps on a side stream, which compile the
         kernels and let cuBLAS pick its algorithms) with every row padding; with `digested`, the
         step digests its captures."""

@@ -16,7 +16,7 @@ from typing import Hashable
 import torch
 
 from kvdiff.trace.digest import gathered_row_digests, row_digests
-from kvdiff.trace.sink import ProbeIntegrityError
+from kvdiff.trace.sink import GraphDigestSink, ProbeIntegrityError
 
 
 def graph_selection(group) -> Hashable | None | bool:
@@ -107,8 +107,9 @@ class GraphProbes:
         for i, g in enumerate(groups):
             if g.sink is None:
                 continue
-            g.sink.begin_forward(g.positions)
+            sink: GraphDigestSink = g.sink      # graph_selection found its graph_digests
+            sink.begin_forward(g.positions)
             for positions, source in g.provenance:
-                g.sink.provenance(positions, source)
-            g.sink.take_digested(self.fired, self.hashes[i], self.stats[i])
-            g.sink.end_forward()
+                sink.provenance(positions, source)
+            sink.take_digested(self.fired, self.hashes[i], self.stats[i])
+            sink.end_forward()

@@ -183,7 +183,8 @@ class DigestTaker:
         steps = len(self._pending)
         hashes = torch.cat([torch.stack([h for _, h, _ in self._pending]), empty[0].expand(steps, 1)], 1)
         stats = torch.cat([torch.stack([s for _, _, s in self._pending]), empty[1].expand(steps, 1, -1)], 1)
-        hashes, stats = hashes.index_select(1, self._pending_plan.order), stats.index_select(1, self._pending_plan.order)
+        order = self._pending_plan.order
+        hashes, stats = hashes.index_select(1, order), stats.index_select(1, order)
         self._pending = []
         for hash_path, stats_path, columns, shape in self._layout:
             h, s = hashes[:, columns].view(-1, *shape), stats[:, columns].view(-1, *shape, len(DIGEST_STATS))

@@ -149,7 +149,8 @@ class TraceRecorder:
                              window_positions=None if digested is None or selection.positions is None
                              else max(1, len(selection.positions)))
         final = any(p in FINAL_POINTS for p in selection.points)
-        norms = norm_modules(model, spec or default_spec(model)) if selection.layers or final else {}   # a walk of the model
+        # a walk of the model: only where some norm's weight is kept
+        norms = norm_modules(model, spec or default_spec(model)) if selection.layers or final else {}
         for (layer, norm), module in norms.items():
             if layer in selection.layers or (layer is None and final):
                 writer.write_norm_weight(layer, norm, module.weight, norm_eps(module))

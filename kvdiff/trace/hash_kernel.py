@@ -114,8 +114,8 @@ if available:
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if available else {}
 
 
-def gathered_row_digests(tables: list[torch.Tensor], bases: torch.Tensor, slots: torch.Tensor, multipliers: torch.Tensor,
-                         canonical_nan: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gathered_row_digests(tables: list[torch.Tensor], bases: torch.Tensor, slots: torch.Tensor,
+                         multipliers: torch.Tensor, canonical_nan: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`row_digests` of the rows at `slots` of each of `tables` (tensors of one dtype, row shape
     and row stride, each row's elements contiguous: a KV cache's layers) in one launch, without
     copying the rows out: hashes (len(slots), len(tables)) and statistics (..., 2). `bases` holds
