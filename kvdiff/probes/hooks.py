@@ -78,7 +78,7 @@ class ModelProbes:
     def _attach_dense_layers(self) -> int:
         """In a model mixing dense and mixture-of-experts layers, a dense layer's MLP gives its
         router points `dense_router_rows` (no router ran there). Returns how many it tapped."""
-        num_experts, per_token = experts_shape(self.model)       # one walk of the model; model_dims makes three
+        num_experts, per_token = experts_shape(self.model)       # a walk of the model up to its first router
         layers = self.model.model.layers[: self.model.config.num_hidden_layers] if num_experts else ()
         tapped = 0
         for layer, block in enumerate(layers):

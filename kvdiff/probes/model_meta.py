@@ -23,11 +23,20 @@ def model_dims(model: torch.nn.Module) -> ModelDims:
     latent = dict(latent_dim=int(c.kv_lora_rank), rope_dim=int(c.qk_rope_head_dim)) if _latent(model) else {}
     if latent:      # the query's heads are qk_nope_head_dim + qk_rope_head_dim wide; one RoPE key for all
         head_dim, kv_heads = int(c.qk_nope_head_dim) + latent["rope_dim"], 1
-    scales = [m.scaling for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")]
+    scale = router = grouped = None
+    for m in model.modules():       # one walk for the three (a trace's set-up pays for each walk)
+        if scale is None and hasattr(m, "scaling") and hasattr(m, "layer_idx"):
+            scale = float(m.scaling)
+        if router is None and _is_router(m):
+            router = m
+        if grouped is None and _groups_experts(m):
+            grouped = m
+    experts = (int(router.num_experts), int(router.top_k)) if router is not None else (0, 0)
+    groups = {} if grouped is None else dict(expert_groups=int(grouped.num_group),
+                                             groups_chosen=int(grouped.topk_group))
     return ModelDims(c.num_hidden_layers, heads, kv_heads, head_dim,
-                     c.hidden_size, c.vocab_size, float(scales[0]) if scales else head_dim ** -0.5,
-                     *experts_shape(model), post_norms=int(_post_norms(model)), sinks=int(_sinks(model)),
-                     **latent, **_expert_groups(model))
+                     c.hidden_size, c.vocab_size, head_dim ** -0.5 if scale is None else scale,
+                     *experts, post_norms=int(_post_norms(model)), sinks=int(_sinks(model)), **latent, **groups)
 
 
 def _latent(model: torch.nn.Module) -> bool:
@@ -51,11 +60,17 @@ def experts_shape(model: torch.nn.Module) -> tuple[int, int]:
     """(experts per layer, experts chosen per token) of a model with routers; (0, 0) for a dense
     model. In a model mixing dense layers in, those hold the fixed rows of `dense_router_rows`.
     Routers are the modules with `num_experts`, `top_k` and a weight."""
-    routers = [m for m in model.modules()
-               if hasattr(m, "num_experts") and hasattr(m, "top_k") and isinstance(getattr(m, "weight", None), torch.Tensor)]
-    if not routers:
-        return 0, 0
-    return int(routers[0].num_experts), int(routers[0].top_k)
+    router = next((m for m in model.modules() if _is_router(m)), None)
+    return (0, 0) if router is None else (int(router.num_experts), int(router.top_k))
+
+
+def _is_router(m: torch.nn.Module) -> bool:
+    return hasattr(m, "num_experts") and hasattr(m, "top_k") and isinstance(getattr(m, "weight", None), torch.Tensor)
+
+
+def _groups_experts(m: torch.nn.Module) -> bool:
+    """DeepSeek's routing: routers with `num_group`, `topk_group` and `e_score_correction_bias`."""
+    return isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)
 
 
 # RMSNorms that scale by (1 + weight), computed in float32 (Gemma's): traces store the scale itself.
@@ -82,15 +97,6 @@ def norm_modules(model: torch.nn.Module, spec: ProbeSpec) -> dict[tuple[int | No
                 found[(layer_of(name), norm)] = module
     return {key: NormScale(1.0 + m.weight.detach().float(), norm_eps(m)) if type(m).__name__ in OFFSET_NORMS else m
             for key, m in sorted(found.items(), key=lambda item: [norm for norm, _ in patterns].index(item[0][1]))}
-
-
-def _expert_groups(model: torch.nn.Module) -> dict[str, int]:
-    """DeepSeek's routing (routers with `num_group`, `topk_group` and `e_score_correction_bias`): the
-    expert groups and how many the choice keeps; {} for any other."""
-    routers = [m for m in model.modules() if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)]
-    if not routers:
-        return {}
-    return dict(expert_groups=int(routers[0].num_group), groups_chosen=int(routers[0].topk_group))
 
 
 def router_biases(model: torch.nn.Module, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
