@@ -26,8 +26,10 @@ def row_invariance_failures(linear, weight: torch.Tensor, rows: torch.Tensor) ->
     return failures
 
 
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mkl"])
 @pytest.mark.parametrize("shape", DEFAULT_MODEL_SHAPES, ids=lambda s: "%dx%d" % s)
-def test_a_row_has_the_same_bits_alone_and_in_any_batch(shape):
+def test_a_row_has_the_same_bits_alone_and_in_any_batch(shape, onednn, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "ONEDNN", cpu_linear.ONEDNN and onednn)
     torch.manual_seed(0)
     weight = torch.randn(shape)
     rows = torch.randn(ALL_ROWS, shape[1])
@@ -47,20 +49,41 @@ def test_the_weight_first_form_of_the_lm_head_is_row_invariant_too(shape):
     torch.testing.assert_close(head(rows[:5], weight), rows[:5] @ weight.t(), rtol=1e-4, atol=1e-4)
 
 
-def test_exact_numerics_take_the_lm_head_weight_first(tiny_llama):
+def test_exact_numerics_take_the_lm_head_weight_first_where_onednn_does_not_apply(tiny_llama, monkeypatch):
     from kvdiff.engine.numerics import patched_forwards
 
     model = tiny_llama[0]
     head = model.get_output_embeddings()
     forwards = dict((id(m), f) for m, f in patched_forwards(model))
     rows = torch.randn(3, head.weight.shape[1])
-    assert torch.equal(forwards[id(head)](rows), cpu_linear.weight_first_matmul(rows, head.weight))
     layer = model.model.layers[0].self_attn.q_proj
-    assert torch.equal(forwards[id(layer)](rows), cpu_linear.cpu_invariant_matmul(rows, layer.weight))
+    for onednn in (cpu_linear.ONEDNN, False):
+        monkeypatch.setattr(cpu_linear, "ONEDNN", onednn)
+        head_form = cpu_linear.onednn_matmul if onednn else cpu_linear.weight_first_matmul
+        assert torch.equal(forwards[id(head)](rows), head_form(rows, head.weight))
+        assert torch.equal(forwards[id(layer)](rows), cpu_linear.onednn_matmul(rows, layer.weight) if onednn
+                           else cpu_linear.small_matmul(rows, layer.weight))
+
+
+@pytest.mark.skipif(not cpu_linear.ONEDNN, reason="this torch has no oneDNN inner product")
+def test_onednn_with_other_bits_for_some_row_count_is_not_used(monkeypatch):
+    # the first call for a weight finds a call of 17 rows giving other bits and keeps to MKL's forms
+    monkeypatch.setattr(cpu_linear, "_ONEDNN_CHECK", cpu_linear.OneDnnCheck())
+    plain = cpu_linear.onednn_matmul
+    monkeypatch.setattr(cpu_linear, "onednn_matmul",
+                        lambda rows, weight: plain(rows, weight) * (1 + 2 ** -20 * (rows.shape[0] == 17)))
+    torch.manual_seed(0)
+    weight = torch.randn(96, 576)
+    assert not cpu_linear._ONEDNN_CHECK.agrees(weight)
+    assert cpu_linear.OneDnnCheck().agrees(torch.randn(96, 576)) is False      # (the same perturbed form)
+    monkeypatch.setattr(cpu_linear, "onednn_matmul", plain)
+    assert cpu_linear.OneDnnCheck().agrees(weight)
+    assert row_invariance_failures(invariant_linear, weight, torch.randn(300, 576)) == []
 
 
 def test_a_small_form_with_other_bits_is_not_used(monkeypatch):
     # the first call for a weight finds the small form's bits differ and keeps to the tiles
+    monkeypatch.setattr(cpu_linear, "ONEDNN", False)
     monkeypatch.setattr(cpu_linear, "_CHECK", cpu_linear.SmallRowsCheck())
     plain = cpu_linear.small_matmul
     monkeypatch.setattr(cpu_linear, "small_matmul", lambda rows, weight: plain(rows, weight) * (1 + 2 ** -20))
@@ -89,3 +112,23 @@ def test_row_tiles_are_kept_for_the_same_input_and_remade_when_it_changes():
     with torch.inference_mode():
         frozen = torch.randn(5, 8)
     assert row_tiles(frozen, 4) is row_tiles(frozen, 4)
+
+
+@pytest.mark.skipif(not cpu_linear.ONEDNN, reason="this torch has no oneDNN inner product")
+def test_packed_weights_follow_their_weight_keep_its_bits_and_stop_at_their_budget(monkeypatch):
+    torch.manual_seed(0)
+    weight, rows = torch.randn(96, 576), torch.randn(5, 576)
+    packed = cpu_linear.PackedWeights()
+    first = packed.of(weight)
+    assert packed.of(weight) is first
+    assert torch.equal(cpu_linear.onednn_matmul(rows, first), cpu_linear.onednn_matmul(rows, weight))
+    weight.mul_(2)          # written in place: packed again
+    again = packed.of(weight)
+    assert again is not first
+    assert torch.equal(cpu_linear.onednn_matmul(rows[:1], again), cpu_linear.onednn_matmul(rows[:1], weight))
+    monkeypatch.setattr(cpu_linear, "PACKED_BYTES", 96 * 576 * 4 + 1)
+    assert cpu_linear.PackedWeights().of(weight) is not weight
+    full = cpu_linear.PackedWeights()
+    full.of(weight)
+    other = torch.randn(96, 576)
+    assert full.of(other) is other          # past the budget: the weight as it is

@@ -2,7 +2,10 @@
 
 A plain matmul is not enough: on an AVX-512 CPU (torch 2.13, MKL) a single row goes through
 a gemv and gets other bits than in a matmul of many rows, and rows of a 1536-wide matmul change
-bits between 32 and 1,177 rows. Every gemm of one fixed shape is deterministic, though, so:
+bits between 32 and 1,177 rows. oneDNN's inner product (float32) gives a row the same bits in
+any call of two rows or more (one row is padded to two), 2-3x faster than the forms below at
+one row and at a thousand: it is used for every weight whose first call finds it so
+(`OneDnnCheck`). Otherwise every gemm of one fixed shape is deterministic, so:
 
 - more than SMALL_ROWS rows: one batched matmul of ROW_TILE-row tiles against the same
   (stride-0) weight, each tile a gemm of one shape whatever the number of tiles;
@@ -26,6 +29,9 @@ import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+# oneDNN's inner product is a private torch op: used where this torch has it, else MKL's forms
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 ROW_TILE = 16      # rows per tile of the batched form
 SMALL_ROWS = 4     # at most this many rows: one matmul of exactly this many rows
@@ -91,8 +97,88 @@ class SmallRowsCheck:
 _CHECK = SmallRowsCheck()
 
 
-def cpu_invariant_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`rows @ weight.T` (rows 2-D, on the CPU) with each row's bits independent of the others."""
+def onednn_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`rows @ weight.T` through oneDNN's inner product, a single row padded to two (one row
+    alone gets other bits); `weight` as it is or packed (`PackedWeights`), with the same bits."""
+    return torch.ops.mkldnn._linear_pointwise(pad_rows(rows, 2) if rows.shape[0] == 1 else rows, weight, None,
+                                              "none", [], "")[:rows.shape[0]]
+
+
+PACKED_BYTES = 1 << 30      # the most weight bytes one PackedWeights holds packed
+
+
+class PackedWeights:
+    """oneDNN's packed copies of the weights of one set of linear forwards (an engine's, or one
+    run's of the reference), up to PACKED_BYTES: a decode step then reads each weight once,
+    where oneDNN packs an unpacked weight at every call (a step's linears 1.5x slower). A copy is
+    made at a weight's first call and again when the weight is another tensor or was written in
+    place since (its version); bits are the unpacked weight's (`OneDnnCheck` probes both)."""
+
+    def __init__(self) -> None:
+        self._packed: dict[int, tuple[tuple, torch.Tensor]] = {}
+        self._bytes = 0
+
+    def of(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` packed, or itself once the copies would pass PACKED_BYTES."""
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        found = self._packed.get(id(weight))
+        if found is not None and found[0] == key:
+            return found[1]
+        size = weight.numel() * weight.element_size()
+        if found is None and self._bytes + size > PACKED_BYTES:
+            return weight
+        if found is None:
+            self._bytes += size
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 2)
+        self._packed[id(weight)] = (key, packed)
+        return packed
+
+
+# (first row, rows) of the probe's calls, against all PROBE_ROWS rows in one call
+PROBE_ROWS = 130
+PROBE_CALLS = ((0, 1), (5, 1), (0, 2), (3, 3), (1, 4), (7, 5), (0, 16), (2, 17), (0, 64), (1, 65), (0, 129))
+
+
+class OneDnnCheck:
+    """Which float32 weights get row-invariant bits from `onednn_matmul` (checked once a weight:
+    probe rows one by one and in calls of 2 to 129 rows, against one call of all of them)."""
+
+    def __init__(self) -> None:
+        self._agrees: dict[tuple, bool] = {}
+
+    def agrees(self, weight: torch.Tensor) -> bool:
+        if not ONEDNN or weight.dtype != torch.float32:
+            return False
+        key = (tuple(weight.shape), weight.stride(), weight.data_ptr() % 64)
+        known = self._agrees.get(key)
+        if known is None:
+            known = self._agrees[key] = self._probe(weight)
+        return known
+
+    @staticmethod
+    def _probe(weight: torch.Tensor) -> bool:
+        probe = torch.randn((PROBE_ROWS, weight.shape[1]), generator=torch.Generator().manual_seed(0))
+        whole = onednn_matmul(probe, weight)
+        packed = PackedWeights().of(weight)
+        same = all(torch.equal(onednn_matmul(probe[first:first + n], form), whole[first:first + n])
+                   for first, n in PROBE_CALLS for form in (weight, packed))
+        if not same:
+            log.debug("oneDNN's rows differ between calls for a %s weight: MKL's forms", tuple(weight.shape))
+        return same
+
+
+_ONEDNN_CHECK = OneDnnCheck()
+
+
+def cpu_invariant_matmul(rows: torch.Tensor, weight: torch.Tensor, weight_first: bool = False,
+                         packed: PackedWeights | None = None) -> torch.Tensor:
+    """`rows @ weight.T` (rows 2-D, on the CPU) with each row's bits independent of the others;
+    `weight_first`: for a weight that sees a row or two a forward (the LM head), the weight-first
+    form where oneDNN's does not apply; `packed`: where the weight's oneDNN packing is kept."""
+    if _ONEDNN_CHECK.agrees(weight):
+        return onednn_matmul(rows, weight if packed is None else packed.of(weight))
+    if weight_first:
+        return weight_first_matmul(rows, weight)
     if rows.shape[0] <= SMALL_ROWS and _CHECK.agrees(weight):
         return small_matmul(rows, weight)
     return tiled_matmul(rows, weight)

@@ -22,10 +22,9 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from kvdiff.engine.cpu_linear import ONEDNN
 from kvdiff.engine.numerics import is_llama_rms_norm, rms_norm_forward, swapped_forwards
 
-# oneDNN's inner product is a private torch op: used where this torch has it, else MKL's linear
-ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

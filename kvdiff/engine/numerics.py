@@ -31,7 +31,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from kvdiff.engine.cpu_linear import ROW_TILE as CPU_ROW_TILE, cpu_invariant_matmul, pad_rows, weight_first_matmul
+from kvdiff.engine.cpu_linear import ROW_TILE as CPU_ROW_TILE, PackedWeights, cpu_invariant_matmul, pad_rows
 from kvdiff.engine.row_tiles import row_tiles
 from kvdiff.errors import KvdiffError
 
@@ -45,10 +45,10 @@ EXACT_ATTENTION = "kvdiff_exact"
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     weight_first: bool = False) -> torch.Tensor:
+                     weight_first: bool = False, packed: PackedWeights | None = None) -> torch.Tensor:
     """`nn.functional.linear` whose row results do not depend on the number of rows (the bias
     is added separately); `weight_first`: on the CPU, cpu_linear's form for a weight that sees a
-    row or two a forward (the LM head)."""
+    row or two a forward (the LM head); `packed`: on the CPU, where packed weights are kept."""
     if x.is_cuda and x.dtype != torch.float32 and x.dim() >= 2 and x.numel() == x.shape[-1]:
         # One row (a decode step): its 64-row tile is the row repeated (a row's bits do not
         # depend on the other rows of its tile).
@@ -56,7 +56,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return out if bias is None else out + bias
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_cuda:
-        out = weight_first_matmul(flat, weight) if weight_first else cpu_invariant_matmul(flat, weight)
+        out = cpu_invariant_matmul(flat, weight, weight_first, packed)
     elif flat.dtype != torch.float32:      # one matmul of whole 64-row tiles
         out = nn.functional.linear(row_tiles(x, CUDA_ROW_TILE), weight)[:flat.shape[0]]
     else:        # float32 on a GPU: a matmul per tile (the batched form was not invariant there)
@@ -185,9 +185,9 @@ def _on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x if x.device == device else x.to(device)
 
 
-def _linear_forward(module: nn.Linear, weight_first: bool = False):
+def _linear_forward(module: nn.Linear, weight_first: bool, packed: PackedWeights):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return invariant_linear(_on(x, module.weight.device), module.weight, module.bias, weight_first)
+        return invariant_linear(_on(x, module.weight.device), module.weight, module.bias, weight_first, packed)
     return forward
 
 
@@ -218,9 +218,10 @@ def patched_forwards(model: nn.Module) -> list[tuple[nn.Module, object]]:
 
     out: list[tuple[nn.Module, object]] = moe_forwards(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    packed = PackedWeights()        # as long as the forwards are kept: an engine's life, or one run
     for m in model.modules():
         if isinstance(m, nn.Linear):
-            out.append((m, _linear_forward(m, weight_first=m is head)))
+            out.append((m, _linear_forward(m, m is head, packed)))
         elif is_llama_rms_norm(m) and m.weight.is_cuda:
             out.append((m, rms_norm_forward(m)))
     return out
