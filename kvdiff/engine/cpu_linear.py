@@ -68,19 +68,27 @@ def small_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(pad_rows(rows, SMALL_ROWS), weight)[:rows.shape[0]]
 
 
-class SmallRowsCheck:
-    """Which weights' small form agrees bit for bit with their tiles (checked once a weight)."""
+class WeightCheck:
+    """A form's agreement with row invariance, probed once for each weight layout (shape,
+    strides, dtype, alignment) by `_probe`."""
 
     def __init__(self) -> None:
         self._agrees: dict[tuple, bool] = {}
 
     def agrees(self, weight: torch.Tensor) -> bool:
-        """Whether `small_matmul` gives `weight`'s rows the bits `tiled_matmul` gives them."""
         key = (tuple(weight.shape), weight.stride(), weight.dtype, weight.data_ptr() % 64)
         known = self._agrees.get(key)
         if known is None:
             known = self._agrees[key] = self._probe(weight)
         return known
+
+    @staticmethod
+    def _probe(weight: torch.Tensor) -> bool:
+        raise NotImplementedError
+
+
+class SmallRowsCheck(WeightCheck):
+    """Whether `small_matmul` gives a weight's rows the bits `tiled_matmul` gives them."""
 
     @staticmethod
     def _probe(weight: torch.Tensor) -> bool:
@@ -139,21 +147,12 @@ PROBE_ROWS = 130
 PROBE_CALLS = ((0, 1), (5, 1), (0, 2), (3, 3), (1, 4), (7, 5), (0, 16), (2, 17), (0, 64), (1, 65), (0, 129))
 
 
-class OneDnnCheck:
-    """Which float32 weights get row-invariant bits from `onednn_matmul` (checked once a weight:
-    probe rows one by one and in calls of 2 to 129 rows, against one call of all of them)."""
-
-    def __init__(self) -> None:
-        self._agrees: dict[tuple, bool] = {}
+class OneDnnCheck(WeightCheck):
+    """Whether a float32 weight gets row-invariant bits from `onednn_matmul`, unpacked and
+    packed: probe rows one by one and in calls of 2 to 129 rows, against one call of all."""
 
     def agrees(self, weight: torch.Tensor) -> bool:
-        if not ONEDNN or weight.dtype != torch.float32:
-            return False
-        key = (tuple(weight.shape), weight.stride(), weight.data_ptr() % 64)
-        known = self._agrees.get(key)
-        if known is None:
-            known = self._agrees[key] = self._probe(weight)
-        return known
+        return ONEDNN and weight.dtype == torch.float32 and super().agrees(weight)
 
     @staticmethod
     def _probe(weight: torch.Tensor) -> bool:
