@@ -120,7 +120,9 @@ class PackedWeights:
     run's of the reference), up to PACKED_BYTES: a decode step then reads each weight once,
     where oneDNN packs an unpacked weight at every call (a step's linears 1.5x slower). A copy is
     made at a weight's first call and again when the weight is another tensor or was written in
-    place since (its version); bits are the unpacked weight's (`OneDnnCheck` probes both)."""
+    place since (its version; a write through `.data` leaves none, and an engine assumes fixed
+    weights for its life, as its chunk cache does); bits are the unpacked weight's (`OneDnnCheck`
+    probes both)."""
 
     def __init__(self) -> None:
         self._packed: dict[int, tuple[tuple, torch.Tensor]] = {}
