@@ -134,10 +134,10 @@ class PackedWeights:
         found = self._packed.get(id(weight))
         if found is not None and found[0] == key:
             return found[1]
-        size = weight.numel() * weight.element_size()
-        if found is None and self._bytes + size > PACKED_BYTES:
-            return weight
         if found is None:
+            size = weight.numel() * weight.element_size()
+            if self._bytes + size > PACKED_BYTES:
+                return weight
             self._bytes += size
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 2)
         self._packed[id(weight)] = (key, packed)

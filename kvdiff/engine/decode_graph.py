@@ -130,9 +130,9 @@ class DecodeGraphs:
         records digests only; None where it cannot be (more rows than a graph holds, or a probe
         recording more than digests)."""
         rows = decode_rows(groups)
-        selections = {graph_selection(g) for g in groups} - {None}
         if rows is None or len(rows) > BUCKETS[-1]:
             return None
+        selections = {graph_selection(g) for g in groups} - {None}
         if not selections:
             return self.forward(rows)
         if len(selections) > 1 or False in selections:

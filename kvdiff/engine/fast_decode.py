@@ -26,7 +26,6 @@ from kvdiff.engine.cpu_linear import ONEDNN
 from kvdiff.engine.numerics import is_llama_rms_norm, rms_norm_forward, swapped_forwards
 
 
-
 def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`nn.functional.linear(x, weight, bias)` in the CPU's fastest form for its number of rows."""
     rows = x.numel() // x.shape[-1]

@@ -95,8 +95,9 @@ def norm_modules(model: torch.nn.Module, spec: ProbeSpec) -> dict[tuple[int | No
         for norm, regex in patterns:
             if regex.match(name):
                 found[(layer_of(name), norm)] = module
+    rank = {norm: i for i, (norm, _) in reversed(list(enumerate(patterns)))}       # a norm's first pattern
     return {key: NormScale(1.0 + m.weight.detach().float(), norm_eps(m)) if type(m).__name__ in OFFSET_NORMS else m
-            for key, m in sorted(found.items(), key=lambda item: [norm for norm, _ in patterns].index(item[0][1]))}
+            for key, m in sorted(found.items(), key=lambda item: rank[item[0][1]])}
 
 
 def router_biases(model: torch.nn.Module, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:

@@ -354,15 +354,13 @@ class TraceRecorder:
             raise ProbeIntegrityError("end_forward called outside a forward: call begin_forward first")
         if self._logging is not None and self._end_repeat():
             return
-        if self._digested_where_run:
+        if (self._reads_only, self._fired) != self._checked:      # decode steps repeat one layout: checked once
+            self._check_fired()
+        if self._digested_where_run:        # digests held by the DigestTaker: nothing staged, nothing to learn
             self._digested_where_run = False
-            if (self._reads_only, self._fired) != self._checked:
-                self._check_fired()
             self._positions = None
             self.writer.commit()
             return
-        if (self._reads_only, self._fired) != self._checked:      # decode steps repeat one layout: checked once
-            self._check_fired()
         kept = self._kept(self._positions)[0].size
         one_position = len(self._positions) == 1 and kept == (1 if self._digests is None else 0)
         self._positions = None
