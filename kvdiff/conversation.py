@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import weakref
+from collections import OrderedDict
 from pathlib import Path
 
 from kvdiff.errors import InputError
 
 ROLES = ("system", "user", "assistant")
 Messages = list[dict[str, str]]
+TOKEN_CACHE_TEXTS = 256                # texts whose token ids a tokenizer's TokenCache keeps
 
 
 def validate_messages(messages) -> Messages:
@@ -37,9 +40,9 @@ def validate_messages(messages) -> Messages:
     return out
 
 
-def render_chat(tokenizer, messages: Messages, generation: bool, tokenize: bool = False):
-    """`messages` through the tokenizer's chat template (text, or token ids with `tokenize`),
-    with the assistant's generation prompt when `generation`. InputError when the tokenizer has
+def render_chat(tokenizer, messages: Messages, generation: bool) -> str:
+    """`messages` as text through the tokenizer's chat template, with the assistant's generation
+    prompt when `generation`. InputError when the tokenizer has
     no chat template or its template refuses the conversation."""
     from jinja2 import TemplateError
 
@@ -49,7 +52,7 @@ def render_chat(tokenizer, messages: Messages, generation: bool, tokenize: bool 
                          "with it (a chunk a message): use an instruct model, or add a chat_template to its "
                          "tokenizer_config.json")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=generation)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
     except TemplateError as exc:
         raise InputError(f"the chat template of {name} refused the conversation: {exc}") from None
 
@@ -91,8 +94,49 @@ def check_fits(prompt_tokens: int, max_new_tokens: int, context: int, where: str
                          f"exceeds the model context of {context}: shorten the prompt or lower max_new_tokens")
 
 
+class TokenCache:
+    """Token ids of the texts one tokenizer tokenized last (each alone), least recently used
+    dropped past TOKEN_CACHE_TEXTS: a cached system prompt is tokenized once, not again on every
+    request that sends it, and a rendered prompt once for the engine and its trace. Ids are a
+    function of the text and the vocabulary; the entries are dropped when the vocabulary's size
+    changes (tokens added). It holds no reference to its tokenizer, so that the weak mapping
+    from tokenizers to caches lets a tokenizer go."""
+
+    def __init__(self, vocabulary: int):
+        self.vocabulary = vocabulary
+        self.ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+
+    def encode(self, tokenizer, texts: list[str]) -> list[tuple[int, ...]]:
+        """Token ids of each text, tokenized alone (the texts not kept in one batched call)."""
+        if len(tokenizer) != self.vocabulary:
+            self.vocabulary = len(tokenizer)
+            self.ids.clear()
+        missing = list(dict.fromkeys(t for t in texts if t not in self.ids))
+        if missing:
+            encoded = tokenizer(missing, add_special_tokens=False)["input_ids"]
+            self.ids.update((t, tuple(int(i) for i in ids)) for t, ids in zip(missing, encoded))
+        out = [self.ids[t] for t in texts]
+        for t in texts:
+            self.ids.move_to_end(t)
+        while len(self.ids) > TOKEN_CACHE_TEXTS:
+            self.ids.popitem(last=False)
+        return out
+
+
+_TOKEN_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def encode_texts(tokenizer, texts: list[str]) -> list[tuple[int, ...]]:
+    """Token ids of each text, tokenized alone without special tokens, through the tokenizer's TokenCache."""
+    cache = _TOKEN_CACHES.get(tokenizer)
+    if cache is None:
+        cache = _TOKEN_CACHES[tokenizer] = TokenCache(len(tokenizer))
+    return cache.encode(tokenizer, texts)
+
+
 def render_prompt_ids(tokenizer, messages: Messages) -> list[int]:
-    """Token ids of the conversation rendered with the chat template, generation prompt added."""
-    encoded = render_chat(tokenizer, messages, generation=True, tokenize=True)
-    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-    return list(map(int, ids))
+    """Token ids of the conversation rendered with the chat template, generation prompt added:
+    the rendered text tokenized without special tokens (as apply_chat_template(tokenize=True)
+    does), through the tokenizer's TokenCache."""
+    (ids,) = encode_texts(tokenizer, [render_chat(tokenizer, messages, generation=True)])
+    return list(ids)

@@ -101,6 +101,24 @@ def test_chunks_per_message_concatenate_to_the_prompt(tiny_llama):
     assert [c.start for c in cp.chunks] == [0] + [c.end for c in cp.chunks[:-1]]
 
 
+def test_prompt_ids_are_the_chat_templates_tokens_kept_per_text(tiny_llama):
+    """render_prompt_ids gives apply_chat_template(tokenize=True)'s ids, tokenizing a conversation
+    once (the engine's boundary check and the trace both ask), and a caller's list is its own."""
+    _, tok = tiny_llama
+    msgs = SEED_MESSAGES + [{"role": "assistant", "content": "Paris."}, {"role": "user", "content": "Why?"}]
+    expected = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    first = render_prompt_ids(tok, msgs)
+    first.append(-1)
+    calls = []
+    tokenize = type(tok).__call__
+    type(tok).__call__ = lambda self, *a, **k: calls.append(a) or tokenize(self, *a, **k)
+    try:
+        assert render_prompt_ids(tok, msgs) == expected and not calls
+    finally:
+        type(tok).__call__ = tokenize
+
+
 def test_empty_message_gives_no_chunk_and_is_recorded(tiny_llama):
     _, tok = tiny_llama
     msgs = [{"role": "system", "content": ""}, {"role": "user", "content": PROMPT}]

@@ -18,18 +18,15 @@ MAX_PREFIX_RENDER_MESSAGES messages.
 from __future__ import annotations
 
 import logging
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvdiff.conversation import Messages, render_chat, render_prompt_ids, validate_messages
+from kvdiff.conversation import Messages, encode_texts, render_chat, render_prompt_ids, validate_messages
 from kvdiff.errors import InputError, TokenizationBoundaryError
 
 log = logging.getLogger(__name__)
 
 GENERATION_CHUNK = "generation"
 MAX_PREFIX_RENDER_MESSAGES = 2048      # prefix renders (quadratic): 2,048 messages take a few seconds
-TOKEN_CACHE_TEXTS = 256                # texts whose token ids a tokenizer's TokenCache keeps
 
 
 @dataclass(frozen=True)
@@ -79,45 +76,6 @@ def _render(tokenizer, messages: Messages, generation: bool) -> str:
     if not messages:
         return ""
     return render_chat(tokenizer, messages, generation)
-
-
-class TokenCache:
-    """Token ids of the texts one tokenizer tokenized last (each alone), least recently used
-    dropped past TOKEN_CACHE_TEXTS: a cached system prompt is tokenized once, not again on every
-    request that sends it. Ids are a function of the text and the vocabulary; the entries are
-    dropped when the vocabulary's size changes (tokens added). It holds no reference to its
-    tokenizer, so that the weak mapping from tokenizers to caches lets a tokenizer go."""
-
-    def __init__(self, vocabulary: int):
-        self.vocabulary = vocabulary
-        self.ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-
-    def encode(self, tokenizer, texts: list[str]) -> list[tuple[int, ...]]:
-        """Token ids of each text, tokenized alone (the texts not kept in one batched call)."""
-        if len(tokenizer) != self.vocabulary:
-            self.vocabulary = len(tokenizer)
-            self.ids.clear()
-        missing = list(dict.fromkeys(t for t in texts if t not in self.ids))
-        if missing:
-            encoded = tokenizer(missing, add_special_tokens=False)["input_ids"]
-            self.ids.update((t, tuple(int(i) for i in ids)) for t, ids in zip(missing, encoded))
-        out = [self.ids[t] for t in texts]
-        for t in texts:
-            self.ids.move_to_end(t)
-        while len(self.ids) > TOKEN_CACHE_TEXTS:
-            self.ids.popitem(last=False)
-        return out
-
-
-_TOKEN_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _encode_all(tokenizer, texts: list[str]) -> list[tuple[int, ...]]:
-    """Token ids of each text, tokenized alone, through the tokenizer's TokenCache."""
-    cache = _TOKEN_CACHES.get(tokenizer)
-    if cache is None:
-        cache = _TOKEN_CACHES[tokenizer] = TokenCache(len(tokenizer))
-    return cache.encode(tokenizer, texts)
 
 
 def _window_texts(tokenizer, kept: Messages) -> list[str] | None:
@@ -219,7 +177,7 @@ def split_messages(tokenizer, messages: Messages, allow_boundary_mismatch: bool 
     start = 0
     index_of = [i for i, m in enumerate(messages) if m["content"] != ""]
     texts, generation_text = _message_texts(tokenizer, kept)
-    for n, ids in enumerate(_encode_all(tokenizer, [*texts, generation_text])):
+    for n, ids in enumerate(encode_texts(tokenizer, [*texts, generation_text])):
         generation = n == len(kept)
         if not ids:
             continue

@@ -25,7 +25,7 @@ def model_dims(model: torch.nn.Module) -> ModelDims:
         head_dim, kv_heads = int(c.qk_nope_head_dim) + latent["rope_dim"], 1
     scale = router = grouped = None
     for m in model.modules():       # one walk for the three (a trace's set-up pays for each walk)
-        if scale is None and hasattr(m, "scaling") and hasattr(m, "layer_idx"):
+        if scale is None and _has(m, "scaling") and _has(m, "layer_idx"):
             scale = float(m.scaling)
         if router is None and _is_router(m):
             router = m
@@ -64,13 +64,30 @@ def experts_shape(model: torch.nn.Module) -> tuple[int, int]:
     return (0, 0) if router is None else (int(router.num_experts), int(router.top_k))
 
 
+_MISSING = object()
+
+
+def _attribute(m: torch.nn.Module, name: str, default=None):
+    """`m.name`, or `default` where it has none. Looked up where nn.Module keeps attributes: a
+    missing one through getattr raises (and formats) an AttributeError, ~1 us a module and
+    name, and a trace's set-up asks a few names of every module."""
+    for held in (m.__dict__, m._parameters, m._buffers, m._modules):
+        if name in held:
+            return held[name]
+    return getattr(m, name, default) if hasattr(type(m), name) else default
+
+
+def _has(m: torch.nn.Module, name: str) -> bool:
+    return _attribute(m, name, _MISSING) is not _MISSING
+
+
 def _is_router(m: torch.nn.Module) -> bool:
-    return hasattr(m, "num_experts") and hasattr(m, "top_k") and isinstance(getattr(m, "weight", None), torch.Tensor)
+    return _has(m, "num_experts") and _has(m, "top_k") and isinstance(_attribute(m, "weight"), torch.Tensor)
 
 
 def _groups_experts(m: torch.nn.Module) -> bool:
     """DeepSeek's routing: routers with `num_group`, `topk_group` and `e_score_correction_bias`."""
-    return isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)
+    return isinstance(_attribute(m, "e_score_correction_bias"), torch.Tensor)
 
 
 # RMSNorms that scale by (1 + weight), computed in float32 (Gemma's): traces store the scale itself.

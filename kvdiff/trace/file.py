@@ -20,6 +20,7 @@ import h5py
 import numpy as np
 
 from kvdiff.trace.digest import ROW_HASH
+from kvdiff.trace.hdf5 import set_attributes, write_array
 from kvdiff.trace.points import READ_POINTS
 from kvdiff.trace.ranges import format_ranges
 from kvdiff.trace.sink import ProbeIntegrityError
@@ -55,10 +56,8 @@ class TraceFile:
         self._columns: dict[str, TraceColumn] = {}
         self._groups: dict[str, h5py.Group] = {}
         self._layouts: dict[tuple[tuple[int, ...], bool], h5py.h5p.PropDCID] = {}
-        self._file.attrs["format"] = FORMAT_NAME
-        self._file.attrs["schema_version"] = SCHEMA_VERSION
-        self._file.attrs["complete"] = False
-        self._file.create_dataset("input_ids", data=np.asarray(input_ids, dtype=np.int64))
+        set_attributes(self._file, {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "complete": False})
+        write_array(self._file, "input_ids", np.asarray(input_ids, dtype=np.int64))
         self._check_io()
 
     def _check_io(self) -> None:
@@ -89,7 +88,7 @@ class TraceFile:
                             and dtype.isnative and dtype.kind in "biuf")
         ds = self._new_column(name, row_shape, dtype, chunk_rows, allocated_chunks)
         if not name.startswith(DIGEST_GROUP + "/"):       # digests are stored as they were computed
-            ds.attrs[DTYPE_ATTR] = torch_dtype
+            set_attributes(ds, {DTYPE_ATTR: torch_dtype})
         col = self._columns[name] = TraceColumn(ds, row_shape, dtype, chunk_rows, self._io if allocated_chunks else None)
         return col
 
@@ -201,42 +200,36 @@ class TraceFile:
     def _write_tables(self, positions: np.ndarray, meta: TraceMeta, steps: list[Step],
                       provenance: Mapping[int, Source]) -> None:
         f = self._file
-        f.create_dataset("positions", data=positions)
-        f.create_dataset("generated_ids", data=np.asarray(meta.generated_ids, dtype=np.int64))
+        write_array(f, "positions", positions)
+        write_array(f, "generated_ids", np.asarray(meta.generated_ids, dtype=np.int64))
         k = max((s[3].size for s in steps), default=0)
         g = f.create_group("steps")
-        g.create_dataset("step", data=np.array([s[0] for s in steps], dtype=np.int64))
-        g.create_dataset("position", data=np.array([s[1] for s in steps], dtype=np.int64))
-        g.create_dataset("token_id", data=np.array([s[2] for s in steps], dtype=np.int64))
-        g.create_dataset("topk_ids", data=np.array([s[3] for s in steps], dtype=np.int64).reshape(len(steps), k))
-        g.create_dataset("topk_values", data=np.array([s[4] for s in steps], dtype=np.float32).reshape(len(steps), k))
-        g.create_dataset("margin", data=np.array([s[5] for s in steps], dtype=np.float64))
+        write_array(g, "step", np.array([s[0] for s in steps], dtype=np.int64))
+        write_array(g, "position", np.array([s[1] for s in steps], dtype=np.int64))
+        write_array(g, "token_id", np.array([s[2] for s in steps], dtype=np.int64))
+        write_array(g, "topk_ids", np.array([s[3] for s in steps], dtype=np.int64).reshape(len(steps), k))
+        write_array(g, "topk_values", np.array([s[4] for s in steps], dtype=np.float32).reshape(len(steps), k))
+        write_array(g, "margin", np.array([s[5] for s in steps], dtype=np.float64))
         if provenance:
             prov = f.create_group("provenance")
             keys = sorted(provenance)
             rows = [provenance[p] for p in keys]
-            prov.create_dataset("positions", data=np.array(keys, dtype=np.int64))
+            write_array(prov, "positions", np.array(keys, dtype=np.int64))
             prov.create_dataset("chunk", data=[r[0] for r in rows], dtype=h5py.string_dtype())
-            prov.create_dataset("prefill_id", data=np.array([r[1] for r in rows], dtype=np.int64))
-            prov.create_dataset("encoded_position", data=np.array([r[2] for r in rows], dtype=np.int64))
-            prov.create_dataset("reused", data=np.array([r[3] for r in rows], dtype=bool))
+            write_array(prov, "prefill_id", np.array([r[1] for r in rows], dtype=np.int64))
+            write_array(prov, "encoded_position", np.array([r[2] for r in rows], dtype=np.int64))
+            write_array(prov, "reused", np.array([r[3] for r in rows], dtype=bool))
 
     def _write_meta(self, meta: TraceMeta) -> None:
-        attrs = self._file.attrs
-        for name in TraceMeta.SCALARS:
-            value = getattr(meta, name)
-            # HDF5 strings cannot hold NUL (a model may generate one): it is stored as U+2400.
-            attrs[name] = str(value).replace("\0", "\u2400")
-        for name, value in asdict(meta.dims).items():
-            attrs[name] = value
-        attrs["messages_json"] = json.dumps(meta.messages)
-        attrs["chunks_json"] = json.dumps([c.to_json() for c in meta.chunks])
-        attrs["points"] = json.dumps(list(meta.points))
-        attrs["layers"] = np.asarray(meta.layers, dtype=np.int64)
+        # HDF5 strings cannot hold NUL (a model may generate one): it is stored as U+2400.
+        attrs = {name: str(getattr(meta, name)).replace("\0", "\u2400") for name in TraceMeta.SCALARS}
+        attrs.update(asdict(meta.dims))
+        attrs.update(messages_json=json.dumps(meta.messages), chunks_json=json.dumps([c.to_json() for c in meta.chunks]),
+                     points=json.dumps(list(meta.points)), layers=np.asarray(meta.layers, dtype=np.int64))
         if meta.trace_mode == "digest":
-            attrs["trace_mode"] = meta.trace_mode
-            attrs["digest_points"] = json.dumps(list(meta.digest_points))
-            attrs["digest_layers"] = np.asarray(meta.digest_layers, dtype=np.int64)
+            attrs.update(trace_mode=meta.trace_mode, digest_points=json.dumps(list(meta.digest_points)),
+                         digest_layers=np.asarray(meta.digest_layers, dtype=np.int64))
+        set_attributes(self._file, attrs)
 
     def finish(self, meta: TraceMeta, steps: list[Step], provenance: Mapping[int, Source]) -> int:
         """Check every dataset holds every recorded position, write the tables and metadata, set
@@ -254,16 +247,15 @@ class TraceFile:
         self._check_complete(digest_columns, digested, kv_only)
         self._write_tables(positions, meta, steps, provenance)
         if kv_only.size:
-            self._file.create_dataset("kv_only_positions", data=kv_only)
-            self._file.attrs["schema_version"] = KV_ONLY_SCHEMA_VERSION
+            write_array(self._file, "kv_only_positions", kv_only)
+            set_attributes(self._file, {"schema_version": KV_ONLY_SCHEMA_VERSION})
         if meta.trace_mode == "digest":
             group = self._file.require_group(DIGEST_GROUP)
-            group.create_dataset("positions", data=digested)
-            group.attrs["row_hash"] = ROW_HASH
-            group.attrs["layout"] = DIGEST_LAYOUT
-            self._file.attrs["schema_version"] = DIGEST_SCHEMA_VERSION
+            write_array(group, "positions", digested)
+            set_attributes(group, {"row_hash": ROW_HASH, "layout": DIGEST_LAYOUT})
+            set_attributes(self._file, {"schema_version": DIGEST_SCHEMA_VERSION})
         self._write_meta(meta)
-        self._file.attrs["complete"] = True
+        set_attributes(self._file, {"complete": True})
         self._file.close()
         self._io.close()
         self._check_io()
