@@ -44,6 +44,25 @@ def test_a_hash_tells_one_flipped_bit_and_does_not_depend_on_the_batch(monkeypat
     assert torch.equal(row_digests(bf16)[0], row_digests(bf16.float())[0])    # by value: an engine's float32 logits
 
 
+def test_staged_captures_hash_as_they_were_copied_a_stage_at_a_time(monkeypatch):
+    """Large captures copied into a stage of their row width: each capture's digests are its own
+    rows' (at the time it was staged), whichever stage fill hashed it, beside captures kept by
+    reference; one too large for a stage is refused (the caller hashes it alone)."""
+    monkeypatch.setattr("kvdiff.trace.digest.STAGE_BYTES", 10 * 16 * 4)     # ten float32 rows of 16
+    gen = torch.Generator().manual_seed(1)
+    captures = [torch.randn(n, 4, 4, generator=gen) for n in (3, 4, 2, 6, 1)] + [torch.randn(2, 5, generator=gen)]
+    batch = DigestBatch()
+    kept = batch.add(torch.randn(2, 16, generator=gen))
+    indices = [batch.stage(c) for c in captures]
+    expected = [row_digests(c) for c in captures]
+    captures[0].add_(1)                                      # after it was staged: its copy is hashed
+    assert batch.stage(torch.randn(11, 16)) is None and len(batch) == len(captures) + 1
+    digests = batch.digests()
+    for i, (hashes, stats) in zip(indices, expected):
+        assert torch.equal(digests[i][0], hashes) and torch.equal(digests[i][1], stats)
+    assert digests[kept][0].shape == (2,) and len(batch) == 0 and batch.digests() == []
+
+
 def _splitmix64(j: int) -> int:
     mask = (1 << 64) - 1
     x = (j * 0x9E3779B97F4A7C15) & mask
@@ -147,6 +166,49 @@ def test_a_digest_trace_holds_every_row_digested_and_its_window_in_full(tiny_lla
         assert a.nbytes * 2 < f.nbytes
     with pytest.raises(InputError, match="same trace mode"):
         diff(first, full)
+
+
+def _digest_datasets(path) -> dict[str, np.ndarray]:
+    import h5py
+
+    found = {}
+    with h5py.File(path) as f:
+        f["digests"].visititems(lambda name, obj: found.update({name: obj[()]}) if isinstance(obj, h5py.Dataset)
+                                else None)
+    return found
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_a_digest_trace_of_staged_prompt_captures_equals_one_hashed_a_capture_at_a_time(tiny_llama, tmp_path,
+                                                                                       monkeypatch, device):
+    """A prompt forward's large captures hashed a stage at a time give the trace every bit of
+    the digests each capture hashed alone gives, on the engine and the reference path."""
+    from kvdiff.engine import Engine
+    from kvdiff.probes.recorder import TraceRecorder
+
+    model, tokenizer = tiny_llama
+    model = model.to(device)
+    monkeypatch.setattr("kvdiff.probes.digests.HASH_AT_ONCE_ELEMENTS", 64)     # the tiny model's prompt rows
+    monkeypatch.setattr("kvdiff.trace.digest.STAGE_BYTES", 40 * 64 * 4)        # a few captures a stage
+    try:
+        digests = []
+        for staged in (("cpu", "cuda"), ()):
+            engine = Engine(model, tokenizer, strategy="prefix")        # a cold run each
+            monkeypatch.setattr("kvdiff.probes.digests.STAGED_DEVICES", staged)
+            recorder = TraceRecorder.for_model(model, tokenizer, SEEDS, tmp_path / f"e{len(staged)}.h5",
+                                               strategy="prefix", max_new_tokens=3, trace_mode="digest")
+            (out,) = engine.generate([SEEDS], max_new_tokens=3, sinks={0: recorder})
+            recorder.finish(out.token_ids, out.text, out.chunks)
+            kvdiff.record(model, tokenizer, SEEDS, tmp_path / f"r{len(staged)}.h5", max_new_tokens=3,
+                          trace_mode="digest")
+            digests.append({name: _digest_datasets(tmp_path / f"{name}{len(staged)}.h5") for name in ("e", "r")})
+    finally:
+        model.to("cpu")
+    for name in ("e", "r"):
+        staged, alone = digests[0][name], digests[1][name]
+        assert staged.keys() == alone.keys() and staged
+        for key in staged:
+            assert np.array_equal(staged[key], alone[key], equal_nan=True), (name, key)
 
 
 def test_the_zoom_run_not_repeating_the_first_is_reported_with_where(tiny_llama, tmp_path):

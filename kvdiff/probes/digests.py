@@ -16,9 +16,12 @@ from kvdiff.trace.sink import ProbeIntegrityError
 from kvdiff.trace.staging import version_of
 from kvdiff.trace.writer import TraceWriter
 
-# Captures of at least this many elements are hashed at once (a prefill's: the hash costs about
-# what reading the rows costs); smaller ones wait for the end of the forward and go together.
+# Captures of at least this many elements (a prefill's) are hashed as they come: on a GPU copied
+# into a stage of their row width and hashed a stage at a time (DigestBatch.stage), elsewhere at
+# once (the hash costs about what reading the rows costs). Smaller ones wait for the end of the
+# forward by reference and go together.
 HASH_AT_ONCE_ELEMENTS = 1 << 16
+STAGED_DEVICES = ("cuda",)      # where a copy and a share of one launch cost less than a launch of its own
 PENDING_STEPS = 256     # repeated decode steps whose digests are held before one write per table
 
 
@@ -109,7 +112,8 @@ class DigestTaker:
         rows = rows.reshape(positions.size, -1)
         taken = self._taken.setdefault((layer, digest_table_of(point)), {})
         if rows.numel() >= HASH_AT_ONCE_ELEMENTS:
-            taken[point] = row_digests(rows)
+            staged = self._batch.stage(rows) if rows.device.type in STAGED_DEVICES else None
+            taken[point] = row_digests(rows) if staged is None else staged
             return
         key, version = (point, layer), version_of(rows)
         learning = key not in self._seen
@@ -222,8 +226,11 @@ class DigestTaker:
         device = next(iter(fired.values()))[0].device
         cells = [(layer, point) for layer in layers for point in columns]
         if len(fired) == len(cells):          # every cell fired: one stack each
-            hashes = torch.stack([fired[c][0].to(device) for c in cells], 1)
-            stats = torch.stack([fired[c][1].to(device) for c in cells], 1)
+            digests = [fired[c] for c in cells]
+            if any(h.device != device for h, _ in digests):
+                digests = [(h.to(device), s.to(device)) for h, s in digests]
+            hashes = torch.stack([h for h, _ in digests], 1)
+            stats = torch.stack([s for _, s in digests], 1)
         else:
             hashes = torch.zeros(n, len(cells), dtype=torch.int64, device=device)
             stats = torch.full((n, len(cells), len(DIGEST_STATS)), float("nan"), device=device)

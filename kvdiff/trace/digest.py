@@ -130,14 +130,30 @@ def _block_digests(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hashes, stats
 
 
+STAGE_BYTES = 1 << 27     # a stage: large captures of one row width and dtype, copied in and hashed together
+
+
+class _Stage:
+    """A buffer that captures of one row width, dtype and device are copied into, and the
+    captures in it: (index in the batch, first row, rows)."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer, self.filled = buffer, 0
+        self.members: list[tuple[int, int, int]] = []
+
+
 class DigestBatch:
-    """The small captures of one forward, hashed together when the forward ends: a decode step
-    hands over hundreds of one-row captures, and a few torch calls each would cost more than
-    the step. The caller copies a capture the model may change in place before the forward
-    ends; `digests()` hashes them in one call per row width and dtype."""
+    """The captures of one forward, hashed a few launches at a time rather than one (or, on the
+    host, a few torch calls) each: a decode step hands over hundreds of one-row captures, and
+    a GPU prefill hundreds of large ones, whose launches cost more host time than the GPU
+    takes to hash them. `add` keeps small captures by reference until `digests()` (the caller
+    copies one the model may change in place before the forward ends); `stage` copies a large
+    one into a stage of its row width, hashed in one launch whenever it is full."""
 
     def __init__(self) -> None:
-        self._rows: list[torch.Tensor] = []
+        self._rows: list[torch.Tensor | None] = []      # None: staged
+        self._stages: dict[tuple[int, torch.dtype, torch.device], _Stage] = {}
+        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}     # digests of staged captures hashed
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -147,17 +163,50 @@ class DigestBatch:
         self._rows.append(rows.detach().reshape(rows.shape[0], -1))
         return len(self._rows) - 1
 
+    def stage(self, rows: torch.Tensor) -> int | None:
+        """Copy `rows` (T, ...) into the stage of its row width and dtype; returns its index in
+        `digests()`, or None (nothing kept) where it would not fit a stage of STAGE_BYTES."""
+        flat = rows.detach().reshape(rows.shape[0], -1)
+        width = flat.shape[1]
+        capacity = STAGE_BYTES // max(1, width * flat.element_size())
+        if flat.shape[0] > capacity or width == 0:
+            return None
+        key = (width, flat.dtype, flat.device)
+        stage = self._stages.get(key)
+        if stage is None:
+            stage = self._stages[key] = _Stage(torch.empty(capacity, width, dtype=flat.dtype, device=flat.device))
+        elif stage.filled + flat.shape[0] > capacity:
+            self._hash_stage(stage)
+        stage.buffer[stage.filled:stage.filled + flat.shape[0]].copy_(flat)
+        stage.members.append((len(self._rows), stage.filled, flat.shape[0]))
+        stage.filled += flat.shape[0]
+        self._rows.append(None)
+        return len(self._rows) - 1
+
+    def _hash_stage(self, stage: _Stage) -> None:
+        """Hash a stage's rows (one launch on a GPU) and empty it; a later copy into it runs after
+        the hash on the device's stream."""
+        hashes, stats = row_digests(stage.buffer[:stage.filled])
+        for i, first, n in stage.members:
+            self._staged[i] = hashes[first:first + n], stats[first:first + n]
+        stage.members, stage.filled = [], 0
+
     def digests(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each added capture's `row_digests`, in the order added; empties the batch."""
+        """Each capture's `row_digests`, in the order added; empties the batch (and lets its
+        stages' buffers go)."""
+        for stage in self._stages.values():
+            if stage.filled:
+                self._hash_stage(stage)
         groups: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
         for i, rows in enumerate(self._rows):
-            groups.setdefault((rows.shape[1], rows.dtype, rows.device), []).append(i)
-        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self._rows)
+            if rows is not None:
+                groups.setdefault((rows.shape[1], rows.dtype, rows.device), []).append(i)
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [self._staged.get(i) for i in range(len(self._rows))]
         for members in groups.values():
             parts = [self._rows[i] for i in members]
             hashes, stats = row_digests(torch.cat(parts) if len(parts) > 1 else parts[0])
             for i, h, s in zip(members, hashes.split([p.shape[0] for p in parts]),
                                stats.split([p.shape[0] for p in parts])):
                 out[i] = h, s
-        self._rows = []
+        self._rows, self._stages, self._staged = [], {}, {}
         return out
