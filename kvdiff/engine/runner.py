@@ -276,9 +276,10 @@ class _Probes:
             if not (sink.wants("final_norm", None) or sink.wants("logits", None)):
                 continue
             idx = [where[r] for r in range(s.start, s.stop)]
+            run = slice(idx[0], idx[-1] + 1) if idx and idx == list(range(idx[0], idx[0] + len(idx))) else None
 
             def rows(t: torch.Tensor) -> torch.Tensor:   # the final modules may sit on different GPUs
-                return t.index_select(0, torch.tensor(idx, device=t.device))
+                return t[run] if run is not None else t.index_select(0, torch.tensor(idx, device=t.device))
 
             if sink.wants("final_norm", None):
                 sink.capture("final_norm", None, rows(normed), pos)
