@@ -49,8 +49,9 @@ def test_staged_captures_hash_as_they_were_copied_a_stage_at_a_time(monkeypatch)
     rows' (at the time it was staged), whichever stage fill hashed it, beside captures kept by
     reference; one too large for a stage is refused (the caller hashes it alone)."""
     monkeypatch.setattr("kvdiff.trace.digest.STAGE_BYTES", 10 * 16 * 4)     # ten float32 rows of 16
+    monkeypatch.setattr("kvdiff.trace.digest.STAGE_CAPTURES", 2)            # a stage sized by its first capture
     gen = torch.Generator().manual_seed(1)
-    captures = [torch.randn(n, 4, 4, generator=gen) for n in (3, 4, 2, 6, 1)] + [torch.randn(2, 5, generator=gen)]
+    captures = [torch.randn(n, 4, 4, generator=gen) for n in (3, 4, 2, 6, 1, 9)] + [torch.randn(2, 5, generator=gen)]
     batch = DigestBatch()
     kept = batch.add(torch.randn(2, 16, generator=gen))
     indices = [batch.stage(c) for c in captures]

@@ -131,6 +131,7 @@ def _block_digests(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 STAGE_BYTES = 1 << 27     # a stage: large captures of one row width and dtype, copied in and hashed together
+STAGE_CAPTURES = 32       # and at most this many captures of the first one's rows (a forward's are all alike)
 
 
 class _Stage:
@@ -171,15 +172,17 @@ class DigestBatch:
         capacity = STAGE_BYTES // max(1, width * flat.element_size())
         if flat.shape[0] > capacity or width == 0:
             return None
-        key = (width, flat.dtype, flat.device)
+        key, n = (width, flat.dtype, flat.device), flat.shape[0]
         stage = self._stages.get(key)
-        if stage is None:
-            stage = self._stages[key] = _Stage(torch.empty(capacity, width, dtype=flat.dtype, device=flat.device))
-        elif stage.filled + flat.shape[0] > capacity:
+        if stage is not None and stage.filled + n > stage.buffer.shape[0]:
             self._hash_stage(stage)
-        stage.buffer[stage.filled:stage.filled + flat.shape[0]].copy_(flat)
-        stage.members.append((len(self._rows), stage.filled, flat.shape[0]))
-        stage.filled += flat.shape[0]
+            stage = stage if n <= stage.buffer.shape[0] else None
+        if stage is None:
+            rows_held = min(capacity, n * STAGE_CAPTURES)
+            stage = self._stages[key] = _Stage(torch.empty(rows_held, width, dtype=flat.dtype, device=flat.device))
+        stage.buffer[stage.filled:stage.filled + n].copy_(flat)
+        stage.members.append((len(self._rows), stage.filled, n))
+        stage.filled += n
         self._rows.append(None)
         return len(self._rows) - 1
 
