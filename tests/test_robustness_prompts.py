@@ -158,9 +158,9 @@ def _count_renders(monkeypatch) -> list[int]:
     sizes: list[int] = []
     render = chunks.render_chat
 
-    def counted(tokenizer, messages, generation, tokenize=False):
+    def counted(tokenizer, messages, generation):
         sizes.append(len(messages))
-        return render(tokenizer, messages, generation, tokenize)
+        return render(tokenizer, messages, generation)
 
     monkeypatch.setattr(chunks, "render_chat", counted)
     return sizes
