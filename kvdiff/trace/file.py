@@ -151,9 +151,8 @@ class TraceFile:
 
     def put_weight(self, name: str, weight: np.ndarray, dtype: str, **attrs: float) -> None:
         """A model weight at `name` (format.norm_weight_path, latent_weight_path), its own dtype and `attrs`."""
-        ds = self._file.create_dataset(name, data=weight)
-        ds.attrs.update(attrs)
-        ds.attrs[DTYPE_ATTR] = dtype
+        ds = self._file.create_dataset(name, data=weight)      # its parent groups made as needed
+        set_attributes(ds, {**attrs, DTYPE_ATTR: dtype})
         self._check_io()
 
     def flush(self) -> None:
