@@ -86,9 +86,9 @@ def test_a_cache_hits_new_turn_and_the_decode_run_as_graph_rows_and_give_the_eag
 def _digest_run(model, tok, path, graphed: bool, captured: list | None = None, **window):
     """The seeds' conversation through a `prefix` engine with a digest recorder: with `graphed`,
     decode steps go through DecodeGraphs (off CUDA its static step runs eagerly), and `captured`
-    collects every (point, layer, rows) its probes digest. Returns the trace and the (position,
-    digested) of each step the graphs ran."""
-    from kvdiff.engine.graph_probes import GraphProbes
+    collects every (point, layer, rows) its decode steps' probes digest. Returns the trace and the
+    (position, digested) of each step the graphs ran."""
+    from kvdiff.engine.digest_probes import DigestProbes
     from kvdiff.probes.recorder import TraceRecorder
 
     eng = Engine(model, tok, strategy="prefix", kv_budget_bytes=2**24)
@@ -96,20 +96,20 @@ def _digest_run(model, tok, path, graphed: bool, captured: list | None = None, *
         eng.graphs = DecodeGraphs(eng.runner)
     steps = []
     if captured is not None:
-        capture, read = GraphProbes.capture, GraphProbes.read
+        capture, read = DigestProbes.capture, DigestProbes.read
 
         def keep(self, point, layer, rows):
-            if self.selection.wants(point, layer):
+            if self.selection.wants(point, layer) and not self.views:      # a decode graph's step: no views
                 captured.append((point, layer, rows.clone()))
             capture(self, point, layer, rows)
 
         def keep_read(self, pool, layer, slots, value_point):     # the rows the cache holds at `slots`
             for point, table in (("k", pool.k[layer]), (value_point, pool.v[layer])):
-                if self.selection.wants(point, layer):
+                if self.selection.wants(point, layer) and not self.views:
                     captured.append((point, layer, table.index_select(0, slots)))
             read(self, pool, layer, slots, value_point)
 
-        GraphProbes.capture, GraphProbes.read = keep, keep_read
+        DigestProbes.capture, DigestProbes.read = keep, keep_read
     try:
         rec = TraceRecorder.for_model(model, tok, SEED_MESSAGES, path, strategy="prefix", max_new_tokens=6,
                                       trace_mode="digest", **window)
@@ -121,7 +121,7 @@ def _digest_run(model, tok, path, graphed: bool, captured: list | None = None, *
         return rec.finish(out.token_ids, out.text, out.chunks), steps
     finally:
         if captured is not None:
-            GraphProbes.capture, GraphProbes.read = capture, read
+            DigestProbes.capture, DigestProbes.read = capture, read
 
 
 def test_a_digest_traces_decode_steps_are_digested_inside_the_graphs_step(tmp_path):

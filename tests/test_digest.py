@@ -179,23 +179,43 @@ def _digest_datasets(path) -> dict[str, np.ndarray]:
     return found
 
 
+def _digest_forwards(monkeypatch) -> list:
+    """The engine's forwards whose captures were digested together (digest_probes.py): their rows each."""
+    from kvdiff.engine import runner
+    rows = []
+
+    class Counted(runner.DigestProbes):
+        def end(self) -> None:
+            rows.append(self.rows)
+            super().end()
+
+    monkeypatch.setattr(runner, "DigestProbes", Counted)
+    return rows
+
+
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_a_digest_trace_of_staged_prompt_captures_equals_one_hashed_a_capture_at_a_time(tiny_llama, tmp_path,
-                                                                                       monkeypatch, device):
-    """A prompt forward's large captures hashed a stage at a time give the trace every bit of
-    the digests each capture hashed alone gives, on the engine and the reference path."""
-    from kvdiff.engine import Engine
+def test_a_digest_trace_of_captures_hashed_together_equals_one_hashed_a_capture_at_a_time(tiny_llama, tmp_path,
+                                                                                        monkeypatch, device):
+    """A prompt forward's captures hashed together give the trace every bit of the digests each
+    capture hashed alone gives: the engine's (kept by reference, stacked and hashed whenever
+    they hold HELD_BYTES and at the forward's end), and the reference path's (large ones copied
+    into stages)."""
+    from kvdiff.engine import Engine, runner
     from kvdiff.probes.recorder import TraceRecorder
 
     model, tokenizer = tiny_llama
     model = model.to(device)
     monkeypatch.setattr("kvdiff.probes.digests.HASH_AT_ONCE_ELEMENTS", 64)     # the tiny model's prompt rows
     monkeypatch.setattr("kvdiff.trace.digest.STAGE_BYTES", 40 * 64 * 4)        # a few captures a stage
+    monkeypatch.setattr("kvdiff.engine.digest_probes.HELD_BYTES", 40 * 64 * 4)
+    together = _digest_forwards(monkeypatch)
+    selection = runner.forward_selection
     try:
         digests = []
         for staged in (("cpu", "cuda"), ()):
             engine = Engine(model, tokenizer, strategy="prefix")        # a cold run each
             monkeypatch.setattr("kvdiff.probes.digests.STAGED_DEVICES", staged)
+            monkeypatch.setattr(runner, "forward_selection", selection if staged else lambda views: None)
             recorder = TraceRecorder.for_model(model, tokenizer, SEEDS, tmp_path / f"e{len(staged)}.h5",
                                                strategy="prefix", max_new_tokens=3, trace_mode="digest")
             (out,) = engine.generate([SEEDS], max_new_tokens=3, sinks={0: recorder})
@@ -205,11 +225,59 @@ def test_a_digest_trace_of_staged_prompt_captures_equals_one_hashed_a_capture_at
             digests.append({name: _digest_datasets(tmp_path / f"{name}{len(staged)}.h5") for name in ("e", "r")})
     finally:
         model.to("cpu")
+    # the prompt forward (and off CUDA each decode step: on a GPU their graphs digest them)
+    assert together[0] == len(kvdiff.conversation.render_prompt_ids(tokenizer, SEEDS)) and together[1:] == [1, 1] * (
+        device == "cpu")
     for name in ("e", "r"):
         staged, alone = digests[0][name], digests[1][name]
         assert staged.keys() == alone.keys() and staged
         for key in staged:
             assert np.array_equal(staged[key], alone[key], equal_nan=True), (name, key)
+
+
+def test_requests_sharing_a_forward_each_get_their_rows_digests(tiny_llama, tmp_path, monkeypatch):
+    """Two recorded requests prefilled in one forward and decoded together: each trace holds the
+    digests its request recorded alone, bit for bit (exact numerics: a row's bits do not depend
+    on the batch)."""
+    from kvdiff.engine import Engine
+    from kvdiff.probes.recorder import TraceRecorder
+
+    model, tokenizer = tiny_llama
+    other = [{"role": "user", "content": "Name three rivers of Europe."}]
+    together = _digest_forwards(monkeypatch)
+
+    def traces(conversations: list, tag: str) -> list[dict]:
+        engine = Engine(model, tokenizer, strategy="none", numerics="exact")
+        recorders = {i: TraceRecorder.for_model(model, tokenizer, c, tmp_path / f"{tag}{i}.h5", strategy="none",
+                                                numerics="exact", max_new_tokens=3, trace_mode="digest")
+                     for i, c in enumerate(conversations)}
+        outs = engine.generate(conversations, max_new_tokens=3, sinks=recorders)
+        for i, out in enumerate(outs):
+            recorders[i].finish(out.token_ids, out.text, out.chunks)
+        return [_digest_datasets(tmp_path / f"{tag}{i}.h5") for i in recorders]
+
+    both = traces([SEEDS, other], "both")
+    n = [len(kvdiff.conversation.render_prompt_ids(tokenizer, c)) for c in (SEEDS, other)]
+    assert together == [sum(n), 2, 2]       # one prompt forward for both, then the decode steps
+    alone = traces([SEEDS], "seeds") + traces([other], "other")
+    for got, want in zip(both, alone):
+        assert got.keys() == want.keys() and got
+        for key in got:
+            assert np.array_equal(got[key], want[key], equal_nan=True), key
+
+
+def test_a_capture_changed_in_place_before_its_forward_is_digested_is_refused():
+    from kvdiff.engine.digest_probes import DigestProbes
+    from kvdiff.probes.selection import Selection
+    from kvdiff.trace.sink import ProbeIntegrityError
+
+    probes = DigestProbes(Selection.parse(2, "resid_pre,resid_post"), rows=3)
+    rows = torch.randn(3, 8)
+    probes.capture("resid_pre", 0, rows)
+    probes.capture("resid_post", 0, torch.randn(3, 8))
+    rows.add_(1)
+    with pytest.raises(ProbeIntegrityError, match="'resid_pre' at layer 0 in place"):
+        probes.digest()
 
 
 def test_the_zoom_run_not_repeating_the_first_is_reported_with_where(tiny_llama, tmp_path):

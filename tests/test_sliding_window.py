@@ -18,7 +18,7 @@ from kvdiff.engine.kv_cache import Segment
 from kvdiff.engine.numerics import KEY_TILE, exact_numerics
 from kvdiff.run.model_cache import ModelKey
 from kvdiff.engine.reference import reference_generate
-from kvdiff.engine.runner import RowGroup
+from kvdiff.engine.row_group import RowGroup
 from kvdiff.engine.tiny import build_tiny_model
 from kvdiff.options import Strategy
 from kvdiff.run.compare import compare

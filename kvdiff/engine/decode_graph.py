@@ -22,7 +22,7 @@ which give each row the bits of the eager exact step), a model without routers (
 expert choice sizes its tensors from the data) or latent attention, and no probe recording
 more than digests. A decode step whose probes record digests only (a digest trace outside its
 zoom window) replays a graph of its own that digests every capture inside the step
-(graph_probes.py). Anything else runs the eager forward.
+(digest_probes.py). Anything else runs the eager forward.
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ import numpy as np
 import torch
 
 from kvdiff.engine.attention_plan import ForwardAttention, WindowPlan
-from kvdiff.engine.graph_probes import GraphProbes, graph_selection
+from kvdiff.engine.digest_probes import DigestProbes, digest_selection
 from kvdiff.engine.kv_cache import BlockTable
 from kvdiff.engine.paged_decode import PagedDecode
-from kvdiff.engine.runner import ModelRunner, RowGroup
+from kvdiff.engine.row_group import RowGroup
+from kvdiff.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class DecodeGraphs:
         self.scratch_block: int | None = None    # held for the engine's life
         # (bucket, what its probes digest or None) -> the graph, its logits and its probes
         self.graphs: dict[tuple[int, Hashable | None],
-                          tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphProbes | None]] = {}
+                          tuple[torch.cuda.CUDAGraph, torch.Tensor, DigestProbes | None]] = {}
         self.memory = None        # one memory pool for every bucket's graph
         self._said_eager = False
 
@@ -132,7 +133,7 @@ class DecodeGraphs:
         rows = decode_rows(groups)
         if rows is None or len(rows) > BUCKETS[-1]:
             return None
-        selections = {graph_selection(g) for g in groups} - {None}
+        selections = {digest_selection(g.sink, g.positions) for g in groups} - {None}
         if not selections:
             return self.forward(rows)
         if len(selections) > 1 or False in selections:
@@ -149,14 +150,14 @@ class DecodeGraphs:
         the static step runs eagerly: how the tests check it on the CPU)."""
         return self.replay(rows, None)[0]
 
-    def replay(self, rows: list[GraphRow], digested: Hashable | None) -> tuple[list[torch.Tensor], GraphProbes | None]:
+    def replay(self, rows: list[GraphRow], digested: Hashable | None) -> tuple[list[torch.Tensor], DigestProbes | None]:
         """`forward`, and with `digested` (what the rows' sinks digest) the probes that digested
         the step's captures."""
         B = len(rows)
         bucket = next(b for b in BUCKETS if b >= B)
         self._fill(rows, bucket)
         if not self.tokens.is_cuda:
-            probes = None if digested is None else GraphProbes(digested)
+            probes = None if digested is None else DigestProbes(digested, bucket)
             return list(self._step(bucket, probes)[:B]), probes
         key = (bucket, digested)
         if key not in self.graphs:
@@ -198,7 +199,7 @@ class DecodeGraphs:
             self.lengths[w][:bucket].copy_(packed[:, 0])
             self.tables[w][:bucket, :longest].copy_(packed[:, 1:])
 
-    def _step(self, bucket: int, probes: GraphProbes | None = None) -> torch.Tensor:
+    def _step(self, bucket: int, probes: DigestProbes | None = None) -> torch.Tensor:
         """One decode forward of `bucket` rows from the static buffers: the logits (bucket, vocab);
         `probes` digest its captures."""
         a = self.runner.adapter
@@ -215,12 +216,12 @@ class DecodeGraphs:
         x = self.runner.layers(x, ropes, attention, slots, None, slots, probes)
         normed = a.final_norm(x)
         logits = a.lm_head(normed).float()
-        probes.final(x, normed, logits)
+        probes.final(list(range(bucket)), x, normed, logits)
         probes.digest()
         return logits
 
     def _capture(self, bucket: int, digested: Hashable | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor,
-                                                                    GraphProbes | None]:
+                                                                    DigestProbes | None]:
         """Capture the bucket's step (after two warm-up steps on a side stream, which compile the
         kernels and let cuBLAS pick its algorithms) with every row padding; with `digested`, the
         step digests its captures."""
@@ -229,12 +230,12 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(self.tokens.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step(bucket, None if digested is None else GraphProbes(digested))
+                self._step(bucket, None if digested is None else DigestProbes(digested, bucket))
         torch.cuda.current_stream(self.tokens.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self.memory is None:
             self.memory = torch.cuda.graph_pool_handle()
-        probes = None if digested is None else GraphProbes(digested)
+        probes = None if digested is None else DigestProbes(digested, bucket)
         with torch.cuda.graph(graph, pool=self.memory):
             logits = self._step(bucket, probes)
         log.debug("captured a decode graph for %d rows%s", bucket, "" if probes is None else ", digesting its captures")

@@ -20,7 +20,8 @@ from kvdiff.engine.outputs import RequestOutput
 from kvdiff.engine.reference import stop_token_ids
 from kvdiff.engine.registry import ChunkRegistry, RegistryStats
 from kvdiff.trace.fingerprint import model_fingerprint
-from kvdiff.engine.runner import ModelRunner, RowGroup
+from kvdiff.engine.row_group import RowGroup
+from kvdiff.engine.runner import ModelRunner
 from kvdiff.engine.sampler import Sampler
 from kvdiff.engine.planner import Planner, Request, Reused
 from kvdiff.engine.strategies import BLEND_SELECT_LAYER, make_strategy, select_blend_tokens
@@ -49,7 +50,7 @@ class Engine:
     Greedy by default; `temperature > 0` samples (seeded by `seed`) with optional top-k / top-p.
     On a GPU, decode steps and a cache hit's few new rows replay CUDA graphs (decode_graph.py)
     unless `cuda_graphs=False` or a probe records them (a decode step whose probes record
-    digests only replays a graph that digests its captures: graph_probes.py).
+    digests only replays a graph that digests its captures: digest_probes.py).
     """
 
     def __init__(self, model, tokenizer, strategy: Strategy | str = Strategy.PREFIX,

@@ -17,7 +17,7 @@ from kvdiff.engine.kv_cache import BlockTable, Segment
 from kvdiff.engine.outputs import RequestStats
 from kvdiff.trace.format import ChunkRecord
 from kvdiff.engine.registry import CacheEntry, ChunkRegistry
-from kvdiff.engine.runner import RowGroup
+from kvdiff.engine.row_group import RowGroup
 from kvdiff.engine.strategies import StrategyRules
 from kvdiff.trace.sink import ProbeSink, Provenance
 

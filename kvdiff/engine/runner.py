@@ -1,44 +1,26 @@
 """The model runner: one forward over row groups of several requests, with paged KV and probes.
 
-A row group is a run of rows of one request: their tokens, global and encoded positions, the
-slots their K/V are written to, and the key segments they attend to. Each layer first writes
-every group's K/V, then runs attention, so a group may read KV
-that another group computes in the same forward.
+A row group (row_group.py) is a run of rows of one request: their tokens, global and encoded
+positions, the slots their K/V are written to, and the key segments they attend to. Each layer
+first writes every group's K/V, then runs attention, so a group may read KV that another group
+computes in the same forward. Probes hand the captures to the groups' sinks as they are made
+(row_probes.py), or digest them together where the sinks record digests only (digest_probes.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
 import torch
 
 from kvdiff.engine.adapters import Adapter, apply_rope
 from kvdiff.engine.attention_plan import ForwardAttention, KeySet, key_sets
 from kvdiff.engine import rope_kernel
-from kvdiff.engine.kv_cache import BlockPool, Segment
+from kvdiff.engine.digest_probes import DigestProbes, forward_selection
+from kvdiff.engine.kv_cache import BlockPool
+from kvdiff.engine.row_group import RowGroup
+from kvdiff.engine.row_probes import RowProbes, sink_views
 from kvdiff.engine.strategies import rerotate_keys
 from kvdiff.trace.format import dense_router_rows
 from kvdiff.trace.points import MOE_POINTS
-from kvdiff.trace.sink import ProbeSink, Provenance
-
-
-@dataclass
-class RowGroup:
-    """Rows of one request computed in one forward."""
-
-    token_ids: list[int]
-    positions: list[int]          # global sequence positions (causal masking, probes)
-    encoded: list[int]            # positions RoPE encodes them at
-    write_slots: torch.Tensor     # (T,) slots for their K/V (-1 where `writes` is False)
-    read_slots: torch.Tensor      # (T,) slots attention reads at these positions
-    segments: list[Segment]       # keys they may attend to, in sequence order
-    lo: int = 0                   # lowest sequence position they may attend to
-    logits: bool = False          # return the logits of the last row
-    sink: ProbeSink | None = None
-    provenance: list[tuple[list[int], Provenance]] = field(default_factory=list)
-    key_slots: np.ndarray | None = None   # a decode row: the slots of all its keys, its own last, on the host
-    writes: bool = True           # False: every row's K/V is cached already (write_slots all -1)
 
 
 class ModelRunner:
@@ -101,15 +83,25 @@ class ModelRunner:
                 device=dev)
         x = a.embed_tokens(tokens)
         ropes = {kind: a.rope(x, encoded, kind) for kind in a.rope_kinds}
-        probes = _Probes(groups, spans, positions)
+        probes = self._probes(groups, spans, positions)
         probes.begin()
         x = self.layers(x, ropes, attention, write_slots, write_rows, read, probes, num_layers)
         logits = self._final(x, groups, spans, probes) if num_layers is None else [None] * len(groups)
         probes.end()
         return logits
 
+    @staticmethod
+    def _probes(groups: list[RowGroup], spans: list[slice], positions: list[int]) -> RowProbes | DigestProbes:
+        """The forward's probes: its captures digested together where every sink records the
+        same digests only (a digest trace outside its zoom window), else handed over as made."""
+        views = sink_views(groups, spans, positions)
+        selection = forward_selection(views) if views else None
+        if selection is None:
+            return RowProbes(views, len(positions))
+        return DigestProbes(selection, len(positions), views)
+
     def layers(self, x: torch.Tensor, ropes: dict, attention: ForwardAttention, write_slots: torch.Tensor,
-               write_rows: torch.Tensor | None, read_slots: torch.Tensor, probes: "_Probes",
+               write_rows: torch.Tensor | None, read_slots: torch.Tensor, probes: RowProbes | DigestProbes,
                num_layers: int | None = None) -> torch.Tensor:
         """The decoder layers over embedded rows x: each writes the K/V of rows `write_rows` (None:
         every row) to `write_slots`, attends by `attention`, and shows probes the K/V at each row's
@@ -166,10 +158,10 @@ class ModelRunner:
     def unprobed_layers(self, x: torch.Tensor, ropes: dict, attention: ForwardAttention,
                         slots: torch.Tensor) -> torch.Tensor:
         """`layers` for a decode step no probe records: row i writes its K/V to `slots[i]`."""
-        return self.layers(x, ropes, attention, slots, None, slots, _Probes([], [], []))
+        return self.layers(x, ropes, attention, slots, None, slots, RowProbes([], 0))
 
     @staticmethod
-    def _post_norm(point: str, i: int, norm, rows: torch.Tensor, probes: "_Probes") -> torch.Tensor:
+    def _post_norm(point: str, i: int, norm, rows: torch.Tensor, probes: RowProbes | DigestProbes) -> torch.Tensor:
         """A norm of a sublayer's output before its residual add (Gemma 3), probed."""
         out = norm(rows)
         probes.capture(point, i, out)
@@ -177,7 +169,7 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _experts(i: int, layer, h: torch.Tensor, probes: "_Probes") -> torch.Tensor:
+    def _experts(i: int, layer, h: torch.Tensor, probes: RowProbes | DigestProbes) -> torch.Tensor:
         """A mixture-of-experts layer: the router chooses each row's experts, the experts mix (and
         DeepSeek's shared expert adds its output)."""
         router_logits, weights, chosen = layer.router(h)
@@ -187,7 +179,7 @@ class ModelRunner:
         out = layer.experts(h, chosen, weights)
         return out if layer.shared_experts is None else out + layer.shared_experts(h)
 
-    def _dense(self, i: int, layer, h: torch.Tensor, probes: "_Probes") -> torch.Tensor:
+    def _dense(self, i: int, layer, h: torch.Tensor, probes: RowProbes | DigestProbes) -> torch.Tensor:
         """A dense MLP; in a model mixing it with mixture-of-experts layers, its router points get
         `dense_router_rows`."""
         if probes.active and self.experts_shape and any(probes.wants(p, i) for p in MOE_POINTS):
@@ -195,7 +187,7 @@ class ModelRunner:
                 probes.capture(point, i, rows)
         return layer.mlp(h)
 
-    def _final(self, x: torch.Tensor, groups: list[RowGroup], spans: list[slice], probes: "_Probes"):
+    def _final(self, x: torch.Tensor, groups: list[RowGroup], spans: list[slice], probes: RowProbes | DigestProbes):
         rows: set[int] = set()
         for g, s in zip(groups, spans):
             if g.logits:
@@ -211,82 +203,3 @@ class ModelRunner:
         logits = self.adapter.lm_head(normed.to(self.adapter.lm_head.weight.device)).float()
         probes.final(order, inp, normed, logits)
         return [logits[index[s.stop - 1]] if g.logits else None for g, s in zip(groups, spans)]
-
-
-class _Probes:
-    """Routes captures of one forward to the sinks of the requests whose rows it computes.
-
-    All rows of one request in a forward are consecutive (the engine builds groups so) and
-    form one begin_forward/end_forward bracket.
-    """
-
-    def __init__(self, groups: list[RowGroup], spans: list[slice], positions: list[int]):
-        self.views: list[tuple[ProbeSink, slice, list[int], list[RowGroup]]] = []
-        for g, s in zip(groups, spans):
-            if g.sink is None:
-                continue
-            if self.views and self.views[-1][0] is g.sink and self.views[-1][1].stop == s.start:
-                sink, prev, _, gs = self.views[-1]
-                merged = slice(prev.start, s.stop)
-                self.views[-1] = (sink, merged, positions[merged], gs + [g])
-            else:
-                self.views.append((g.sink, s, positions[s], [g]))
-        self.active = bool(self.views)
-        # one sink's rows are the whole forward's (a decode step): captures go as they are, a slice
-        # each costs more host time than the capture
-        self.sliced = len(self.views) > 1 or (self.active and self.views[0][1] != slice(0, len(positions)))
-
-    def begin(self) -> None:
-        for sink, _, pos, gs in self.views:
-            sink.begin_forward(pos)
-            for g in gs:
-                for p, prov in g.provenance:
-                    sink.provenance(p, prov)
-
-    def wants(self, point: str, layer: int | None) -> bool:
-        return any(sink.wants(point, layer) for sink, _, _, _ in self.views)
-
-    def capture(self, point: str, layer: int, rows: torch.Tensor) -> None:
-        for sink, s, pos, _ in self.views:
-            if sink.wants(point, layer):
-                sink.capture(point, layer, rows[s] if self.sliced else rows, pos)
-
-    def read(self, pool: BlockPool, layer: int, slots: torch.Tensor, value_point: str) -> None:
-        """The K and V rows attention reads at `slots` (each row's), for the sinks recording them."""
-        if self.active and (self.wants("k", layer) or self.wants(value_point, layer)):
-            k, v = pool.rows(layer, slots)
-            self.capture("k", layer, k)
-            self.capture(value_point, layer, v)
-
-    def norm(self, name: str, layer: int, inp: torch.Tensor, out: torch.Tensor) -> None:
-        for sink, s, pos, _ in self.views:
-            if sink.wants(name, layer):
-                sink.capture_norm(name, layer, inp[s] if self.sliced else inp, out[s] if self.sliced else out, pos)
-
-    def final_rows(self) -> set[int]:
-        rows: set[int] = set()
-        for sink, s, _, _ in self.views:
-            if sink.wants("final_norm", None) or sink.wants("logits", None):
-                rows.update(range(s.start, s.stop))
-        return rows
-
-    def final(self, order: list[int], inp: torch.Tensor, normed: torch.Tensor, logits: torch.Tensor) -> None:
-        where = {r: n for n, r in enumerate(order)}
-        for sink, s, pos, _ in self.views:
-            if not (sink.wants("final_norm", None) or sink.wants("logits", None)):
-                continue
-            idx = [where[r] for r in range(s.start, s.stop)]
-            run = slice(idx[0], idx[-1] + 1) if idx and idx == list(range(idx[0], idx[0] + len(idx))) else None
-
-            def rows(t: torch.Tensor) -> torch.Tensor:   # the final modules may sit on different GPUs
-                return t[run] if run is not None else t.index_select(0, torch.tensor(idx, device=t.device))
-
-            if sink.wants("final_norm", None):
-                sink.capture("final_norm", None, rows(normed), pos)
-                sink.capture_norm("final_norm", None, rows(inp), rows(normed), pos)
-            if sink.wants("logits", None):
-                sink.capture("logits", None, rows(logits), pos)
-
-    def end(self) -> None:
-        for sink, _, _, _ in self.views:
-            sink.end_forward()

@@ -22,7 +22,7 @@ from kvdiff.trace.writer import TraceWriter
 # forward by reference and go together.
 HASH_AT_ONCE_ELEMENTS = 1 << 16
 STAGED_DEVICES = ("cuda",)      # where a copy and a share of one launch cost less than a launch of its own
-PENDING_STEPS = 256     # repeated decode steps whose digests are held before one write per table
+PENDING_ROWS = 256      # rows of repeated decode steps whose digests are held before one write per table
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,9 @@ class DigestTaker:
         self._watched: list[tuple[str, int | None, torch.Tensor, int, bool]] = []
         self._plan: _RepeatPlan | None = None           # of the captures take_repeat hashes
         self._taken_plan: _RepeatPlan | None = None     # of the digests take_digested is handed
-        # repeated steps not yet written: their position, hashes and statistics in `_pending_plan`'s order
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        # forwards' digests not yet written: their positions, hashes and statistics in `_pending_plan`'s order
+        self._pending: list[tuple[np.ndarray, torch.Tensor, torch.Tensor]] = []
+        self._pending_rows = 0
         self._pending_plan: _RepeatPlan | None = None
 
     @property
@@ -135,27 +136,31 @@ class DigestTaker:
                 return False
         digests = [row_digests(_stacked([[rows[i] for i in part] for part in parts])) for parts in plan.groups]
         hashes, stats = zip(*digests)
-        self._hold(plan, position, *((torch.cat(d) if len(d) > 1 else d[0]) for d in (hashes, stats)))
+        hashes, stats = ((torch.cat(d) if len(d) > 1 else d[0]).unsqueeze(0) for d in (hashes, stats))
+        self._hold(plan, np.array([position], dtype=np.int64), hashes, stats)
         return True
 
     def take_digested(self, keys: list[tuple[str, int | None]], hashes: torch.Tensor, stats: torch.Tensor,
-                      position: int) -> None:
-        """A one-position forward's digests, taken where its captures ran (inside a CUDA graph's
-        step): `hashes` (n,) and `stats` (n, 2) of `keys` (every digested point once), copied
-        here (a graph rewrites them at its next replay). Written with the next steps'."""
+                      positions: np.ndarray) -> None:
+        """A forward's digests, taken where its captures ran (together, or inside a CUDA graph's
+        step): `hashes` (T, n) and `stats` (T, n, 2) of `keys` (every digested point once) at its
+        T increasing `positions`, copied here (a graph rewrites them at its next replay). A decode
+        step's are written with the next steps'."""
         plan = self._taken_plan
         if plan is None or (plan.keys is not keys and plan.keys != keys):
             plan = self._taken_plan = self._planned(keys, [], list(range(len(keys))), hashes.device)
-        self._hold(plan, position, hashes.clone(), stats.clone())
+        self._hold(plan, positions, hashes.clone(), stats.clone())
 
-    def _hold(self, plan: _RepeatPlan, position: int, hashes: torch.Tensor, stats: torch.Tensor) -> None:
-        """Keep a one-position forward's digests, in `plan`'s order, until `flush` makes them its
-        tables' rows (for all the held steps at once)."""
-        if (self._pending and (plan is not self._pending_plan or position <= self._pending[-1][0])
-                or len(self._pending) >= PENDING_STEPS):
+    def _hold(self, plan: _RepeatPlan, positions: np.ndarray, hashes: torch.Tensor, stats: torch.Tensor) -> None:
+        """Keep a forward's digests, in `plan`'s order, until `flush` makes them its tables' rows
+        (for all the held forwards at once: decode steps, PENDING_ROWS of them)."""
+        if self._pending and (plan is not self._pending_plan or positions[0] <= self._pending[-1][0][-1]):
             self.flush()        # one write holds increasing positions: a later row still replaces an earlier one
         self._pending_plan = plan
-        self._pending.append((position, hashes, stats))
+        self._pending.append((positions, hashes, stats))
+        self._pending_rows += positions.size
+        if self._pending_rows >= PENDING_ROWS:
+            self.flush()
 
     def _plan_for(self, keys: list[tuple[str, int | None]], rows: list[torch.Tensor]) -> _RepeatPlan | None:
         groups: dict[tuple[int, torch.dtype, torch.device], dict[tuple, list[int]]] = {}
@@ -179,17 +184,17 @@ class DigestTaker:
         return _RepeatPlan(keys, groups, torch.tensor(order, device=device), empty)
 
     def flush(self) -> None:
-        """Write the held decode steps' digests: one write of each table for all of them."""
+        """Write the held forwards' digests: one write of each table for all of them."""
         if not self._pending:
             return
-        positions = np.array([p for p, _, _ in self._pending], dtype=np.int64)
+        positions = np.concatenate([p for p, _, _ in self._pending])
         empty = self._pending_plan.empty
-        steps = len(self._pending)
-        hashes = torch.cat([torch.stack([h for _, h, _ in self._pending]), empty[0].expand(steps, 1)], 1)
-        stats = torch.cat([torch.stack([s for _, _, s in self._pending]), empty[1].expand(steps, 1, -1)], 1)
+        rows = positions.size
+        hashes = torch.cat([torch.cat([h for _, h, _ in self._pending]), empty[0].expand(rows, 1)], 1)
+        stats = torch.cat([torch.cat([s for _, _, s in self._pending]), empty[1].expand(rows, 1, -1)], 1)
         order = self._pending_plan.order
         hashes, stats = hashes.index_select(1, order), stats.index_select(1, order)
-        self._pending = []
+        self._pending, self._pending_rows = [], 0
         for hash_path, stats_path, columns, shape in self._layout:
             h, s = hashes[:, columns].view(-1, *shape), stats[:, columns].view(-1, *shape, len(DIGEST_STATS))
             self.writer.write_rows_at(hash_path, positions, h, tuple(h.shape))

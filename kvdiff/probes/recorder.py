@@ -195,27 +195,27 @@ class TraceRecorder:
     def graph_digests(self, positions: Sequence[int]) -> Selection | None:
         """The points and layers digested when a forward at `positions` records digests only (a
         digest trace outside its zoom window, whose captures may wait by reference), so that a
-        path may digest them inside a CUDA graph's step and hand them over with `take_digested`;
-        None when the forward must be captured as it runs."""
+        path may digest them together (or inside a CUDA graph's step) and hand them over with
+        `take_digested`; None when the forward must be captured as it runs."""
         if self._digests is None or not self._digests.keeps_by_reference:
             return None
         return None if self._kept(positions)[0].size else self.digested
 
     def take_digested(self, fired: list[tuple[str, int | None]], hashes: torch.Tensor, stats: torch.Tensor) -> None:
-        """A one-position forward's captures, digested where they ran (`graph_digests`): `fired`,
-        each capture's (point, layer) in order ("stats:" + the norm for a norm's), and `hashes`
-        (n,) and `stats` (n, 2) of its points' captures, in that order. The same `fired` object
-        each step saves comparing it again."""
-        if self._positions is None or len(self._positions) != 1:
-            raise ProbeIntegrityError("take_digested takes one position's digests inside a forward: call "
-                                      "begin_forward([position]) first")
+        """A forward's captures, digested where they ran (`graph_digests`): `fired`, each
+        capture's (point, layer) in order ("stats:" + the norm for a norm's), and `hashes` (T, n)
+        and `stats` (T, n, 2) of its T positions' rows of its points, in that order. The same
+        `fired` object each step saves comparing it again."""
+        if self._positions is None or hashes.shape[:1] != (len(self._positions),):
+            raise ProbeIntegrityError("take_digested takes the digests of a forward's rows inside its bracket, a "
+                                      "row of them for each of begin_forward's positions")
         if self._fired or self._logged:
             raise ProbeIntegrityError("take_digested after captures of the same forward: a forward's captures are "
                                       "either digested where they ran or captured, not both")
         self._fired, self._logging, self._digested_where_run = fired, None, True
         if self._digested_of[0] is not fired:
             self._digested_of = (fired, [key for key in fired if not key[0].startswith("stats:")])
-        self._digests.take_digested(self._digested_of[1], hashes, stats, self._positions[0])
+        self._digests.take_digested(self._digested_of[1], hashes, stats, np.asarray(self._positions, dtype=np.int64))
 
     def _kept(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
         """Positions to keep and, when some are dropped, the boolean mask selecting their rows.

@@ -59,13 +59,14 @@ class ProbeSink(Protocol):
 
 
 class GraphDigestSink(ProbeSink, Protocol):
-    """A sink that takes a decode step's digests computed where its captures ran, inside a CUDA
-    graph's step (the engine's decode graphs), instead of the captures themselves."""
+    """A sink that takes a forward's digests computed where its captures ran (the engine's
+    forwards, and its decode graphs inside their steps), instead of the captures themselves."""
 
     def graph_digests(self, positions: Sequence[int]) -> Hashable | None:
         """The selection of what a forward at `positions` digests (it has `wants`), when that is
         all it records; None when its captures must reach `capture` as they run."""
 
     def take_digested(self, fired: list[tuple[str, int | None]], hashes: torch.Tensor, stats: torch.Tensor) -> None:
-        """Inside a one-position forward's bracket: what fired, in order ("stats:" + the norm for
-        a norm's statistics), and the hashes (n,) and statistics (n, 2) of its points' rows."""
+        """Inside a forward's bracket: what fired, in order ("stats:" + the norm for a norm's
+        statistics), and the hashes (T, n) and statistics (T, n, 2) of its points' rows at its T
+        positions."""
