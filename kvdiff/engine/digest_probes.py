@@ -27,7 +27,7 @@ from kvdiff.trace.digest import gathered_row_digests, row_digests
 from kvdiff.trace.sink import GraphDigestSink, ProbeIntegrityError, ProbeSink
 from kvdiff.trace.staging import version_of
 
-HELD_BYTES = 1 << 27        # captures held by reference before they are stacked and hashed
+HELD_BYTES = 1 << 28        # captures held by reference before they are stacked and hashed
 
 Key = tuple[str, int | None]
 
@@ -108,21 +108,21 @@ class DigestProbes:
         self.capture("logits", None, logits)
 
     def _digest_held(self) -> None:
-        """Hash the held captures: one stack and one kernel for each row size, dtype and device."""
+        """Hash the held captures: one stack and one kernel for each shape, dtype and device."""
         changed = [key for key, rows, version in self._held if version is not None and rows._version != version]
         if changed:
             point, layer = changed[0]
             raise ProbeIntegrityError(f"the engine changed the captured rows of {point!r} at layer {layer} in place "
                                       "before its forward ended: they cannot be digested at the forward's end")
-        groups: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
+        groups: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = {}
         for i, (_, rows, _) in enumerate(self._held):
-            groups.setdefault((rows.numel() // len(rows), rows.dtype, rows.device), []).append(i)
-        for members in groups.values():
-            parts = [self._held[i][1].reshape(len(self._held[i][1]), -1) for i in members]
-            stacked = parts[0].unsqueeze(1) if len(parts) == 1 else torch.stack(parts, 1)
-            h, s = row_digests(stacked.view(-1, stacked.shape[2]))
-            self._digested.append(([self._held[i][0] for i in members], h.view(stacked.shape[:2]),
-                                   s.view(*stacked.shape[:2], -1)))
+            groups.setdefault((rows.shape, rows.dtype, rows.device), []).append(i)
+        for (shape, _, _), members in groups.items():
+            parts = [self._held[i][1] for i in members]
+            stacked = parts[0].unsqueeze(1) if len(parts) == 1 else torch.stack(parts, 1)   # (rows, captures, ...)
+            h, s = row_digests(stacked.reshape(shape[0] * len(parts), -1))
+            self._digested.append(([self._held[i][0] for i in members], h.view(shape[0], len(parts)),
+                                   s.view(shape[0], len(parts), -1)))
         self._held, self._held_bytes = [], 0
 
     def digest(self) -> None:

@@ -92,6 +92,7 @@ class TraceRecorder:
         self.top_k = top_k
         self.digested = digested
         self._declared = digested or selection              # what must fire in every forward
+        self._window = np.array(sorted(selection.positions or ()), dtype=np.int64)     # the positions kept, if not all
         self._digests = None if digested is None else DigestTaker(writer, digested.points, digested.layers)
         self._positions: list[int] | None = None
         self._reads_only = False
@@ -236,7 +237,9 @@ class TraceRecorder:
         pos = np.asarray(positions, dtype=np.int64)
         if self.selection.positions is None:
             return pos, None
-        mask = np.fromiter((int(p) in self.selection.positions for p in pos), dtype=bool, count=pos.size)
+        window = self._window
+        mask = window[np.minimum(np.searchsorted(window, pos), window.size - 1)] == pos if window.size else \
+            np.zeros(pos.size, dtype=bool)
         return pos[mask], mask
 
     def _resolve(self, point: str, layer: int | None) -> "_Target | None":

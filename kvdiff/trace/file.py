@@ -34,7 +34,7 @@ _CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
 _MIN_CHUNK_BYTES = 8 << 10        # and the least one: rows of a few bytes (norm statistics) get more than 128 a chunk
 
 Step = tuple[int, int, int, np.ndarray, np.ndarray, float]   # step, position, token, top-k ids, values, margin
-Source = tuple[str, int, int, bool]                          # chunk, prefill id, encoded position, reused
+Source = tuple[np.ndarray, str, int, np.ndarray, bool]      # positions, chunk, prefill id, encoded positions, reused
 
 
 class TraceFile:
@@ -197,7 +197,7 @@ class TraceFile:
                                           "were read from the cache: only k and v are recorded there")
 
     def _write_tables(self, positions: np.ndarray, meta: TraceMeta, steps: list[Step],
-                      provenance: Mapping[int, Source]) -> None:
+                      provenance: list[Source]) -> None:
         f = self._file
         write_array(f, "positions", positions)
         write_array(f, "generated_ids", np.asarray(meta.generated_ids, dtype=np.int64))
@@ -211,13 +211,17 @@ class TraceFile:
         write_array(g, "margin", np.array([s[5] for s in steps], dtype=np.float64))
         if provenance:
             prov = f.create_group("provenance")
-            keys = sorted(provenance)
-            rows = [provenance[p] for p in keys]
-            write_array(prov, "positions", np.array(keys, dtype=np.int64))
-            prov.create_dataset("chunk", data=[r[0] for r in rows], dtype=h5py.string_dtype())
-            write_array(prov, "prefill_id", np.array([r[1] for r in rows], dtype=np.int64))
-            write_array(prov, "encoded_position", np.array([r[2] for r in rows], dtype=np.int64))
-            write_array(prov, "reused", np.array([r[3] for r in rows], dtype=bool))
+            reports = np.repeat(np.arange(len(provenance)), [s[0].size for s in provenance])
+            reported = np.concatenate([s[0] for s in provenance])
+            # a later report for a position replaces an earlier one: the last row of each position
+            keys, from_end = np.unique(reported[::-1], return_index=True)
+            rows = reported.size - 1 - from_end
+            chunks = [provenance[r][1] for r in reports[rows]]
+            write_array(prov, "positions", keys)
+            prov.create_dataset("chunk", data=chunks, dtype=h5py.string_dtype())
+            write_array(prov, "prefill_id", np.array([s[2] for s in provenance], dtype=np.int64)[reports[rows]])
+            write_array(prov, "encoded_position", np.concatenate([s[3] for s in provenance])[rows])
+            write_array(prov, "reused", np.array([s[4] for s in provenance], dtype=bool)[reports[rows]])
 
     def _write_meta(self, meta: TraceMeta) -> None:
         # HDF5 strings cannot hold NUL (a model may generate one): it is stored as U+2400.
@@ -230,7 +234,7 @@ class TraceFile:
                          digest_layers=np.asarray(meta.digest_layers, dtype=np.int64))
         set_attributes(self._file, attrs)
 
-    def finish(self, meta: TraceMeta, steps: list[Step], provenance: Mapping[int, Source]) -> int:
+    def finish(self, meta: TraceMeta, steps: list[Step], provenance: list[Source]) -> int:
         """Check every dataset holds every recorded position, write the tables and metadata, set
         `complete` last and close the file. Returns the number of recorded positions."""
         self._write_all_held()

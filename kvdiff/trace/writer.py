@@ -110,7 +110,7 @@ class TraceWriter:
             self._file = TraceFile(self.tmp_path, meta.input_ids, compression, max_positions, window_positions)
         except OSError as exc:
             raise TraceError(f"cannot write trace {self.path}: {_reason(exc)}") from exc
-        self._provenance: dict[int, Source] = {}
+        self._provenance: list[Source] = []     # in the order reported
         self._steps: list[Step] = []
         self._stage: Stage | None = None
         self._split = False                     # this forward's captures did not all go into one stage
@@ -312,8 +312,9 @@ class TraceWriter:
         if len(encoded_positions) != len(positions):
             raise ProbeIntegrityError(
                 f"provenance of chunk {chunk!r}: {len(encoded_positions)} encoded positions for {len(positions)} positions")
-        for p, e in zip(positions, encoded_positions):
-            self._provenance[int(p)] = (chunk, int(prefill_id), int(e), bool(reused))
+        if len(positions):
+            self._provenance.append((np.array(positions, dtype=np.int64).reshape(-1), str(chunk), int(prefill_id),
+                                     np.array(encoded_positions, dtype=np.int64).reshape(-1), bool(reused)))
 
     # -- closing -----------------------------------------------------------------------------
 
