@@ -98,7 +98,7 @@ def scale(model_name: str, n_tokens: int) -> None:
 
 
 class Counted:
-    """A sink that counts the captures it hands on to `sink`."""
+    """A sink that counts the captures it hands on to `sink` (those digested where they ran too)."""
 
     def __init__(self, sink):
         self.sink, self.captures = sink, 0
@@ -113,6 +113,10 @@ class Counted:
     def capture_norm(self, *args) -> None:
         self.captures += 1
         self.sink.capture_norm(*args)
+
+    def take_digested(self, fired, *args) -> None:     # a forward's captures, digested where they ran
+        self.captures += len(fired)
+        self.sink.take_digested(fired, *args)
 
 
 def host_bound(pairs: int, new_tokens: int = 128) -> None:

@@ -2,8 +2,8 @@
 hashed together, each sink's rows' digests handed to it after the forward.
 
 A digest trace outside its zoom window keeps a hash and two statistics of every row
-(trace/digest.py), nothing else. Handed to a sink one by one (row_probes.py), each capture costs
-a few calls and a copy or a kernel launch: ~80 us of host time on an H100 host, hundreds of
+(trace/digest.py), nothing else. Handed to a sink one by one (row_probes.py), a prompt's capture
+costs a few calls and a copy or a kernel launch: ~80 us of host time on an H100 host, hundreds of
 captures a forward, which a small model's prompt forward does not hide. Here the forward keeps
 its captures by reference, stacks those of one row size, dtype and device, and hashes each stack
 in one kernel, whenever the held captures pass HELD_BYTES and at the forward's end; the K/V rows
@@ -84,11 +84,17 @@ class DigestProbes:
                 self._digest_held()
 
     def read(self, pool: BlockPool, layer: int, slots: torch.Tensor, value_point: str) -> None:
-        """The K and V rows attention reads at `slots`: hashed where the cache holds them, every
-        layer's in one kernel at the forward's end (`gathered_row_digests`)."""
-        for point, table in (("k", pool.k[layer]), (value_point, pool.v[layer])):
-            if self.selection.wants(point, layer):
-                self._read.append(((point, layer), table, slots))
+        """The K and V rows attention reads at `slots`: on a GPU hashed where the cache holds them,
+        every layer's in one kernel at the forward's end (`gathered_row_digests`); elsewhere
+        gathered now and hashed with the other captures of their shape."""
+        wanted = [(point, table) for point, table in (("k", pool.k[layer]), (value_point, pool.v[layer]))
+                  if self.selection.wants(point, layer)]
+        if wanted and not wanted[0][1].is_cuda:
+            k, v = pool.rows(layer, slots)
+            self.capture("k", layer, k)
+            self.capture(value_point, layer, v)
+            return
+        self._read += [((point, layer), table, slots) for point, table in wanted]
 
     def norm(self, name: str, layer: int | None, inp: torch.Tensor, out: torch.Tensor) -> None:
         """A norm's statistics are kept in the zoom window only: here it only fires."""

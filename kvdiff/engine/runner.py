@@ -93,9 +93,12 @@ class ModelRunner:
     @staticmethod
     def _probes(groups: list[RowGroup], spans: list[slice], positions: list[int]) -> RowProbes | DigestProbes:
         """The forward's probes: its captures digested together where every sink records the
-        same digests only (a digest trace outside its zoom window), else handed over as made."""
+        same digests only (a digest trace outside its zoom window) and some sink has several rows
+        (a prompt's); else handed over as made (a sink logs a decode step's one row, and digests
+        it in the layout of the steps before: probes/recorder.py)."""
         views = sink_views(groups, spans, positions)
-        selection = forward_selection(views) if views else None
+        several = any(view.span.stop - view.span.start > 1 for view in views)
+        selection = forward_selection(views) if several else None
         if selection is None:
             return RowProbes(views, len(positions))
         return DigestProbes(selection, len(positions), views)
