@@ -191,6 +191,8 @@ class ModelRunner:
         return layer.mlp(h)
 
     def _final(self, x: torch.Tensor, groups: list[RowGroup], spans: list[slice], probes: RowProbes | DigestProbes):
+        """The float32 logits row of each group that asks for one; the final points of the rows the
+        probes record."""
         rows: set[int] = set()
         for g, s in zip(groups, spans):
             if g.logits:
@@ -205,4 +207,8 @@ class ModelRunner:
         normed = self.adapter.final_norm(inp)
         logits = self.adapter.lm_head(normed.to(self.adapter.lm_head.weight.device)).float()
         probes.final(order, inp, normed, logits)
-        return [logits[index[s.stop - 1]] if g.logits else None for g, s in zip(groups, spans)]
+        out = [logits[index[s.stop - 1]] if g.logits else None for g, s in zip(groups, spans)]
+        if len(order) > sum(g.logits for g in groups):
+            # the probes' rows: a 32k-token prompt's are GBs, which a view of one row would keep
+            out = [None if row is None else row.clone() for row in out]
+        return out
