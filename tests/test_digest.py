@@ -264,6 +264,29 @@ def test_requests_sharing_a_forward_each_get_their_rows_digests(tiny_llama, tmp_
             assert np.array_equal(got[key], want[key], equal_nan=True), key
 
 
+def test_a_probed_prompts_logits_row_does_not_keep_every_rows_logits(tiny_llama, tmp_path, monkeypatch):
+    """The probes ask for every prompt row's logits (a 32k-token prompt's are 17 GB on the 1B
+    shape): the row a request samples from is its own copy, not a view that keeps them all."""
+    from kvdiff.engine import Engine, runner
+    from kvdiff.probes.recorder import TraceRecorder
+
+    model, tokenizer = tiny_llama
+    final, returned = runner.ModelRunner._final, []
+
+    def kept(self, x, groups, spans, probes):
+        out = final(self, x, groups, spans, probes)
+        returned.extend((x.shape[0], row) for row in out if row is not None)
+        return out
+
+    monkeypatch.setattr(runner.ModelRunner, "_final", kept)
+    recorder = TraceRecorder.for_model(model, tokenizer, SEEDS, tmp_path / "t.h5", strategy="none",
+                                       max_new_tokens=2, trace_mode="digest")
+    (out,) = Engine(model, tokenizer, strategy="none").generate([SEEDS], max_new_tokens=2, sinks={0: recorder})
+    recorder.finish(out.token_ids, out.text, out.chunks)
+    rows, row = returned[0]     # the prompt forward's
+    assert rows > 1 and row.untyped_storage().nbytes() == row.nbytes
+
+
 def test_a_capture_changed_in_place_before_its_forward_is_digested_is_refused():
     from kvdiff.engine.digest_probes import DigestProbes
     from kvdiff.probes.selection import Selection
