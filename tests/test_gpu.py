@@ -327,6 +327,30 @@ def test_a_digest_traces_graphed_decode_steps_hash_the_eager_steps_bits(bf16_fol
             assert np.array_equal(graphed.digests(layer, point)[1], eager.digests(layer, point)[1])
 
 
+def test_a_decode_graph_cuda_refuses_to_capture_runs_eagerly_with_a_warning(bf16_folder, monkeypatch, caplog):
+    """Where CUDA refuses a capture, those steps run eagerly, with the same tokens, and the log
+    says so."""
+    model, tok = kvdiff.load_model(str(bf16_folder), dtype="bfloat16", device="cuda")
+    want = Engine(model, tok, strategy="prefix", cuda_graphs=False).generate([SUITE[0]], max_new_tokens=NEW)[0]
+
+    class Refused:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            raise torch.AcceleratorError("CUDA error: operation failed due to a previous error during capture")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "graph", Refused)
+    engine = Engine(model, tok, strategy="prefix")
+    with caplog.at_level("WARNING", logger="kvdiff"):
+        got = engine.generate([SUITE[0]], max_new_tokens=NEW)[0]
+    assert got.token_ids == want.token_ids and set(engine.graphs.graphs.values()) == {None}
+    assert "could not capture a decode graph for 1 rows (CUDA error: operation failed" in caplog.text
+
+
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
 def test_a_cache_hits_new_turn_replays_a_graph(bf16_folder, numerics):
     model, tok = kvdiff.load_model(str(bf16_folder), dtype="bfloat16", device="cuda")

@@ -106,9 +106,9 @@ class DecodeGraphs:
         self.tables = {w: torch.zeros(n, width, dtype=torch.long, device=dev) for w, width in self.width.items()}
         self.lengths = {t: torch.ones(n, dtype=torch.long, device=dev) for t in self.width}
         self.scratch_block: int | None = None    # held for the engine's life
-        # (bucket, what its probes digest or None) -> the graph, its logits and its probes
+        # (bucket, what its probes digest or None) -> the graph, its logits and its probes (None: not capturable)
         self.graphs: dict[tuple[int, Hashable | None],
-                          tuple[torch.cuda.CUDAGraph, torch.Tensor, DigestProbes | None]] = {}
+                          tuple[torch.cuda.CUDAGraph, torch.Tensor, DigestProbes | None] | None] = {}
         self.memory = None        # one memory pool for every bucket's graph
         self._said_eager = False
 
@@ -123,6 +123,8 @@ class DecodeGraphs:
         if rows is None:
             return None
         logits = self.forward(rows)
+        if logits is None:
+            return None
         ends = np.cumsum([len(g.token_ids) for g in groups]) - 1
         return [logits[end] if g.logits else None for g, end in zip(groups, ends)]
 
@@ -141,18 +143,23 @@ class DecodeGraphs:
                 log.info("probed decode steps recording more than digests run without CUDA graphs")
                 self._said_eager = True
             return None
-        logits, probes = self.replay(rows, selections.pop())
+        replayed = self.replay(rows, selections.pop())
+        if replayed is None:
+            return None
+        logits, probes = replayed
         probes.hand_over(groups)
         return logits
 
-    def forward(self, rows: list[GraphRow]) -> list[torch.Tensor]:
+    def forward(self, rows: list[GraphRow]) -> list[torch.Tensor] | None:
         """The float32 logits of each row (at most BUCKETS[-1]), from a replayed graph (off CUDA
-        the static step runs eagerly: how the tests check it on the CPU)."""
-        return self.replay(rows, None)[0]
+        the static step runs eagerly: how the tests check it on the CPU); None without a graph."""
+        replayed = self.replay(rows, None)
+        return None if replayed is None else replayed[0]
 
-    def replay(self, rows: list[GraphRow], digested: Hashable | None) -> tuple[list[torch.Tensor], DigestProbes | None]:
+    def replay(self, rows: list[GraphRow], digested: Hashable | None) -> tuple[list[torch.Tensor],
+                                                                              DigestProbes | None] | None:
         """`forward`, and with `digested` (what the rows' sinks digest) the probes that digested
-        the step's captures."""
+        the step's captures; None where the bucket's graph could not be captured."""
         B = len(rows)
         bucket = next(b for b in BUCKETS if b >= B)
         self._fill(rows, bucket)
@@ -163,6 +170,8 @@ class DecodeGraphs:
         if key not in self.graphs:
             self.graphs[key] = self._capture(bucket, digested)
             self._fill(rows, bucket)      # the capture's warm-up steps ran on padding only
+        if self.graphs[key] is None:
+            return None
         graph, logits, probes = self.graphs[key]
         graph.replay()
         return list(logits[:B]), probes
@@ -221,10 +230,10 @@ class DecodeGraphs:
         return logits
 
     def _capture(self, bucket: int, digested: Hashable | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor,
-                                                                    DigestProbes | None]:
+                                                                    DigestProbes | None] | None:
         """Capture the bucket's step (after two warm-up steps on a side stream, which compile the
         kernels and let cuBLAS pick its algorithms) with every row padding; with `digested`, the
-        step digests its captures."""
+        step digests its captures. None where CUDA refused the capture (logged)."""
         self._pad(bucket)
         side = torch.cuda.Stream(self.tokens.device)
         side.wait_stream(torch.cuda.current_stream(self.tokens.device))
@@ -236,8 +245,15 @@ class DecodeGraphs:
         if self.memory is None:
             self.memory = torch.cuda.graph_pool_handle()
         probes = None if digested is None else DigestProbes(digested, bucket)
-        with torch.cuda.graph(graph, pool=self.memory):
-            logits = self._step(bucket, probes)
+        try:
+            # thread-local: the trace writer's thread copies rows off the GPU meanwhile, which in the
+            # default (global) mode fails there and invalidates the capture
+            with torch.cuda.graph(graph, pool=self.memory, capture_error_mode="thread_local"):
+                logits = self._step(bucket, probes)
+        except RuntimeError as exc:     # the warm-up steps ran: the capture itself failed (CUDA's word for it)
+            log.warning("could not capture a decode graph for %d rows (%s): those steps run eagerly", bucket,
+                        str(exc).splitlines()[0])
+            return None
         log.debug("captured a decode graph for %d rows%s", bucket, "" if probes is None else ", digesting its captures")
         return graph, logits, probes
 
