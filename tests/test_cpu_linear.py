@@ -36,6 +36,20 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch(shape, onednn, monkeypat
     assert row_invariance_failures(invariant_linear, weight, rows) == []
 
 
+@pytest.mark.parametrize("shape", [(32, 64), (192, 576)], ids=lambda s: "%dx%d" % s)
+def test_rows_that_require_grad_get_the_bits_of_rows_that_do_not(shape):
+    """A model run with grad enabled (transformers' forward outside no_grad) hands its linears
+    rows that require grad: on an AVX2 CPU oneDNN then ran a training kernel with other bits
+    than the inference kernel the engine's rows and the row-invariance probe get."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(shape))
+    packed = cpu_linear.PackedWeights()
+    rows = torch.randn(35, shape[1])
+    plain = invariant_linear(rows, weight, packed=packed)
+    assert torch.equal(invariant_linear(rows.clone().requires_grad_(), weight, packed=packed), plain)
+    assert torch.equal(invariant_linear(rows.clone().requires_grad_(), weight), plain)
+
+
 @pytest.mark.parametrize("shape", [(49152, 576), (576, 576)], ids=lambda s: "%dx%d" % s)
 def test_the_weight_first_form_of_the_lm_head_is_row_invariant_too(shape):
     torch.manual_seed(0)

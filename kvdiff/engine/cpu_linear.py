@@ -107,7 +107,10 @@ _CHECK = SmallRowsCheck()
 
 def onednn_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`rows @ weight.T` through oneDNN's inner product, a single row padded to two (one row
-    alone gets other bits); `weight` as it is or packed (`PackedWeights`), with the same bits."""
+    alone gets other bits); `weight` as it is or packed (`PackedWeights`), with the same bits.
+    Always an inference call: rows that require grad make it a training call, which on an AVX2
+    CPU (AMD EPYC) runs another kernel with other bits than the one `OneDnnCheck` probed."""
+    rows = rows.detach()
     return torch.ops.mkldnn._linear_pointwise(pad_rows(rows, 2) if rows.shape[0] == 1 else rows, weight, None,
                                               "none", [], "")[:rows.shape[0]]
 
