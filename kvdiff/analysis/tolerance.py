@@ -9,9 +9,13 @@ differently. Scaling by the row's largest magnitude keeps the tolerance meaningf
 
 torch.testing's float32 rtol (1.3e-6, ~11 ulps) is meant for one operation. Measured on
 SmolLM2-135M in float32 (one-token decode vs batched prefill of the same 32 tokens), reordered
-reductions reach 4.5e-6 of the row scale after 30 layers and the element-wise check fails 31 of
-32 rows, so the float32 default rtol is 1.3e-5. bfloat16 and float16 keep torch.testing's values:
-their rounding step (2^-8, 2^-11) dwarfs accumulation-order effects.
+reductions reach 4.5e-6 of the row scale after 30 layers on an AVX-512 CPU, and the element-wise
+check fails 31 of 32 rows. On an AVX2 CPU (AMD EPYC, MKL), `prefix` in fast numerics on the
+seeds' conversation reaches 2.6e-5 (the BOS row's MLP output at layer 10), so the float32
+default rtol is 1e-4: about 4x the largest reordering noise measured, while a real divergence
+(another position, missing context) moves rows by a good part of their scale. bfloat16 and
+float16 keep torch.testing's values: their rounding step (2^-8, 2^-11) dwarfs
+accumulation-order effects.
 """
 
 from __future__ import annotations
@@ -54,9 +58,9 @@ class Tolerance:
         return self.atol + self.rtol * scale
 
 
-# torch.testing.assert_close defaults per dtype (float32's rtol widened 10x, see above).
+# torch.testing.assert_close defaults per dtype (float32's rtol widened, see above).
 DTYPE_DEFAULTS: dict[str, Tolerance] = {
-    "float32": Tolerance(atol=1e-5, rtol=1.3e-5),
+    "float32": Tolerance(atol=1e-5, rtol=1e-4),
     "bfloat16": Tolerance(atol=1e-5, rtol=1.6e-2),
     "float16": Tolerance(atol=1e-5, rtol=1e-3),
 }
