@@ -50,7 +50,7 @@ def main() -> None:
     cold = eng.generate([conv(SYSTEM_2K, "What is the capital of France?")], max_new_tokens=1)[0]
     warm = eng.generate([conv(SYSTEM_2K, "Name a colour.")], max_new_tokens=1)[0]
     rows.append(("TTFT, cached %d-token system chunk vs no reuse" % n_sys, cold.stats.ttft_s, warm.stats.ttft_s,
-                 cold.stats.ttft_s / warm.stats.ttft_s, ">= 20x"))
+                 cold.stats.ttft_s / warm.stats.ttft_s, ">= 60x"))
 
     # 2. Decode tokens/s vs transformers generate, batch 1.
     msgs = conv("You are a helpful assistant.", "Write a long story about a dragon.")
@@ -65,7 +65,7 @@ def main() -> None:
         n = out.stats.generated_tokens
         eng_tps = max(eng_tps, (n - 1) / (out.stats.total_s - out.stats.ttft_s))
     rows.append(("decode tokens/s vs transformers generate (batch 1, %d tokens)" % n, hf_tps, eng_tps,
-                 eng_tps / hf_tps, ">= 1.0x"))
+                 eng_tps / hf_tps, ">= 1.5x"))
 
     # 3. 16 requests sharing one system chunk vs 16 sequential generate calls.
     shared = " ".join(f"Guideline {i}: be accurate and kind." for i in range(60))
@@ -74,7 +74,7 @@ def main() -> None:
     eng = Engine(model, tok, strategy="prefix")
     batch_s, _ = timed(lambda: eng.generate(convs, max_new_tokens=16))
     rows.append(("16 requests sharing a system chunk vs 16 sequential generate", seq_s, batch_s,
-                 seq_s / batch_s, ">= 4x"))
+                 seq_s / batch_s, ">= 10x"))
 
     # 4. exact vs fast numerics on the same request: one engine a side, as a server keeps one (a new
     # engine hashes the weights, ~0.2 s on both sides), strategy none so that each run computes
