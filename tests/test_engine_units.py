@@ -570,3 +570,26 @@ def test_probe_protocol_blend_traces_the_recomputed_tokens_as_computed(tiny_llam
     assert set(recomputed) <= set(final["positions"])
     reads = next(b for b in sink.brackets if b["reads_only"])
     assert reads["positions"] == [p for p in cached if p not in recomputed]   # the selection pass itself is scratch
+
+
+def test_the_reference_path_hands_the_cache_under_the_name_the_forward_takes(tiny_llama):
+    """transformers 5.2x renamed `past_key_values` to `cache` and warns on stderr for the old name
+    (a line in every CLI run); 5.17-5.19 know only the old one."""
+    import warnings
+
+    from kvdiff.engine.reference import cache_keyword
+
+    class New:
+        def forward(self, input_ids, cache=None, use_cache=None):
+            pass
+
+    class Old:
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            pass
+
+    assert (cache_keyword(New), cache_keyword(Old)) == ("cache", "past_key_values")
+    model, tok = tiny_llama
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = reference_generate(model, tok, [{"role": "user", "content": "Hi"}], 3)
+    assert len(out.token_ids) >= 1

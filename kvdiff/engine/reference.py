@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,14 @@ def stop_token_ids(model, tokenizer) -> set[int]:
     return stops
 
 
+@functools.lru_cache(maxsize=None)
+def cache_keyword(model_class: type) -> str:
+    """The name under which `model_class`'s forward takes its KV cache: `cache` from transformers
+    5.2x on (which warns on stderr, once a process, for the older `past_key_values`), else
+    `past_key_values` (transformers 5.17-5.19, as the GPU machines and vLLM's pin have it)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def reference_generate(model, tokenizer, messages: Messages, max_new_tokens: int = 32,
                        sink: ProbeSink | None = None) -> ReferenceOutput:
@@ -51,6 +61,7 @@ def reference_generate(model, tokenizer, messages: Messages, max_new_tokens: int
     # a sliding window); sliding-window layers still mask them out. Exact numerics align key tiles
     # to position 0, as the engine does, which a cache holding only the window's keys would shift.
     cache = DynamicCache()
+    cache_arg = cache_keyword(type(model))
     step_input = torch.tensor([input_ids], device=model.device)
     start = 0
     generated: list[int] = []
@@ -58,7 +69,7 @@ def reference_generate(model, tokenizer, messages: Messages, max_new_tokens: int
         positions = range(start, start + step_input.shape[1])
         if sink is not None:
             sink.begin_forward(positions)
-        logits = model(input_ids=step_input, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=step_input, use_cache=True, **{cache_arg: cache}).logits
         token = int(logits[0, -1].argmax())
         if sink is not None:
             sink.end_forward()
