@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from kvdiff.engine.chunks import split_conversation
 from kvdiff.engine.kv_cache import BlockPool, BlockTable, OutOfBlocks
 from kvdiff.engine.numerics import CPU_ROW_TILE, exact_attention, exact_numerics, invariant_linear
 from kvdiff.engine.paged_decode import PagedDecode
-from kvdiff.engine.reference import reference_generate
+from kvdiff.engine.reference import cache_keyword, reference_generate
 from kvdiff.conversation import render_prompt_ids
 from kvdiff.engine.registry import ChunkRegistry
 from kvdiff.trace.fingerprint import model_fingerprint
@@ -575,10 +576,6 @@ def test_probe_protocol_blend_traces_the_recomputed_tokens_as_computed(tiny_llam
 def test_the_reference_path_hands_the_cache_under_the_name_the_forward_takes(tiny_llama):
     """transformers 5.2x renamed `past_key_values` to `cache` and warns on stderr for the old name
     (a line in every CLI run); 5.17-5.19 know only the old one."""
-    import warnings
-
-    from kvdiff.engine.reference import cache_keyword
-
     class New:
         def forward(self, input_ids, cache=None, use_cache=None):
             pass
