@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -146,3 +148,16 @@ def test_packed_weights_follow_their_weight_keep_its_bits_and_stop_at_their_budg
     full.of(weight)
     other = torch.randn(96, 576)
     assert full.of(other) is other          # past the budget: the weight as it is
+
+
+@pytest.mark.skipif(not cpu_linear.ONEDNN, reason="this torch has no oneDNN inner product")
+def test_a_packed_copy_is_dropped_with_its_weight():
+    """The process's store (`PACKED`) keys copies by the weight's id: a dead weight's copy must go
+    before its id can name another tensor, and give its bytes back to the budget."""
+    store = cpu_linear.PackedWeights()
+    weight = torch.randn(96, 576)
+    store.of(weight)
+    assert store._bytes == 96 * 576 * 4
+    del weight
+    gc.collect()
+    assert store._bytes == 0 and not store._packed

@@ -24,6 +24,7 @@ alone for that weight if any bit differs.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -119,13 +120,13 @@ PACKED_BYTES = 1 << 30      # the most weight bytes one PackedWeights holds pack
 
 
 class PackedWeights:
-    """oneDNN's packed copies of the weights of one set of linear forwards (an engine's, or one
-    run's of the reference), up to PACKED_BYTES: a decode step then reads each weight once,
-    where oneDNN packs an unpacked weight at every call (a step's linears 1.5x slower). A copy is
-    made at a weight's first call and again when the weight is another tensor or was written in
-    place since (its version; a write through `.data` leaves none, and an engine assumes fixed
-    weights for its life, as its chunk cache does); bits are the unpacked weight's (`OneDnnCheck`
-    probes both)."""
+    """oneDNN's packed copies of weights, up to PACKED_BYTES: a linear then reads its weight as it
+    is, where oneDNN packs an unpacked weight at every call (a decode step's linears 1.5x slower,
+    a few-row prefill's 1.2-1.3x). A copy is made at a weight's first call and again when the
+    weight is another tensor or was written in place since (its version; a write through `.data`
+    leaves none, and an engine assumes fixed weights for its life, as its chunk cache does), and
+    dropped with its weight; bits are the unpacked weight's (`OneDnnCheck` probes both).
+    `PACKED` is the process's: every engine and reference run of a model share its copies."""
 
     def __init__(self) -> None:
         self._packed: dict[int, tuple[tuple, torch.Tensor]] = {}
@@ -142,9 +143,18 @@ class PackedWeights:
             if self._bytes + size > PACKED_BYTES:
                 return weight
             self._bytes += size
+            # before its id can name another tensor
+            weakref.finalize(weight, self._drop, id(weight), size)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 2)
         self._packed[id(weight)] = (key, packed)
         return packed
+
+    def _drop(self, weight_id: int, size: int) -> None:
+        self._packed.pop(weight_id, None)
+        self._bytes -= size
+
+
+PACKED = PackedWeights()
 
 
 # (first row, rows) of the probe's calls, against all PROBE_ROWS rows in one call

@@ -31,7 +31,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from kvdiff.engine.cpu_linear import ROW_TILE as CPU_ROW_TILE, PackedWeights, cpu_invariant_matmul, pad_rows
+from kvdiff.engine.cpu_linear import PACKED, ROW_TILE as CPU_ROW_TILE, PackedWeights, cpu_invariant_matmul, pad_rows
 from kvdiff.engine.row_tiles import row_tiles
 from kvdiff.errors import KvdiffError
 
@@ -218,10 +218,9 @@ def patched_forwards(model: nn.Module) -> list[tuple[nn.Module, object]]:
 
     out: list[tuple[nn.Module, object]] = moe_forwards(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    packed = PackedWeights()        # as long as the forwards are kept: an engine's life, or one run
     for m in model.modules():
         if isinstance(m, nn.Linear):
-            out.append((m, _linear_forward(m, m is head, packed)))
+            out.append((m, _linear_forward(m, m is head, PACKED)))
         elif is_llama_rms_norm(m) and m.weight.is_cuda:
             out.append((m, rms_norm_forward(m)))
     return out

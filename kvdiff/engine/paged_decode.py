@@ -12,6 +12,7 @@ once and attended by all rows together, then merged with each row's own keys (a 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ class PagedDecode:
     shared: int = 0          # the first `shared` slots are every row's (0: fewer than MIN_SHARED, or one row)
     exact: bool = False      # exact numerics on CUDA: the table holds every key by position, cut by `window`
     window: int | None = None
+    ragged: bool = True      # some row has fewer keys than the table's width (False: each row sees its whole row)
 
     @classmethod
     def build(cls, key_slots: list[np.ndarray], device: torch.device, exact: bool = False,
@@ -49,14 +51,14 @@ class PagedDecode:
             packed[i, 2:2 + slots.shape[0]] = slots
         on_device = torch.from_numpy(packed).to(device)
         return cls(on_device[:, 2:], on_device[:, 0], on_device[:, 1], 0 if exact else _shared_head(key_slots),
-                   exact, window)
+                   exact, window, any(slots.shape[0] != width for slots in key_slots))
 
     def to(self, device: torch.device) -> "PagedDecode":
         """The table on another device (a model split across GPUs)."""
         if self.table.device == device:
             return self
         return PagedDecode(self.table.to(device), self.lengths.to(device), self.new_slots.to(device), self.shared,
-                           self.exact, self.window)
+                           self.exact, self.window, self.ragged)
 
     def attend(self, pool: BlockPool, layer: int, q: torch.Tensor, scale: float,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,14 +94,24 @@ class PagedDecode:
         o, lse = merge_states(o_shared[0], lse_shared[0], o_own[:, 0], lse_own[:, 0])
         return (o if sinks is None else with_sinks(o, lse, sinks)).to(q.dtype)
 
-    def _gathered(self, pool: BlockPool, layer: int, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each row's keys and values from table column `first` on, (G, width - first, KVH, D),
-        and which of them it sees (G, 1, width - first): those within its length."""
+    def _gathered(self, pool: BlockPool, layer: int, first: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor | None]:
+        """Each row's keys and values from table column `first` (0, or `shared`) on, (G, width - first,
+        KVH, D), and which of them it sees (`own_visible`)."""
         G, width = self.table.shape
         k, v = pool.read(layer, self.table[:, first:].reshape(-1))
         k, v = k.view(G, width - first, *k.shape[1:]), v.view(G, width - first, *v.shape[1:])
-        visible = torch.arange(width - first, device=self.table.device) < (self.lengths - first).unsqueeze(1)
-        return k, v, visible.unsqueeze(1)
+        return k, v, self.own_visible
+
+    @functools.cached_property
+    def own_visible(self) -> torch.Tensor | None:
+        """Which of its keys from table column `shared` on each row sees, (G, 1, width - shared): those
+        within its length; None where every row sees all of them. Made once a forward, not a layer."""
+        if not self.ragged:
+            return None
+        first = self.shared
+        visible = torch.arange(self.table.shape[1] - first, device=self.table.device) < (self.lengths - first).unsqueeze(1)
+        return visible.unsqueeze(1)
 
 
 def _shared_head(key_slots: list[np.ndarray]) -> int:
