@@ -263,6 +263,41 @@ def test_a_decode_step_breaking_the_layout_is_checked_capture_by_capture(tiny_ll
         assert np.array_equal(tr.layer(0)["resid_post"][:, 0], -np.arange(7.0))
 
 
+def test_a_layout_found_complete_in_one_trace_does_not_excuse_a_later_trace_missing_a_capture(tiny_llama, tmp_path):
+    hidden = tiny_llama[0].config.hidden_size
+    rows = torch.ones(1, hidden)
+    with torch.no_grad():
+        first = _resid_recorder(tiny_llama, tmp_path / "t.h5")
+        _step(first, 0, [("resid_pre", 0, rows), ("resid_post", 0, rows)])
+        first.finish([], "x")
+        again = _resid_recorder(tiny_llama, tmp_path / "u.h5")      # the same selection: the layout is known
+        _step(again, 0, [("resid_pre", 0, rows), ("resid_post", 0, rows)])
+        again.finish([], "x")
+        short = _resid_recorder(tiny_llama, tmp_path / "v.h5")
+        with pytest.raises(ProbeIntegrityError, match="probe 'resid_post' did not fire at layer 0"):
+            _step(short, 0, [("resid_pre", 0, rows)])
+    assert not (tmp_path / "v.h5").exists()
+
+
+def test_model_dims_follow_a_module_replaced_or_rescaled_between_traces():
+    import copy
+
+    from kvdiff.engine.tiny import build_tiny_model
+
+    model, _ = build_tiny_model("tiny-llama", num_layers=2)
+    attention = model.model.layers[0].self_attn
+    assert model_dims(model).attn_scale == attention.scaling
+    attention.scaling = 0.5                               # an attribute changed in place
+    assert model_dims(model).attn_scale == 0.5
+    replaced = copy.deepcopy(attention)
+    replaced.scaling = 0.25
+    model.model.layers[0].self_attn = replaced            # a module replaced
+    assert model_dims(model).attn_scale == 0.25
+    del replaced.scaling, replaced.layer_idx                # no longer an attention module: the next one is
+    model.model.layers[0].self_attn = copy.deepcopy(replaced)
+    assert model_dims(model).attn_scale == model.model.layers[1].self_attn.scaling
+
+
 @pytest.mark.parametrize("layout", ["repeated", "broken"])
 def test_rows_changed_in_place_during_a_logged_decode_step_drop_the_trace(tiny_llama, tmp_path, layout):
     hidden = tiny_llama[0].config.hidden_size

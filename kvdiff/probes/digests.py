@@ -110,7 +110,8 @@ class DigestTaker:
         """Digest `rows` (one row per position, any trailing shape) of `point` at `layer`; every
         capture of a forward is at the same positions."""
         self._positions = positions
-        rows = rows.reshape(positions.size, -1)
+        if rows.dim() != 2 or rows.shape[0] != positions.size:     # a reshape costs a few us; a forward has hundreds
+            rows = rows.reshape(positions.size, -1)
         taken = self._taken.setdefault((layer, digest_table_of(point)), {})
         if rows.numel() >= HASH_AT_ONCE_ELEMENTS:
             staged = self._batch.stage(rows) if rows.device.type in STAGED_DEVICES else None

@@ -70,6 +70,32 @@ def _repeat_of(reads_only: bool, fired: list[tuple[str, int | None]], staged: St
     return _Repeat(reads_only, fired, staged, owners, digested, [sizes(owners[i]) for i in digested])
 
 
+@dataclass(frozen=True)
+class _Learned:
+    """What holds for every trace of one selection of one model's dims, learned by the first and
+    kept for the next (a short request's trace paid ~1 ms for each again): where each (point,
+    layer) goes (`TraceRecorder._resolve`), and the forwards' (reads only, fired) found complete."""
+
+    targets: dict[tuple[str, int | None], _Target | None]
+    complete: set[tuple[bool, tuple[tuple[str, int | None], ...]]]
+
+
+LEARNED_SELECTIONS = 8      # the selections whose _Learned are kept (a compare run uses two or three)
+LEARNED_LAYOUTS = 64        # the complete layouts kept a selection (a run has a few: prompt, reads, steps)
+_learned: dict[tuple, _Learned] = {}
+
+
+def _learned_for(selection: Selection, digested: Selection | None, dims: ModelDims) -> _Learned:
+    """The _Learned of (`selection`, `digested`, `dims`), all values: the same for any recorder of them."""
+    key = (selection, digested, dims)
+    found = _learned.get(key)
+    if found is None:
+        if len(_learned) >= LEARNED_SELECTIONS:
+            _learned.pop(next(iter(_learned)), None)
+        found = _learned[key] = _Learned({}, set())
+    return found
+
+
 class TraceRecorder:
     """Implements ProbeSink: selected captures go to `writer` as they arrive.
 
@@ -100,7 +126,8 @@ class TraceRecorder:
         self._computed_positions: set[int] = set()     # recorded in forwards that computed them
         self._fired: list[tuple[str, int | None]] = []      # what fired in this forward, in order
         self._checked: tuple[bool, list] | None = None     # (reads only, fired) of the last forward found complete
-        self._targets: dict[tuple[str, int | None], _Target | None] = {}
+        self._learned = _learned_for(selection, digested, dims)
+        self._targets = self._learned.targets
         self._kept_for: Sequence[int] | None = None
         self._kept_cache: tuple[np.ndarray, np.ndarray | None] = (np.zeros(0, np.int64), None)
         self._repeat: _Repeat | None = None
@@ -426,7 +453,12 @@ class TraceRecorder:
         self.writer.commit()
 
     def _check_fired(self) -> None:
-        """Every declared (point, layer) and selected norm's statistics fired exactly once."""
+        """Every declared (point, layer) and selected norm's statistics fired exactly once (known
+        for a layout an earlier trace of the same selection found complete)."""
+        layout = (self._reads_only, tuple(self._fired))
+        if layout in self._learned.complete:
+            self._checked = (self._reads_only, self._fired)
+            return
         where = format_ranges(self._positions)
         fired = Counter(self._fired)
         for point, layer in self._declared.declared():
@@ -444,6 +476,9 @@ class TraceRecorder:
                     raise ProbeIntegrityError(f"{what} {point!r} fired {count} times at layer {layer} in one forward "
                                               f"over positions {where}: a module is called more than once")
         self._checked = (self._reads_only, self._fired)
+        if len(self._learned.complete) >= LEARNED_LAYOUTS:
+            self._learned.complete.clear()
+        self._learned.complete.add(layout)
 
     # -- finishing ---------------------------------------------------------------------------
 

@@ -161,7 +161,8 @@ class DigestBatch:
 
     def add(self, rows: torch.Tensor) -> int:
         """Keep `rows` (T, ...) until `digests()`; returns its index there."""
-        self._rows.append(rows.detach().reshape(rows.shape[0], -1))
+        rows = rows.detach()
+        self._rows.append(rows if rows.dim() == 2 else rows.reshape(rows.shape[0], -1))
         return len(self._rows) - 1
 
     def stage(self, rows: torch.Tensor) -> int | None:
