@@ -126,3 +126,28 @@ def test_a_long_prompt_among_short_ones_is_planned_alone_with_the_same_tokens(ti
     assert long_rows > 300
     widths = sorted(b.width for b in prefill.buckets)
     assert widths[-1] == long_rows and [b.groups for b in prefill.buckets if b.width == long_rows] == [1]
+
+
+def test_a_hit_on_a_long_cached_chunk_reads_it_in_place_with_the_tokens_of_no_reuse(tiny_llama, monkeypatch):
+    """On the CPU one request's new turn attends to a cached chunk of ONE_GROUP_CASCADE_KEYS keys
+    or more apart (no mask, the chunk's consecutive slots read as views of the pool), and its
+    decode steps read their own consecutive slots in place: the tokens stay those of no reuse."""
+    model, tok = tiny_llama
+    system = " ".join(f"Rule {i}: answer briefly and politely." for i in range(24))
+    turn = [{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]
+    want = Engine(model, tok, strategy="none").generate([turn], max_new_tokens=6)[0].token_ids
+    engine = Engine(model, tok, strategy="prefix")
+    engine.generate([[turn[0], {"role": "user", "content": "Hi"}]], max_new_tokens=1)
+    plans, build = [], CascadePlan.build
+
+    def spy(spans, keys, device):
+        plans.append(build(spans, keys, device))
+        return plans[-1]
+
+    monkeypatch.setattr(attention_plan.CascadePlan, "build", staticmethod(spy))
+    hit = engine.generate([turn], max_new_tokens=6)[0]
+    assert hit.stats.reused_tokens >= attention_plan.ONE_GROUP_CASCADE_KEYS
+    assert hit.token_ids == want
+    (part,) = plans[0].shared
+    assert isinstance(part.slots, slice) and part.visible is None
+    assert part.slots.stop - part.slots.start == hit.stats.reused_tokens

@@ -27,6 +27,9 @@ from kvdiff.engine.numerics import KEY_TILE, exact_attention
 from kvdiff.engine.paged_decode import PagedDecode
 
 
+ONE_GROUP_CASCADE_KEYS = 512     # a shared first segment this long is worth a cascade for one group
+
+
 @dataclass
 class KeySet:
     """A group's key slots and visibility under one window, prepared once per forward."""
@@ -62,7 +65,11 @@ def key_sets(groups: list, window: int | None, exact: bool, device: torch.device
             visible &= kpos.unsqueeze(0) > qpos.unsqueeze(1) - window
         whole, head = segments[0][0] == g.segments[0].start, g.segments[0]
         key = head.shared_key if whole else None     # a cut first segment is no longer the shared one
-        cascade = not exact and key is not None and first_shared[key] > 1
+        # one group alone attends to a long cached first segment apart on the CPU too: no mask
+        # over its keys (all earlier than every row), read in place (cascade.SharedPart)
+        alone = (device.type == "cpu" and min(g.positions) >= head.end
+                 and int(head.slots.shape[0]) >= ONE_GROUP_CASCADE_KEYS)
+        cascade = not exact and key is not None and (first_shared[key] > 1 or alone)
         kfirst = segments[0][0]
         sees_all = (min(g.positions) >= g.segments[-1].end - 1 and g.lo <= kfirst
                     and (window is None or max(g.positions) - window < kfirst))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiff.engine.kv_cache import BlockPool
+from kvdiff.engine.kv_cache import BlockPool, slot_run
 from kvdiff.engine.partial_attention import merge_states, partial_attention, single_attention, with_sinks
 
 PAD_SLACK = 1 << 16      # padded score cells (rows x keys) a bucket may hold whatever its own
@@ -47,9 +47,9 @@ def plan_buckets(rows: list[int], keys: list[int]) -> list[list[int]]:
 class SharedPart:
     """Rows of the groups that share one first segment, and that segment's keys."""
 
-    slots: torch.Tensor           # (S,) the shared segment's slots
+    slots: torch.Tensor | slice   # (S,) the shared segment's slots, or their run (kv_cache.slot_run)
     q_rows: torch.Tensor          # (R,) rows of q (in forward order) of the member groups
-    visible: torch.Tensor         # (1, R, S) bool
+    visible: torch.Tensor | None  # (1, R, S) bool; None: every row sees every key of the segment
 
 
 @dataclass
@@ -149,10 +149,15 @@ class CascadePlan:
         for key in dict.fromkeys(kk.shared for kk in keys if kk.shared):
             group = [i for i, kk in enumerate(keys) if kk.shared == key]
             first = keys[group[0]]
+            slots = first.slots[: first.shared_len].to(device)
+            visible = torch.cat([keys[i].visible[:, : first.shared_len] for i in group]).unsqueeze(0).to(device)
+            if device.type == "cpu" and bool(visible.all()):      # (no device read-back elsewhere)
+                visible = None
+            run = slot_run(slots)
             shared.append(SharedPart(
-                slots=first.slots[: first.shared_len].to(device),
+                slots=slots if run is None else run,
                 q_rows=torch.cat([torch.arange(spans[i].start, spans[i].stop, device=device) for i in group]),
-                visible=torch.cat([keys[i].visible[:, : first.shared_len] for i in group]).unsqueeze(0).to(device),
+                visible=visible,
             ))
         return cls(buckets, shared)
 
@@ -161,7 +166,8 @@ class CascadePlan:
         if self.buckets[0].slots.device == device:
             return self
         return CascadePlan([b.to(device) for b in self.buckets],
-                           [SharedPart(p.slots.to(device), p.q_rows.to(device), p.visible.to(device))
+                           [SharedPart(p.slots if isinstance(p.slots, slice) else p.slots.to(device),
+                                       p.q_rows.to(device), None if p.visible is None else p.visible.to(device))
                             for p in self.shared])
 
     def attend(self, pool: BlockPool, layer: int, q: torch.Tensor, scale: float,

@@ -94,14 +94,31 @@ class BlockPool:
         pool_k.index_copy_(0, _like(slots, pool_k.device), _like(k, pool_k.device, pool_k.dtype))
         pool_v.index_copy_(0, _like(slots, pool_v.device), _like(v, pool_v.device, pool_v.dtype))
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, slots: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows at `slots` as attention reads them, on the layer's device."""
         return self.rows(layer, slots)
 
-    def rows(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The two rows the cache holds at `slots` (here K and V), on the layer's device."""
+    def rows(self, layer: int, slots: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two rows the cache holds at `slots` (here K and V), on the layer's device; a slice
+        of consecutive slots (`slot_run`) reads them as views of the pool, without a copy."""
+        if isinstance(slots, slice):
+            return self.k[layer][slots], self.v[layer][slots]
         slots = _like(slots, self.k[layer].device)
         return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+
+
+def slot_run(slots: torch.Tensor | np.ndarray) -> slice | None:
+    """`slots` as a slice where they are consecutive and on the host (a CPU tensor or an array),
+    else None: on the CPU a cached chunk's keys are then read in place, not gathered each layer
+    (2,445 keys of the default model: ~0.25 ms a layer). A device's slots are not read back."""
+    if isinstance(slots, torch.Tensor):
+        if slots.device.type != "cpu":
+            return None
+        slots = slots.numpy()
+    n = slots.shape[0]
+    if n and slots[-1] - slots[0] == n - 1 and (n == 1 or bool((np.diff(slots) == 1).all())):
+        return slice(int(slots[0]), int(slots[-1]) + 1)
+    return None
 
 
 def _like(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

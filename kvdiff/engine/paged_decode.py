@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvdiff.engine.partial_attention import merge_states, partial_attention, single_attention, with_sinks
-from kvdiff.engine.kv_cache import BlockPool
+from kvdiff.engine.kv_cache import BlockPool, slot_run
 
 MIN_SHARED = 32     # shared keys worth a cascade on the host
 
@@ -35,6 +35,7 @@ class PagedDecode:
     exact: bool = False      # exact numerics on CUDA: the table holds every key by position, cut by `window`
     window: int | None = None
     ragged: bool = True      # some row has fewer keys than the table's width (False: each row sees its whole row)
+    run: slice | None = None  # one row whose keys are consecutive slots (kv_cache.slot_run): read in place
 
     @classmethod
     def build(cls, key_slots: list[np.ndarray], device: torch.device, exact: bool = False,
@@ -51,14 +52,15 @@ class PagedDecode:
             packed[i, 2:2 + slots.shape[0]] = slots
         on_device = torch.from_numpy(packed).to(device)
         return cls(on_device[:, 2:], on_device[:, 0], on_device[:, 1], 0 if exact else _shared_head(key_slots),
-                   exact, window, any(slots.shape[0] != width for slots in key_slots))
+                   exact, window, any(slots.shape[0] != width for slots in key_slots),
+                   slot_run(key_slots[0]) if G == 1 and not exact else None)
 
     def to(self, device: torch.device) -> "PagedDecode":
         """The table on another device (a model split across GPUs)."""
         if self.table.device == device:
             return self
         return PagedDecode(self.table.to(device), self.lengths.to(device), self.new_slots.to(device), self.shared,
-                           self.exact, self.window, self.ragged)
+                           self.exact, self.window, self.ragged, self.run)
 
     def attend(self, pool: BlockPool, layer: int, q: torch.Tensor, scale: float,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -99,7 +101,10 @@ class PagedDecode:
         """Each row's keys and values from table column `first` (0, or `shared`) on, (G, width - first,
         KVH, D), and which of them it sees (`own_visible`)."""
         G, width = self.table.shape
-        k, v = pool.read(layer, self.table[:, first:].reshape(-1))
+        if self.run is not None and first == 0:
+            k, v = pool.read(layer, self.run)
+        else:
+            k, v = pool.read(layer, self.table[:, first:].reshape(-1))
         k, v = k.view(G, width - first, *k.shape[1:]), v.view(G, width - first, *v.shape[1:])
         return k, v, self.own_visible
 
