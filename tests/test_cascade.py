@@ -151,3 +151,27 @@ def test_a_hit_on_a_long_cached_chunk_reads_it_in_place_with_the_tokens_of_no_re
     (part,) = plans[0].shared
     assert isinstance(part.slots, slice) and part.visible is None
     assert part.slots.stop - part.slots.start == hit.stats.reused_tokens
+
+
+def test_a_causal_group_attends_with_sdpas_causal_mask_as_with_its_own(tiny_llama, monkeypatch):
+    """A group whose rows are its keys (a cold prompt) is planned causal: SDPA's causal mask (flash
+    attention on a GPU) gives what its visibility mask gives; the engine's cold prompt takes it."""
+    pool, spans, keys = _pool_and_keys([300], 0)
+    (masked,) = keys
+    causal = KeySet(masked.slots, masked.visible, None, 0, False, causal=True)
+    q = torch.randn(300, H, D)
+    want = CascadePlan.build(spans, [masked], torch.device("cpu")).attend(pool, 0, q, 0.3)
+    plan = CascadePlan.build(spans, [causal], torch.device("cpu"))
+    assert plan.buckets[0].causal
+    torch.testing.assert_close(plan.attend(pool, 0, q, 0.3), want, rtol=1e-5, atol=1e-6)
+
+    model, tok = tiny_llama
+    plans, build = [], CascadePlan.build
+
+    def spy(spans, keys, device):
+        plans.append(build(spans, keys, device))
+        return plans[-1]
+
+    monkeypatch.setattr(attention_plan.CascadePlan, "build", staticmethod(spy))
+    Engine(model, tok, strategy="none").generate([[{"role": "user", "content": "Name a colour."}]], max_new_tokens=1)
+    assert plans[0].buckets[0].causal

@@ -39,6 +39,7 @@ class KeySet:
     shared: str | None            # key of a first segment shared with another group in this forward
     shared_len: int
     sees_all: bool                # every row sees every key (decode): attention needs no mask
+    causal: bool = False          # as many rows as keys, row i at key i's position: it sees keys 0..i
 
 
 def key_sets(groups: list, window: int | None, exact: bool, device: torch.device) -> list[KeySet]:
@@ -73,8 +74,11 @@ def key_sets(groups: list, window: int | None, exact: bool, device: torch.device
         kfirst = segments[0][0]
         sees_all = (min(g.positions) >= g.segments[-1].end - 1 and g.lo <= kfirst
                     and (window is None or max(g.positions) - window < kfirst))
+        n_keys = g.segments[-1].end - kfirst
+        causal = (not cascade and g.lo <= kfirst and (window is None or window >= n_keys)
+                  and g.positions == list(range(kfirst, kfirst + n_keys)))
         out.append(KeySet(slots, visible, key if cascade else None,
-                          int(head.slots.shape[0]) if cascade else 0, sees_all))
+                          int(head.slots.shape[0]) if cascade else 0, sees_all, causal))
     return out
 
 

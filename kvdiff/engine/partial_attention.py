@@ -110,15 +110,16 @@ def with_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch
 
 
 def single_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
-                     scale: float) -> torch.Tensor:
-    """One-segment attention through SDPA (every row must see at least one key).
+                     scale: float, causal: bool = False) -> torch.Tensor:
+    """One-segment attention through SDPA (every row must see at least one key); `causal`
+    (with `visible` None): row i sees keys 0..i, for as many rows as keys.
 
     Shapes as in `partial_attention`; returns (B, T, H, D) in q's dtype.
     """
     mask = None if visible is None else visible.unsqueeze(1)
     if not q.is_cuda:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, scale=scale, enable_gqa=True)
+                                             attn_mask=mask, scale=scale, enable_gqa=True, is_causal=causal)
         return out.transpose(1, 2)
     # For a masked grouped-query call SDPA picks cuDNN on Hopper, which builds a plan for each new
     # (rows, keys) shape: 40-600 ms, paid by nearly every request of a new length. The fused
@@ -128,5 +129,5 @@ def single_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
         k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
     with sdpa_kernel(NO_PLAN_BACKENDS):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, scale=scale)
+                                             attn_mask=mask, scale=scale, is_causal=causal)
     return out.transpose(1, 2)
