@@ -167,6 +167,7 @@ class _Probes:
 
     def __init__(self, target: TransformersTarget, reqs: list[_Request]):
         self.t, self.reqs, self.error, self.handles, self.attn = target, reqs, None, [], None
+        self.cache_update = None          # the cache whose `update` is wrapped on the instance
         self.views: list[tuple[ProbeSink, slice, list[int]]] = []     # (sink, its rows, positions) this forward
         self.segments: list[tuple[_Request, int, list[int], bool]] = []
 
@@ -195,6 +196,8 @@ class _Probes:
 
         for handle in self.handles:
             handle.remove()
+        if self.cache_update is not None:
+            del self.cache_update.update
         if self.attn is not None and self.attn[1] is None:
             del ALL_ATTENTION_FUNCTIONS[self.attn[0]]
         elif self.attn is not None:
@@ -221,11 +224,27 @@ class _Probes:
         def attention(module, query, key_states, value, attention_mask, *args, **kwargs):
             if id(module) in ids and self.views:
                 self._capture("q", module.layer_idx, query.transpose(1, 2))
-                self._capture("k", module.layer_idx, key_states.transpose(1, 2))
             return inner(module, query, key_states, value, attention_mask, *args, **kwargs)
 
         self.attn = (key, ALL_ATTENTION_FUNCTIONS._local_mapping.get(key))
         ALL_ATTENTION_FUNCTIONS[key] = self._guard(attention)
+        self._wrap_cache_update()
+
+    def _wrap_cache_update(self) -> None:
+        """Wrap the paged cache's `update` (on the instance): k as the forward computed it, the new
+        rows only. The attention function cannot give it: from transformers 5.2x the attention
+        module updates the cache before calling it and hands it every key the rows read, cached
+        ones first (5.17-5.19 updated the cache inside it)."""
+        cache = self.t.cache
+        inner = cache.update
+
+        def update(key_states, value_states, layer_idx, *args, **kwargs):
+            if self.views:
+                self._capture("k", layer_idx, key_states.transpose(1, 2))
+            return inner(key_states, value_states, layer_idx, *args, **kwargs)
+
+        cache.update = self._guard(update)
+        self.cache_update = cache
 
     def _bind(self, state) -> _Request | None:
         """The run's request a RequestState is: by id once seen, first by its prompt."""
