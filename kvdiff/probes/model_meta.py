@@ -65,10 +65,7 @@ def _found_modules(model: torch.nn.Module) -> tuple:
     trace's set-up paid) once per model object, and remembered with its module tree: found again
     when a module was added, removed or replaced. The caller reads their attributes each time."""
     tree = _module_tree(model)
-    try:
-        known = _found_memo.get(model)
-    except TypeError:         # an unhashable model object: nothing remembered
-        known = None
+    known = _found_memo.get(model)
     if known is not None and _same_tree(known[0], tree):
         return tuple(None if i is None else tree[i] for i in known[1])
     attention = router = grouped = None
@@ -80,10 +77,7 @@ def _found_modules(model: torch.nn.Module) -> tuple:
         if grouped is None and _groups_experts(m):
             grouped = i
     found = (attention, router, grouped)
-    try:
-        _found_memo[model] = ([weakref.ref(m) for m in tree], found)
-    except TypeError:
-        pass
+    _found_memo[model] = ([weakref.ref(m) for m in tree], found)
     return tuple(None if i is None else tree[i] for i in found)
 
 

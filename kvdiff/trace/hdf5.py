@@ -15,16 +15,10 @@ _STRING = h5py.string_dtype()
 
 
 @functools.lru_cache(maxsize=None)
-def _numeric_type(dtype: np.dtype) -> h5py.h5t.TypeID:
-    """The HDF5 type h5py makes for a numeric or bool dtype, made once: ~15 us a call in Python,
-    and a trace's closing makes a few dozen attributes and datasets of a handful of dtypes."""
+def _hdf5_type(dtype: np.dtype) -> h5py.h5t.TypeID:
+    """The HDF5 type h5py makes for `dtype` (numeric, bool or `_STRING`), made once: ~15 us a call
+    in Python, and a trace's closing makes a few dozen attributes and datasets of a handful of dtypes."""
     return h5py.h5t.py_create(dtype, logical=True)
-
-
-@functools.lru_cache(maxsize=1)
-def _string_type() -> h5py.h5t.TypeID:
-    """The HDF5 type of a variable-length UTF-8 string (`_STRING`), made once."""
-    return h5py.h5t.py_create(_STRING, logical=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,7 +40,7 @@ def write_array(group: h5py.Group, name: str, data: np.ndarray) -> None:
     `group.create_dataset(name, data=data)` makes it."""
     data = np.ascontiguousarray(data)
     space = h5py.h5s.create_simple(data.shape)
-    dataset = h5py.h5d.create(group.id, name.encode(), _numeric_type(data.dtype), space,
+    dataset = h5py.h5d.create(group.id, name.encode(), _hdf5_type(data.dtype), space,
                               dcpl=_contiguous_layout())
     if data.size:
         dataset.write(h5py.h5s.ALL, h5py.h5s.ALL, data)
@@ -60,9 +54,9 @@ def set_attributes(obj: h5py.HLObject, values: dict[str, str | int | float | np.
         if h5py.h5a.exists(obj.id, key):
             h5py.h5a.delete(obj.id, key)
         if isinstance(value, str):
-            data, dtype = np.array(value, dtype=_STRING), _string_type()
+            data, dtype = np.array(value, dtype=_STRING), _hdf5_type(_STRING)
         else:
             data = np.asarray(value)
-            dtype = _numeric_type(data.dtype)
+            dtype = _hdf5_type(data.dtype)
         space = _scalar_space() if data.ndim == 0 else h5py.h5s.create_simple(data.shape)
         h5py.h5a.create(obj.id, key, dtype, space).write(data)
