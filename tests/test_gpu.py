@@ -67,8 +67,10 @@ def test_exact_operations_give_every_row_the_same_bits_whatever_rows_beside_it(d
     w = torch.randn(4 * hidden, hidden, device="cuda", dtype=dtype) * hidden ** -0.5
     norm = LlamaRMSNorm(hidden).to("cuda", dtype)
     attn, mm, normed = exact_attention(q, k, v, visible, 0.125), invariant_linear(x, w), gpu_kernels.rms_norm(x, norm.weight, 1e-6)
+    assert torch.equal(exact_attention(q, k, v, visible, 0.125, diagonal=0), attn)    # the mask computed, not read
     for a, b in SPLITS:
         assert torch.equal(exact_attention(q[a:b], k[:b], v[:b], visible[a:b, :b], 0.125), attn[a:b])
+        assert torch.equal(exact_attention(q[a:b], k[:b], v[:b], visible[a:b, :b], 0.125, diagonal=a), attn[a:b])
         assert torch.equal(invariant_linear(x[a:b], w), mm[a:b])
         assert torch.equal(gpu_kernels.rms_norm(x[a:b], norm.weight, 1e-6), normed[a:b])
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
@@ -79,9 +81,11 @@ def test_exact_operations_give_every_row_the_same_bits_whatever_rows_beside_it(d
     torch.testing.assert_close(attn.float(), dense, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (9, 3), (4, 4)])
 @pytest.mark.parametrize("window, with_sinks", [(None, False), (None, True), (300, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_exact_decode_rows_get_the_bits_of_the_prefill_whatever_their_segments(dtype, window, with_sinks):
+def test_exact_decode_rows_get_the_bits_of_the_prefill_whatever_their_segments(dtype, window, with_sinks, heads,
+                                                                               kv_heads):
     """The exact decode kernel (a row's 256-key segments side by side, merged afterwards) gives a
     row at any position the bits the prefill kernel gives it: rows at segment edges, one key
     into a segment, past several segments, in a batch of rows of different lengths."""

@@ -88,6 +88,26 @@ def _group(positions: list[int], length: int) -> RowGroup:
                     [Segment(0, slots, None)], key_slots=np.arange(length) if len(positions) == 1 else None)
 
 
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_a_key_sets_diagonal_is_its_visibility_where_it_is_given(window):
+    """`KeySet.diagonal` (exact CUDA attention computes the mask from it instead of reading it) is
+    given where row i sees exactly keys 0..i + diagonal: a cold prompt, a new turn after cached
+    keys, a decode row; not where a window or `lo` hides keys."""
+    cpu = torch.device("cpu")
+    cases = {"cold": (_group(list(range(0, 20)), 20), 0), "new turn": (_group(list(range(100, 140)), 140), 100),
+             "decode": (_group([30], 31), 30), "long turn": (_group(list(range(10, 140)), 140), 10)}
+    cases["lo"] = (_group(list(range(0, 20)), 20), None)
+    cases["lo"][0].lo = 5
+    for name, (group, want) in cases.items():
+        (keys,) = key_sets([group], window, True, cpu)
+        if window is not None and name in ("new turn", "long turn"):
+            want = None         # the window hides the first keys from the last rows
+        assert keys.diagonal == want, name
+        if keys.diagonal is not None:
+            rows, cols = torch.arange(keys.visible.shape[0])[:, None], torch.arange(keys.visible.shape[1])[None, :]
+            assert torch.equal(keys.visible, cols <= rows + keys.diagonal), name
+
+
 @pytest.mark.parametrize("exact", [False, True])
 def test_keys_out_of_every_rows_window_are_not_read(exact):
     prefill = _group(list(range(100, 140)), 140)

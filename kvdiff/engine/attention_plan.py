@@ -40,6 +40,7 @@ class KeySet:
     shared_len: int
     sees_all: bool                # every row sees every key (decode): attention needs no mask
     causal: bool = False          # as many rows as keys, row i at key i's position: it sees keys 0..i
+    diagonal: int | None = None   # row i sees exactly keys 0..i + diagonal (exact numerics' kernel needs no mask)
 
 
 def key_sets(groups: list, window: int | None, exact: bool, device: torch.device) -> list[KeySet]:
@@ -75,10 +76,14 @@ def key_sets(groups: list, window: int | None, exact: bool, device: torch.device
         sees_all = (min(g.positions) >= g.segments[-1].end - 1 and g.lo <= kfirst
                     and (window is None or max(g.positions) - window < kfirst))
         n_keys = g.segments[-1].end - kfirst
-        causal = (not cascade and g.lo <= kfirst and (window is None or window >= n_keys)
-                  and g.positions == list(range(kfirst, kfirst + n_keys)))
+        # rows at consecutive positions up to the last key, seeing every key up to their own
+        diagonal = None
+        if (g.lo <= kfirst and (window is None or window >= n_keys)
+                and g.positions == list(range(g.positions[0], kfirst + n_keys))):
+            diagonal = g.positions[0] - kfirst
+        causal = not cascade and diagonal == 0
         out.append(KeySet(slots, visible, key if cascade else None,
-                          int(head.slots.shape[0]) if cascade else 0, sees_all, causal))
+                          int(head.slots.shape[0]) if cascade else 0, sees_all, causal, diagonal))
     return out
 
 
@@ -137,6 +142,6 @@ class ForwardAttention:
         outs = []
         for span, kk in zip(self.spans, p.keys):
             k, v = pool.read(layer, kk.slots)
-            outs.append(exact_attention(q[span], k, v, kk.visible.to(q.device), scale, sinks))
+            outs.append(exact_attention(q[span], k, v, kk.visible.to(q.device), scale, sinks, kk.diagonal))
         return torch.cat(outs)
 

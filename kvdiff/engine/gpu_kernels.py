@@ -80,13 +80,13 @@ def merge_segment(m_i, l_i, acc, m_s, l_s, acc_s):
     return tl.where(saw, top, m_i), l_new, acc_new
 
 
-# Triton compiles a variant per integer argument divisible by 16; the row and key counts and
-# the mask's row stride vary from call to call, and a variant must never change a row's bits.
-@triton.jit(do_not_specialize=["T", "L", "svis_t"])
-def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, sink_ptr, o_ptr, T, L, scale,
+# Triton compiles a variant per integer argument divisible by 16; the row and key counts, the
+# diagonal and the mask's row stride vary from call to call, and a variant must never change a row's bits.
+@triton.jit(do_not_specialize=["T", "L", "diagonal", "svis_t"])
+def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, sink_ptr, o_ptr, T, L, diagonal, scale,
                       sq_t, sq_h, sk_l, sk_h, sv_l, sv_h, svis_t, so_t, so_h,
                       GROUPS: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, SEG: tl.constexpr):
+                      CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SEG: tl.constexpr):
     block, head = tl.program_id(0), tl.program_id(1)
     kv_head = head // GROUPS
     rows = block * BM + tl.arange(0, BM)
@@ -95,24 +95,32 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, sink_ptr, o_ptr, T, L, scale
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
-    for segment in range(0, L, SEG):
+    # CAUSAL: row i sees keys 0..i + diagonal, no mask is read, and the walk ends at the block's
+    # last visible key: the tiles and segments past it would leave every row's state as it is.
+    end = tl.minimum(L, block * BM + BM + diagonal) if CAUSAL else L
+    for segment in range(0, end, SEG):
         m_s = tl.full((BM,), float("-inf"), tl.float32)
         l_s = tl.zeros((BM,), tl.float32)
         acc_s = tl.zeros((BM, D), tl.float32)
-        for start in range(segment, segment + SEG, BN):
+        for start in range(segment, tl.minimum(segment + SEG, end), BN):
             cols = start + tl.arange(0, BN)
             in_keys = cols < L
-            vis = tl.load(vis_ptr + rows[:, None] * svis_t + cols[None, :],
-                          mask=(rows[:, None] < T) & in_keys[None, :], other=0)
-            # A tile no row of the block sees would leave every row's state as it is (the fully
-            # masked tile's no-op, which a row meets anyway past its last key): skipped, as the CPU
-            # path skips it; that is half the tiles of a causal prefill.
-            if tl.max(vis.to(tl.int32)) != 0:
+            if CAUSAL:
+                vis = (cols[None, :] <= rows[:, None] + diagonal) & in_keys[None, :] & (rows[:, None] < T)
+                seen = True
+            else:
+                vis = tl.load(vis_ptr + rows[:, None] * svis_t + cols[None, :],
+                              mask=(rows[:, None] < T) & in_keys[None, :], other=0) != 0
+                # A tile no row of the block sees would leave every row's state as it is (the fully
+                # masked tile's no-op, which a row meets anyway past its last key): skipped, as the
+                # CPU path skips it; that is half the tiles of a causal prefill.
+                seen = tl.max(vis.to(tl.int32)) != 0
+            if seen:
                 k = tl.load(k_ptr + cols[:, None] * sk_l + kv_head * sk_h + dims[None, :], mask=in_keys[:, None],
                             other=0.0)
                 v = tl.load(v_ptr + cols[:, None] * sv_l + kv_head * sv_h + dims[None, :], mask=in_keys[:, None],
                             other=0.0)
-                m_s, l_s, acc_s = online_softmax_tile(q, k, v, vis != 0, m_s, l_s, acc_s, scale, IEEE)
+                m_s, l_s, acc_s = online_softmax_tile(q, k, v, vis, m_s, l_s, acc_s, scale, IEEE)
         m_i, l_i, acc = merge_segment(m_i, l_i, acc, m_s, l_s, acc_s)
     sink = 0.0
     if HAS_SINKS:
@@ -123,23 +131,24 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, sink_ptr, o_ptr, T, L, scale
 
 
 # The exact kernel's walk for decode rows read through a slot table (a CUDA graph's step):
-# program (row, head, segment) holds the row as the first of a 64-row block, the other 63 empty,
-# exactly as `attention` holds a one-row call, and folds the segment's position-aligned key tiles
-# into a state of its own; _merge_segments_kernel then merges a row's segments in position order
-# as `attention` does, so the row gets the bits `attention` gives it, and a long context's
-# segments run side by side. Table column j holds the row's key at position j.
+# program (row, KV head, segment) holds the row's query heads of that KV head in the first lanes
+# of a 64-row block, the other lanes empty, as `attention` holds the rows of a prefill block (a
+# row's bits do not depend on its lane or on the rows beside it), and folds the segment's
+# position-aligned key tiles into a state of its own; _merge_segments_kernel then merges a row's
+# segments in position order as `attention` does, so the row gets the bits `attention` gives it,
+# and a long context's segments run side by side. Table column j holds the row's key at position j.
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale, window,
                             sq_n, sq_h, sk_s, sk_h, sv_s, sv_h, st_n, sl_n,
                             H: tl.constexpr, SEGMENTS: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr,
                             IEEE: tl.constexpr, WINDOWED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                             SEG: tl.constexpr):
-    row, head, segment = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    kv_head = head // GROUPS
+    row, kv_head, segment = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     lanes = tl.arange(0, BM)
+    alive = lanes < GROUPS
+    heads = kv_head * GROUPS + lanes
     dims = tl.arange(0, D)
-    q = tl.load(q_ptr + row * sq_n + lanes[:, None] * sq_n + head * sq_h + dims[None, :],
-                mask=lanes[:, None] < 1, other=0.0)
+    q = tl.load(q_ptr + row * sq_n + heads[:, None] * sq_h + dims[None, :], mask=alive[:, None], other=0.0)
     length = tl.load(len_ptr + row * sl_n)
     m_s = tl.full((BM,), float("-inf"), tl.float32)
     l_s = tl.zeros((BM,), tl.float32)
@@ -154,39 +163,41 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_pt
         slots = tl.load(table_ptr + row * st_n + cols, mask=in_keys, other=0)
         k = tl.load(k_ptr + slots[:, None] * sk_s + kv_head * sk_h + dims[None, :], mask=in_keys[:, None], other=0.0)
         v = tl.load(v_ptr + slots[:, None] * sv_s + kv_head * sv_h + dims[None, :], mask=in_keys[:, None], other=0.0)
-        vis = (lanes[:, None] < 1) & in_keys[None, :]
+        vis = alive[:, None] & in_keys[None, :]
         if WINDOWED:
             vis = vis & (cols[None, :] >= length - window)
         m_s, l_s, acc_s = online_softmax_tile(q, k, v, vis, m_s, l_s, acc_s, scale, IEEE)
-    state = (row * SEGMENTS + segment) * H + head
-    tl.store(m_ptr + state + lanes, m_s, mask=lanes < 1)
-    tl.store(l_ptr + state + lanes, l_s, mask=lanes < 1)
-    tl.store(acc_ptr + (state + lanes[:, None]) * D + dims[None, :], acc_s, mask=lanes[:, None] < 1)
+    state = (row * SEGMENTS + segment) * H + heads
+    tl.store(m_ptr + state, m_s, mask=alive)
+    tl.store(l_ptr + state, l_s, mask=alive)
+    tl.store(acc_ptr + state[:, None] * D + dims[None, :], acc_s, mask=alive[:, None])
 
 
 @triton.jit
 def _merge_segments_kernel(m_ptr, l_ptr, acc_ptr, len_ptr, sink_ptr, o_ptr, sl_n, so_n, so_h,
-                           H: tl.constexpr, SEGMENTS: tl.constexpr, D: tl.constexpr, HAS_SINKS: tl.constexpr,
-                           BM: tl.constexpr, SEG: tl.constexpr):
-    row, head = tl.program_id(0), tl.program_id(1)
+                           H: tl.constexpr, SEGMENTS: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr,
+                           HAS_SINKS: tl.constexpr, BM: tl.constexpr, SEG: tl.constexpr):
+    row, kv_head = tl.program_id(0), tl.program_id(1)
     lanes = tl.arange(0, BM)
+    alive = lanes < GROUPS
+    heads = kv_head * GROUPS + lanes
     dims = tl.arange(0, D)
     length = tl.load(len_ptr + row * sl_n)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
     for segment in range(0, tl.cdiv(length, SEG)):
-        state = (row * SEGMENTS + segment) * H + head
-        m_s = tl.load(m_ptr + state + lanes, mask=lanes < 1, other=float("-inf"))
-        l_s = tl.load(l_ptr + state + lanes, mask=lanes < 1, other=0.0)
-        acc_s = tl.load(acc_ptr + (state + lanes[:, None]) * D + dims[None, :], mask=lanes[:, None] < 1, other=0.0)
+        state = (row * SEGMENTS + segment) * H + heads
+        m_s = tl.load(m_ptr + state, mask=alive, other=float("-inf"))
+        l_s = tl.load(l_ptr + state, mask=alive, other=0.0)
+        acc_s = tl.load(acc_ptr + state[:, None] * D + dims[None, :], mask=alive[:, None], other=0.0)
         m_i, l_i, acc = merge_segment(m_i, l_i, acc, m_s, l_s, acc_s)
     sink = 0.0
     if HAS_SINKS:
-        sink = tl.load(sink_ptr + head).to(tl.float32)
+        sink = tl.load(sink_ptr + heads, mask=alive, other=0.0).to(tl.float32)
     out = finish_softmax(m_i, l_i, acc, sink, HAS_SINKS)
-    tl.store(o_ptr + row * so_n + lanes[:, None] * so_n + head * so_h + dims[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=lanes[:, None] < 1)
+    tl.store(o_ptr + row * so_n + heads[:, None] * so_h + dims[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=alive[:, None])
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
@@ -197,6 +208,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     window: a sliding window's length or None; sinks (H,) or None. Returns (G, H, D) in q's
     dtype, each row with the bits `attention` gives it."""
     G, H, D = q.shape
+    kv_heads = k_pool.shape[1]
+    groups = H // kv_heads
+    if groups > BLOCK_M:
+        raise KvdiffError(f"exact decode holds a KV head's query heads in one {BLOCK_M}-row block; "
+                          f"this model has {groups} query heads a KV head")
     q = _unit_last_stride(q)
     out = torch.empty_like(q)
     segments = max(1, -(-table.shape[1] // KEY_SEGMENT))     # from the table's width: a graph replays one grid
@@ -204,15 +220,15 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     sums = torch.empty_like(maxima)
     partial = torch.empty(G * segments * H, D, dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
-        _paged_attention_kernel[(G, H, segments)](
+        _paged_attention_kernel[(G, kv_heads, segments)](
             q, k_pool, v_pool, table, lengths, maxima, sums, partial, scale, window or 0,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-            table.stride(0), lengths.stride(0), H=H, SEGMENTS=segments, GROUPS=H // k_pool.shape[1], D=D,
+            table.stride(0), lengths.stride(0), H=H, SEGMENTS=segments, GROUPS=groups, D=D,
             IEEE=q.dtype == torch.float32, WINDOWED=window is not None, BM=BLOCK_M, BN=BLOCK_N, SEG=KEY_SEGMENT)
-        _merge_segments_kernel[(G, H)](
+        _merge_segments_kernel[(G, kv_heads)](
             maxima, sums, partial, lengths, out if sinks is None else sinks.contiguous(), out, lengths.stride(0),
-            out.stride(0), out.stride(1), H=H, SEGMENTS=segments, D=D, HAS_SINKS=sinks is not None, BM=BLOCK_M,
-            SEG=KEY_SEGMENT)
+            out.stride(0), out.stride(1), H=H, SEGMENTS=segments, GROUPS=groups, D=D, HAS_SINKS=sinks is not None,
+            BM=BLOCK_M, SEG=KEY_SEGMENT)
     return out
 
 
@@ -223,9 +239,11 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
-              sinks: torch.Tensor | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, diagonal: int | None = None) -> torch.Tensor:
     """Exact attention of one sequence: q (T, H, D); k, v (L, KVH, D) with key j at position j;
-    visible (T, L) bool; sinks (H,) per-head sink logits or None. Returns (T, H, D) in q's dtype."""
+    visible (T, L) bool; sinks (H,) per-head sink logits or None; `diagonal`: where the caller
+    knows that row i sees exactly keys 0..i + diagonal (`visible` is then not read). Returns
+    (T, H, D) in q's dtype."""
     T, H, D = q.shape
     L, KVH, _ = k.shape
     q, k, v, vis = (_unit_last_stride(t) for t in (q, k, v, visible))   # a bool mask loads as is
@@ -234,11 +252,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.
     # unchanged, so neither the number of keys nor the tiles a block skips change a row's bits.
     with torch.cuda.device(q.device):   # Triton launches on the current device, not the tensors'
         _attention_kernel[(-(-T // BLOCK_M), H)](
-            q, k, v, vis, out if sinks is None else sinks.contiguous(), out, T, L, scale,
+            q, k, v, vis, out if sinks is None else sinks.contiguous(), out, T, L, diagonal or 0, scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), vis.stride(0),
             out.stride(0), out.stride(1),
-            GROUPS=H // KVH, D=D, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None, BM=BLOCK_M, BN=BLOCK_N,
-            SEG=KEY_SEGMENT)
+            GROUPS=H // KVH, D=D, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None,
+            CAUSAL=diagonal is not None, BM=BLOCK_M, BN=BLOCK_N, SEG=KEY_SEGMENT)
     return out
 
 

@@ -69,19 +69,21 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                    scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, sinks: torch.Tensor | None = None, diagonal: int | None = None) -> torch.Tensor:
     """Batch-invariant attention of one sequence.
 
     q (T, H, D); k, v (L, KVH, D) with key j at sequence position j (or j plus a multiple of
     KEY_TILE); visible (T, L) bool; sinks (H,): per-head sink logits, one more term in each row's
-    softmax denominator (gpt-oss), or None. Returns (T, H, D) in q's dtype. Computed in float32.
+    softmax denominator (gpt-oss), or None; `diagonal`: where `visible` is known to show row i
+    exactly keys 0..i + diagonal (the CUDA kernel then computes the mask instead of reading it).
+    Returns (T, H, D) in q's dtype. Computed in float32.
     """
     T, H, D = q.shape
     Dv = v.shape[-1]      # the values' width (MLA's differs from the keys')
     if q.is_cuda and D & (D - 1) == 0 and Dv == D:
         from kvdiff.engine import gpu_kernels
 
-        return gpu_kernels.attention(q, k, v, visible, scale, sinks)
+        return gpu_kernels.attention(q, k, v, visible, scale, sinks, diagonal)
     L, KVH, _ = k.shape
     groups = H // KVH
     multiple = CUDA_ROW_TILE if q.device.type == "cuda" else CPU_ROW_TILE
