@@ -130,6 +130,25 @@ def test_row_tiles_are_kept_for_the_same_input_and_remade_when_it_changes():
     assert row_tiles(frozen, 4) is row_tiles(frozen, 4)
 
 
+def test_rows_made_with_spare_rows_are_read_as_tiles_in_place():
+    """An output made by `with_spare_rows` (exact RMSNorm and attention on CUDA) is read by the
+    next linear as its whole tiles without a copy, also through a contiguous view (attention's
+    (T, H, D) reshaped to (T, H * D)); a view that does not start at its first row is copied."""
+    from kvdiff.engine.row_tiles import row_tiles, with_spare_rows
+
+    rows = with_spare_rows((6, 2, 4), torch.float32, torch.device("cpu"), 4)
+    rows.copy_(torch.randn(6, 2, 4))
+    flat = rows.reshape(6, 8)
+    tiles = row_tiles(flat, 4)
+    assert tiles.shape == (8, 8) and tiles.data_ptr() == flat.data_ptr() and torch.equal(tiles[:6], flat)
+    one = with_spare_rows((1, 8), torch.float32, torch.device("cpu"), 4)
+    one.fill_(3.0)
+    step = one.view(1, 1, 8)
+    assert row_tiles(step, 4).shape == (1, 4, 8) and row_tiles(step, 4).data_ptr() == one.data_ptr()
+    later = flat[1:]
+    assert torch.equal(row_tiles(later, 4)[:5], later) and row_tiles(later, 4).data_ptr() != flat.data_ptr()
+
+
 @pytest.mark.skipif(not cpu_linear.ONEDNN, reason="this torch has no oneDNN inner product")
 def test_packed_weights_follow_their_weight_keep_its_bits_and_stop_at_their_budget(monkeypatch):
     torch.manual_seed(0)

@@ -50,8 +50,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     is added separately); `weight_first`: on the CPU, cpu_linear's form for a weight that sees a
     row or two a forward (the LM head); `packed`: on the CPU, where packed weights are kept."""
     if x.is_cuda and x.dtype != torch.float32 and x.dim() >= 2 and x.numel() == x.shape[-1]:
-        # One row (a decode step): its 64-row tile is the row repeated (a row's bits do not
-        # depend on the other rows of its tile).
+        # One row (a decode step): its 64-row tile is the row and 63 others, repeated or spare
+        # (row_tiles.py): a row's bits do not depend on the other rows of its tile.
         out = nn.functional.linear(row_tiles(x, CUDA_ROW_TILE), weight)[..., :1, :]
         return out if bias is None else out + bias
     flat = x.reshape(-1, x.shape[-1])
