@@ -52,20 +52,19 @@ def _in_place(x: torch.Tensor, tile: int) -> torch.Tensor | None:
 
 def row_tiles(x: torch.Tensor, tile: int) -> torch.Tensor:
     """The rows of `x` (..., width) as whole `tile`-row tiles: one row repeated to a tile,
-    (..., tile, width); more rows zero-padded, (rows rounded up to tiles, width). The same
+    (..., tile, width); more rows zero-padded, (rows rounded up to tiles, width); read in place
+    where x's storage has room for its tiles (`with_spare_rows`). The same
     object at the same version holds the same rows. An inference tensor has no version: nothing
     changes a layer's input in place between the projections that read it."""
     global _last
-    spare = _in_place(x, tile)
-    if spare is not None:
-        return spare
     version = None if x.is_inference() else x._version
     last = _last
     if last is not None and last[0]() is x and last[1:3] == (version, tile):
         return last[3]
-    if x.numel() == x.shape[-1]:
+    tiles = _in_place(x, tile)
+    if tiles is None and x.numel() == x.shape[-1]:
         tiles = x.expand(*x.shape[:-2], tile, x.shape[-1]).contiguous()
-    else:
+    elif tiles is None:
         tiles = pad_rows(x.reshape(-1, x.shape[-1]), tile)
     _last = (weakref.ref(x, _forget), version, tile, tiles)
     return tiles
