@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvdiff.engine.numerics import CUDA_ROW_TILE as ROW_TILE   # a linear reads some outputs next: whole tiles
-from kvdiff.engine.row_tiles import with_spare_rows
+from kvdiff.engine.row_tiles import CUDA_ROW_TILE, with_spare_rows
 from kvdiff.errors import KvdiffError
 
 try:
@@ -216,7 +215,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         raise KvdiffError(f"exact decode holds a KV head's query heads in one {BLOCK_M}-row block; "
                           f"this model has {groups} query heads a KV head")
     q = _unit_last_stride(q)
-    out = with_spare_rows(q.shape, q.dtype, q.device, ROW_TILE)    # o_proj reads it next
+    out = with_spare_rows(q.shape, q.dtype, q.device, CUDA_ROW_TILE)    # o_proj reads it next
     segments = max(1, -(-table.shape[1] // KEY_SEGMENT))     # from the table's width: a graph replays one grid
     maxima = torch.empty(G * segments * H, dtype=torch.float32, device=q.device)
     sums = torch.empty_like(maxima)
@@ -249,7 +248,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.
     T, H, D = q.shape
     L, KVH, _ = k.shape
     q, k, v, vis = (_unit_last_stride(t) for t in (q, k, v, visible))   # a bool mask loads as is
-    out = with_spare_rows(q.shape, q.dtype, q.device, ROW_TILE)    # o_proj reads it next
+    out = with_spare_rows(q.shape, q.dtype, q.device, CUDA_ROW_TILE)    # o_proj reads it next
     # A tile past a row's last visible key is fully masked and leaves its state bit-for-bit
     # unchanged, so neither the number of keys nor the tiles a block skips change a row's bits.
     with torch.cuda.device(q.device):   # Triton launches on the current device, not the tensors'
@@ -280,7 +279,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     H = x.shape[-1]
     rows = x.reshape(-1, H).contiguous()
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    out = with_spare_rows(rows.shape, out_dtype, x.device, ROW_TILE)    # a projection reads it next
+    out = with_spare_rows(rows.shape, out_dtype, x.device, CUDA_ROW_TILE)    # a projection reads it next
     if rows.shape[0]:
         with torch.cuda.device(x.device):
             _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, H, rows.stride(0), out.stride(0),

@@ -32,12 +32,11 @@ import torch
 from torch import nn
 
 from kvdiff.engine.cpu_linear import PACKED, ROW_TILE as CPU_ROW_TILE, PackedWeights, cpu_invariant_matmul, pad_rows
-from kvdiff.engine.row_tiles import row_tiles
+from kvdiff.engine.row_tiles import CUDA_ROW_TILE, row_tiles
 from kvdiff.errors import KvdiffError
 
 log = logging.getLogger(__name__)
 
-CUDA_ROW_TILE = 64     # CUDA: fixed row tiles, one batched matmul (bf16/fp16) or one per tile (fp32)
 KEY_TILE = 64          # attention: keys in tiles of this many positions, aligned to position 0
 QUERY_BLOCK = 128      # CPU attention: query rows per block (a multiple of both row tiles)
 

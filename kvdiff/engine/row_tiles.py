@@ -18,6 +18,7 @@ import torch
 
 from kvdiff.engine.cpu_linear import pad_rows
 
+CUDA_ROW_TILE = 64     # CUDA: fixed row tiles, one batched matmul (bf16/fp16) or one per tile (fp32)
 _last: tuple[weakref.ref, int | None, int, torch.Tensor] | None = None    # (input, its version, tile, its tiles)
 
 
