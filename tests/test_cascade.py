@@ -158,7 +158,7 @@ def test_a_causal_group_attends_with_sdpas_causal_mask_as_with_its_own(tiny_llam
     attention on a GPU) gives what its visibility mask gives; the engine's cold prompt takes it."""
     pool, spans, keys = _pool_and_keys([300], 0)
     (masked,) = keys
-    causal = KeySet(masked.slots, masked.visible, None, 0, False, causal=True)
+    causal = KeySet(masked.slots, masked.visible, None, 0, False, diagonal=0)
     q = torch.randn(300, H, D)
     want = CascadePlan.build(spans, [masked], torch.device("cpu")).attend(pool, 0, q, 0.3)
     plan = CascadePlan.build(spans, [causal], torch.device("cpu"))

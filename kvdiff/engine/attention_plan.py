@@ -39,8 +39,13 @@ class KeySet:
     shared: str | None            # key of a first segment shared with another group in this forward
     shared_len: int
     sees_all: bool                # every row sees every key (decode): attention needs no mask
-    causal: bool = False          # as many rows as keys, row i at key i's position: it sees keys 0..i
     diagonal: int | None = None   # row i sees exactly keys 0..i + diagonal (exact numerics' kernel needs no mask)
+
+    @property
+    def causal(self) -> bool:
+        """As many rows as keys, row i at key i's position, attended apart from any shared first
+        segment: row i sees keys 0..i (SDPA's causal mask)."""
+        return self.shared is None and self.diagonal == 0
 
 
 def key_sets(groups: list, window: int | None, exact: bool, device: torch.device) -> list[KeySet]:
@@ -81,9 +86,8 @@ def key_sets(groups: list, window: int | None, exact: bool, device: torch.device
         if (g.lo <= kfirst and (window is None or window >= n_keys)
                 and g.positions == list(range(g.positions[0], kfirst + n_keys))):
             diagonal = g.positions[0] - kfirst
-        causal = not cascade and diagonal == 0
         out.append(KeySet(slots, visible, key if cascade else None,
-                          int(head.slots.shape[0]) if cascade else 0, sees_all, causal, diagonal))
+                          int(head.slots.shape[0]) if cascade else 0, sees_all, diagonal))
     return out
 
 
