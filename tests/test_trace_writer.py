@@ -181,7 +181,8 @@ def test_rows_reach_the_file_when_written_not_when_it_is_closed(tmp_path):
     from kvdiff.trace.file import TraceFile
     rows = np.random.default_rng(3).standard_normal((384, 1024)).astype(np.float32)   # 3 chunks of 128 rows
     path = tmp_path / "t.h5"
-    f = TraceFile(path, np.arange(384), None)
+    f = TraceFile(path, make_meta(prompt=384), None)
+    f.create()
     try:
         for layer in range(4):
             f.put(f"layers/{layer}/resid_pre", np.arange(384), rows, "float32")
@@ -200,7 +201,8 @@ def test_rows_from_the_first_chunk_on_go_into_chunks_allocated_as_the_column_gro
     rng = np.random.default_rng(5)
     want = {name: rng.standard_normal((600, 256)).astype(np.float32) for name in ("a", "b")}   # 1 KB rows, 128 a chunk
     path = tmp_path / "t.h5"
-    f = TraceFile(path, np.arange(600), None)
+    f = TraceFile(path, make_meta(prompt=600), None)
+    f.create()
     try:
         f.put("layers/0/a", np.arange(300), want["a"][:300], "float32")
         assert writes == [300 * 1024]                     # three chunks allocated together: one write
@@ -211,7 +213,7 @@ def test_rows_from_the_first_chunk_on_go_into_chunks_allocated_as_the_column_gro
                 f.put("layers/0/b", np.arange(301), want["b"][:301], "float32")
         want["a"][[5, 450, 10]] *= -1
         f.put("layers/0/a", np.array([450, 5, 10]), want["a"][[450, 5, 10]], "float32")   # scattered, through HDF5
-        f.finish(make_meta(), [], {})
+        f.finish([], {})
     except BaseException:
         f.discard()
         raise
@@ -230,9 +232,10 @@ def test_rows_go_into_allocated_chunks_at_most_1_mb_a_system_call(tmp_path, monk
     calls, original = [], os.pwrite
     monkeypatch.setattr(os, "pwrite", lambda fd, data, at: (calls.append(len(data)), original(fd, data, at))[1])
     rows = np.random.default_rng(8).standard_normal((3000, 256)).astype(np.float32)       # 3 MB
-    f = TraceFile(tmp_path / "t.h5", np.arange(3000), None)
+    f = TraceFile(tmp_path / "t.h5", make_meta(prompt=3000), None)
+    f.create()
     f.put("layers/0/a", np.arange(3000), rows, "float32")
-    f.finish(make_meta(), [], {})
+    f.finish([], {})
     assert sum(calls) == rows.nbytes and max(calls) <= 1 << 20 and len(calls) <= 4
     with h5py.File(tmp_path / "t.h5", "r") as h:
         np.testing.assert_array_equal(h["layers/0/a"][:], rows)
@@ -243,9 +246,10 @@ def test_rows_that_start_past_the_first_chunk_leave_the_chunks_before_them_unall
     from kvdiff.trace.file import TraceFile
     rows = np.random.default_rng(6).standard_normal((10, 256)).astype(np.float32)
     path = tmp_path / "t.h5"
-    f = TraceFile(path, np.arange(5010), None)
+    f = TraceFile(path, make_meta(prompt=5010), None)
+    f.create()
     f.put("layers/0/a", np.arange(5000, 5010), rows, "float32")     # a positions= selection near the end
-    f.finish(make_meta(), [], {})
+    f.finish([], {})
     with h5py.File(path, "r") as h:
         ds = h["layers/0/a"]
         assert ds.shape == (5010, 256) and ds.id.get_create_plist().get_alloc_time() != h5py.h5d.ALLOC_TIME_EARLY
@@ -265,7 +269,8 @@ def test_chunks_hold_about_1_mb_at_most_128_rows_unless_rows_are_tiny(tmp_path, 
     import h5py
     from kvdiff.trace.file import TraceFile
     path = tmp_path / "t.h5"
-    f = TraceFile(path, np.arange(3), None)
+    f = TraceFile(path, make_meta(prompt=3), None)
+    f.create()
     try:
         f.put("layers/0/x", np.arange(3), np.zeros((3, *row_shape), dtype=dtype), "float32")
         f.flush()
@@ -566,14 +571,15 @@ def test_finishing_a_trace_reads_nothing_back_from_the_file(tmp_path, monkeypatc
     from kvdiff.trace.column import LatchingFile
     from kvdiff.trace.file import TraceFile
     rows = np.random.default_rng(9).standard_normal((300, 1024)).astype(np.float32)     # 128 rows a chunk
-    f = TraceFile(tmp_path / "t.h5", np.arange(300), None)
+    f = TraceFile(tmp_path / "t.h5", make_meta(prompt=300), None)
+    f.create()
     f.put("layers/0/a", np.arange(290), rows[:290], "float32")
     f.put("layers/0/a", np.arange(290, 300), rows[290:], "float32")
     f.put("layers/0/b", np.arange(0, 300, 2), rows[::2], "float32")     # scattered rows: written by HDF5
     f.put("layers/0/b", np.arange(1, 300, 2), rows[1::2], "float32")
     reads, original = [], LatchingFile.read
     monkeypatch.setattr(LatchingFile, "read", lambda io, size: (reads.append(size), original(io, size))[1])
-    f.finish(make_meta(), [], {})
+    f.finish([], {})
     assert reads == []
     with h5py.File(tmp_path / "t.h5", "r") as h:
         for name in ("a", "b"):

@@ -40,24 +40,34 @@ Source = tuple[np.ndarray, str, int, np.ndarray, bool]      # positions, chunk, 
 class TraceFile:
     """An open, incomplete trace at `tmp_path`: rows go in by global position; `finish` completes it."""
 
-    def __init__(self, tmp_path: Path, input_ids: np.ndarray, compression: str | None,
+    def __init__(self, tmp_path: Path, meta: TraceMeta, compression: str | None,
                  max_positions: int | None = None, window_positions: int | None = None):
+        """Open the OS file at `tmp_path` (its errors are raised here); `create` makes the HDF5
+        file in it. `meta` is the run's: what is known before the run is written by `create`, what
+        the run sets (the text, chunks, generated and K/V-only tokens) by `finish`."""
         self.tmp_path = tmp_path
+        self.meta = meta
         self.compression = compression
         self.max_positions = max_positions
         self.window_positions = window_positions      # a digest trace's zoom window: its full rows' most positions
         self._io = LatchingFile(tmp_path)
-        try:
-            self._file = h5py.File(self._io, "w", rdcc_nbytes=0)      # no chunk cache: see trace_column.py
-        except BaseException:
-            self._io.close()
-            tmp_path.unlink(missing_ok=True)
-            raise
+        self._file: h5py.File | None = None
         self._columns: dict[str, TraceColumn] = {}
         self._groups: dict[str, h5py.Group] = {}
         self._layouts: dict[tuple[tuple[int, ...], bool], h5py.h5p.PropDCID] = {}
-        set_attributes(self._file, {"format": FORMAT_NAME, "schema_version": SCHEMA_VERSION, "complete": False})
-        write_array(self._file, "input_ids", np.asarray(input_ids, dtype=np.int64))
+
+    def create(self) -> None:
+        """Make the HDF5 file, incomplete, with the prompt and the metadata known before the run
+        (TraceWriter's first job: a trace's few dozen attributes cost milliseconds, which the
+        writer thread spends beside the run rather than at its end)."""
+        self._file = h5py.File(self._io, "w", rdcc_nbytes=0)      # no chunk cache: see trace_column.py
+        digest = self.meta.trace_mode == "digest"
+        set_attributes(self._file, {"format": FORMAT_NAME, "schema_version": DIGEST_SCHEMA_VERSION if digest
+                                    else SCHEMA_VERSION, "complete": False})
+        write_array(self._file, "input_ids", np.asarray(self.meta.input_ids, dtype=np.int64))
+        set_attributes(self._file, _attributes_before_run(self.meta))
+        if digest:
+            set_attributes(self._file.create_group(DIGEST_GROUP), {"row_hash": ROW_HASH, "layout": DIGEST_LAYOUT})
         self._check_io()
 
     def _check_io(self) -> None:
@@ -223,20 +233,10 @@ class TraceFile:
             write_array(prov, "encoded_position", np.concatenate([s[3] for s in provenance])[rows])
             write_array(prov, "reused", np.array([s[4] for s in provenance], dtype=bool)[reports[rows]])
 
-    def _write_meta(self, meta: TraceMeta) -> None:
-        # HDF5 strings cannot hold NUL (a model may generate one): it is stored as U+2400.
-        attrs = {name: str(getattr(meta, name)).replace("\0", "\u2400") for name in TraceMeta.SCALARS}
-        attrs.update(asdict(meta.dims))
-        attrs.update(messages_json=json.dumps(meta.messages), chunks_json=json.dumps([c.to_json() for c in meta.chunks]),
-                     points=json.dumps(list(meta.points)), layers=np.asarray(meta.layers, dtype=np.int64))
-        if meta.trace_mode == "digest":
-            attrs.update(trace_mode=meta.trace_mode, digest_points=json.dumps(list(meta.digest_points)),
-                         digest_layers=np.asarray(meta.digest_layers, dtype=np.int64))
-        set_attributes(self._file, attrs)
-
-    def finish(self, meta: TraceMeta, steps: list[Step], provenance: list[Source]) -> int:
-        """Check every dataset holds every recorded position, write the tables and metadata, set
-        `complete` last and close the file. Returns the number of recorded positions."""
+    def finish(self, steps: list[Step], provenance: list[Source]) -> int:
+        """Check every dataset holds every recorded position, write the tables and the metadata the
+        run set, set `complete` last and close the file. Returns the number of recorded positions."""
+        meta = self.meta
         self._write_all_held()
         row_columns, digest_columns = self._split_columns()
         positions = self._recorded_positions(row_columns)
@@ -249,16 +249,14 @@ class TraceFile:
         self._check_complete(row_columns, positions, np.intersect1d(kv_only, positions))
         self._check_complete(digest_columns, digested, kv_only)
         self._write_tables(positions, meta, steps, provenance)
+        closing = _attributes_after_run(meta)
         if kv_only.size:
             write_array(self._file, "kv_only_positions", kv_only)
-            set_attributes(self._file, {"schema_version": KV_ONLY_SCHEMA_VERSION})
+            if meta.trace_mode != "digest":
+                closing["schema_version"] = KV_ONLY_SCHEMA_VERSION
         if meta.trace_mode == "digest":
-            group = self._file.require_group(DIGEST_GROUP)
-            write_array(group, "positions", digested)
-            set_attributes(group, {"row_hash": ROW_HASH, "layout": DIGEST_LAYOUT})
-            set_attributes(self._file, {"schema_version": DIGEST_SCHEMA_VERSION})
-        self._write_meta(meta)
-        set_attributes(self._file, {"complete": True})
+            write_array(self._file[DIGEST_GROUP], "positions", digested)
+        set_attributes(self._file, {**closing, "complete": True})
         self._file.close()
         self._io.close()
         self._check_io()
@@ -268,8 +266,31 @@ class TraceFile:
         """Close the file if open and delete it."""
         self._columns.clear()
         try:
-            if self._file.id.valid:
+            if self._file is not None and self._file.id.valid:
                 self._file.close()
         finally:
             self._io.close()
             self.tmp_path.unlink(missing_ok=True)
+
+
+def _attributes_before_run(meta: TraceMeta) -> dict:
+    """The root's attributes known before the run: the model, dims, messages and what is recorded."""
+    attrs = {name: _stored_text(getattr(meta, name)) for name in TraceMeta.SCALARS if name not in TraceMeta.SET_BY_RUN}
+    attrs.update(asdict(meta.dims))
+    attrs.update(messages_json=json.dumps(meta.messages), points=json.dumps(list(meta.points)),
+                 layers=np.asarray(meta.layers, dtype=np.int64))
+    if meta.trace_mode == "digest":
+        attrs.update(trace_mode=meta.trace_mode, digest_points=json.dumps(list(meta.digest_points)),
+                     digest_layers=np.asarray(meta.digest_layers, dtype=np.int64))
+    return attrs
+
+
+def _attributes_after_run(meta: TraceMeta) -> dict:
+    """The root's attributes the run sets: its text and chunks."""
+    attrs = {name: _stored_text(getattr(meta, name)) for name in TraceMeta.SET_BY_RUN}
+    return {**attrs, "chunks_json": json.dumps([c.to_json() for c in meta.chunks])}
+
+
+def _stored_text(value) -> str:
+    """HDF5 strings cannot hold NUL (a model may generate one): it is stored as U+2400."""
+    return str(value).replace("\0", "\u2400")

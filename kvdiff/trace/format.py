@@ -158,6 +158,7 @@ class TraceMeta:
     # Scalar attributes stored one per HDF5 attribute, in this order (then the fields of `dims`).
     SCALARS = ("kvdiff_version", "model_name", "model_fingerprint", "tokenizer_fingerprint", "dtype",
                "device", "torch_version", "transformers_version", "strategy", "numerics", "text")
+    SET_BY_RUN = ("text",)          # the scalars known only once the run has ended
 
 
 @dataclass(frozen=True)

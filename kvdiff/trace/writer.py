@@ -107,7 +107,7 @@ class TraceWriter:
         self.compression = compression
         self.tmp_path = self.path.parent / f".{self.path.name}.{os.getpid()}.partial"
         try:
-            self._file = TraceFile(self.tmp_path, meta.input_ids, compression, max_positions, window_positions)
+            self._file = TraceFile(self.tmp_path, meta, compression, max_positions, window_positions)
         except OSError as exc:
             raise TraceError(f"cannot write trace {self.path}: {_reason(exc)}") from exc
         self._provenance: list[Source] = []     # in the order reported
@@ -122,6 +122,7 @@ class TraceWriter:
         self._device_bytes = max_device_bytes
         self._worker = SerialWorker(f"kvdiff-trace {self.path.name}", max_queued_bytes, max_device_bytes or 0)
         weakref.finalize(self, self._worker.cancel)     # a writer dropped unclosed ends its thread
+        self._submit(self._file.create, 0)
 
     def _submit(self, job: Callable[[], None], nbytes: int, device_bytes: int = 0) -> None:
         if not self._open:
@@ -348,7 +349,7 @@ class TraceWriter:
             self._submit(self._batch.flush, 0)
             self._worker.stop()      # every row written; from here this thread alone uses the file
             self._raise_if_failed()
-            n_positions = self._file.finish(self.meta, self._steps, self._provenance)
+            n_positions = self._file.finish(self._steps, self._provenance)
             os.replace(self.tmp_path, self.path)
         except Exception as exc:
             self.abort()
