@@ -47,7 +47,7 @@ def test_rows_round_trip_bit_for_bit(tmp_path, dtype):
                 w.write_rows(f"layers/{layer}", "k", [pos], keys[layer][pos:pos + 1])
             w.append_step(step, pos - 1, 7 + step, np.array([7 + step, 3]), np.array([2.5, 1.0]), 1.5)
         w.write_provenance([5, 4, 3], "system", 0, [15, 14, 13], False)
-        w.write_provenance([4, 5], "user", 1, [4, 5], True)      # a later report replaces an earlier one
+        w.write_provenance([4, 5], "usér 😀", 1, [4, 5], True)      # a later report replaces an earlier one
         w.close(generated_ids=[7, 8], text="ok", chunks=chunks)
     with open_trace(path) as tr:
         assert tr.meta.chunks == chunks and tr.meta.text == "ok" and tr.meta.dtype == str(dtype)[6:]
@@ -60,7 +60,7 @@ def test_rows_round_trip_bit_for_bit(tmp_path, dtype):
                 assert np.array_equal(got[name].view(np.uint8), want32.view(np.uint8))
         assert tr.steps.token_id.tolist() == [7, 8] and tr.steps.topk_ids.shape == (2, 2)
         prov = tr.provenance
-        assert prov.chunk == ["", "", "", "system", "user", "user", "", ""] and prov.reused[4] and not prov.reused[3]
+        assert prov.chunk == ["", "", "", "system", "usér 😀", "usér 😀", "", ""] and prov.reused[4] and not prov.reused[3]
         assert prov.encoded_position[3:6].tolist() == [13, 4, 5] and prov.prefill_id[3:6].tolist() == [0, 1, 1]
 
 
