@@ -193,21 +193,23 @@ class ModelRunner:
     def _final(self, x: torch.Tensor, groups: list[RowGroup], spans: list[slice], probes: RowProbes | DigestProbes):
         """The float32 logits row of each group that asks for one; the final points of the rows the
         probes record."""
-        rows: set[int] = set()
-        for g, s in zip(groups, spans):
-            if g.logits:
-                rows.add(s.stop - 1)
-        rows |= probes.final_rows()
-        if not rows:
-            return [None] * len(groups)
-        order = sorted(rows)
-        index = {r: n for n, r in enumerate(order)}
-        idx = torch.tensor(order, device=x.device)
-        inp = x.index_select(0, idx).to(self.adapter.final_norm.weight.device)
+        final = self.adapter.final_norm.weight.device
+        probed = probes.final_rows()
+        if len(probed) == x.shape[0]:       # every row (a probed prompt's): no gather, no index of thousands
+            order, index = list(range(x.shape[0])), None
+            inp = x.to(final)
+        else:
+            rows = probed | {s.stop - 1 for g, s in zip(groups, spans) if g.logits}
+            if not rows:
+                return [None] * len(groups)
+            order = sorted(rows)
+            index = {r: n for n, r in enumerate(order)}
+            inp = x.index_select(0, torch.tensor(order, device=x.device)).to(final)
         normed = self.adapter.final_norm(inp)
         logits = self.adapter.lm_head(normed.to(self.adapter.lm_head.weight.device)).float()
         probes.final(order, inp, normed, logits)
-        out = [logits[index[s.stop - 1]] if g.logits else None for g, s in zip(groups, spans)]
+        out = [logits[s.stop - 1 if index is None else index[s.stop - 1]] if g.logits else None
+               for g, s in zip(groups, spans)]
         if len(order) > sum(g.logits for g in groups):
             # the probes' rows: a 32k-token prompt's are GBs, which a view of one row would keep
             out = [None if row is None else row.clone() for row in out]

@@ -29,7 +29,7 @@ from kvdiff.trace.format import ChunkRecord, ModelDims, point_group
 from kvdiff.trace.writer import TraceWriter
 
 
-STEPS_HELD = 64     # generated steps whose logits wait on the GPU for one top-k and one copy to the host
+STEPS_HELD = 64     # generated steps whose logits rows wait on the GPU for one top-k
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,8 @@ class TraceRecorder:
         self._digested_where_run = False      # this forward's digests came with take_digested
         self._digested_of: tuple[list, list] = ([], [])     # the last `fired` taken, and its points' keys
         self._steps: list[tuple[int, int, int, torch.Tensor]] = []     # generated steps and their logits, on the GPU
+        # steps whose top-k values and ids wait where they were taken, to come to the host together at the end
+        self._step_topk: list[tuple[list[tuple[int, int, int]], torch.Tensor, torch.Tensor]] = []
 
     @classmethod
     def for_model(cls, model, tokenizer, messages: list[dict], path: str | os.PathLike, *,
@@ -365,17 +367,29 @@ class TraceRecorder:
             return self._write_steps()
         self._steps.append((step, position, token_id, row.clone()))     # the row may be a graph's output
         if len(self._steps) >= STEPS_HELD:
-            self._write_steps()
+            self._take_topk()
 
-    def _write_steps(self) -> None:
-        """Hand the held steps' top-k to the writer: from a GPU, one top-k and one copy for all of
-        them (a top-k and a copy a step would wait for the GPU at every step)."""
+    def _take_topk(self) -> None:
+        """One top-k of the held steps' logits rows, where they live; its values and ids stay there
+        (reading them back would wait for the GPU, which a decode step then waits for)."""
         if not self._steps:
             return
         steps, self._steps = self._steps, []
         rows = torch.cat([s[3] for s in steps])
-        values, ids = rows.topk(min(self.top_k, rows.shape[1]), dim=1)    # where the rows live: a few numbers come over
-        for (step, position, token_id, _), top, top_ids in zip(steps, values.to("cpu", torch.float64), ids.cpu()):
+        values, ids = rows.topk(min(self.top_k, rows.shape[1]), dim=1)
+        self._step_topk.append(([s[:3] for s in steps], values, ids))
+
+    def _write_steps(self) -> None:
+        """Hand every step's top-k and margin to the writer: the top-k taken so far come to the
+        host in one copy (a few numbers a step)."""
+        self._take_topk()
+        if not self._step_topk:
+            return
+        taken, self._step_topk = self._step_topk, []
+        steps = [s for held, _, _ in taken for s in held]
+        values = torch.cat([v for _, v, _ in taken]).to("cpu", torch.float64)
+        ids = torch.cat([i for _, _, i in taken]).cpu()
+        for (step, position, token_id), top, top_ids in zip(steps, values, ids):
             margin = float(top[0] - top[1]) if top.numel() > 1 else float("inf")
             self.writer.append_step(step, position, token_id, top_ids.numpy(), top.numpy(), margin)
 

@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 
 from kvdiff.trace.digest import ROW_HASH
-from kvdiff.trace.hdf5 import set_attributes, write_array
+from kvdiff.trace.hdf5 import set_attributes, stored_text, utf8_strings, write_array
 from kvdiff.trace.points import READ_POINTS
 from kvdiff.trace.ranges import format_ranges
 from kvdiff.trace.sink import ProbeIntegrityError
@@ -227,7 +227,7 @@ class TraceFile:
             keys, from_end = np.unique(reported[::-1], return_index=True)
             rows = reported.size - 1 - from_end
             write_array(prov, "positions", keys)
-            write_array(prov, "chunk", _utf8_strings([s[1] for s in provenance])[reports[rows]])
+            write_array(prov, "chunk", utf8_strings([s[1] for s in provenance])[reports[rows]])
             write_array(prov, "prefill_id", np.array([s[2] for s in provenance], dtype=np.int64)[reports[rows]])
             write_array(prov, "encoded_position", np.concatenate([s[3] for s in provenance])[rows])
             write_array(prov, "reused", np.array([s[4] for s in provenance], dtype=bool)[reports[rows]])
@@ -274,7 +274,7 @@ class TraceFile:
 
 def _attributes_before_run(meta: TraceMeta) -> dict:
     """The root's attributes known before the run: the model, dims, messages and what is recorded."""
-    attrs = {name: _stored_text(getattr(meta, name)) for name in TraceMeta.SCALARS if name not in TraceMeta.SET_BY_RUN}
+    attrs = {name: stored_text(getattr(meta, name)) for name in TraceMeta.SCALARS if name not in TraceMeta.SET_BY_RUN}
     attrs.update(asdict(meta.dims))
     attrs.update(messages_json=json.dumps(meta.messages), points=json.dumps(list(meta.points)),
                  layers=np.asarray(meta.layers, dtype=np.int64))
@@ -286,18 +286,5 @@ def _attributes_before_run(meta: TraceMeta) -> dict:
 
 def _attributes_after_run(meta: TraceMeta) -> dict:
     """The root's attributes the run sets: its text and chunks."""
-    attrs = {name: _stored_text(getattr(meta, name)) for name in TraceMeta.SET_BY_RUN}
+    attrs = {name: stored_text(getattr(meta, name)) for name in TraceMeta.SET_BY_RUN}
     return {**attrs, "chunks_json": json.dumps([c.to_json() for c in meta.chunks])}
-
-
-def _utf8_strings(values: list[str]) -> np.ndarray:
-    """`values` as fixed-length UTF-8 strings (an HDF5 string each, read back as bytes as a
-    variable-length one is): written in one call, where variable-length strings cost a heap
-    object each, ~1 us a row for a prompt's positions."""
-    encoded = [v.encode("utf-8") for v in values]
-    return np.array(encoded, dtype=h5py.string_dtype("utf-8", max(1, max(map(len, encoded), default=1))))
-
-
-def _stored_text(value) -> str:
-    """HDF5 strings cannot hold NUL (a model may generate one): it is stored as U+2400."""
-    return str(value).replace("\0", "\u2400")
