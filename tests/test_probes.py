@@ -331,6 +331,31 @@ def test_inference_tensors_in_a_logged_decode_step_are_copied(tiny_llama, tmp_pa
     with open_trace(tmp_path / "t.h5") as tr:
         assert np.array_equal(tr.layer(0)["resid_pre"][:, 0], np.arange(4.0))
 
+def test_step_top_k_is_taken_a_batch_of_steps_at_a_time_from_copies_of_the_rows(tiny_llama, tmp_path):
+    """Steps' logits rows are held (copied: an engine may rewrite its buffer the next step) and
+    their top-k taken STEPS_HELD at a time; every step's top-k and margin reach the trace."""
+    from kvdiff.probes.recorder import STEPS_HELD
+    recorder = _resid_recorder(tiny_llama, tmp_path / "t.h5")
+    n_prompt, steps = len(recorder.writer.meta.input_ids), 2 * STEPS_HELD + 22
+    hidden = tiny_llama[0].config.hidden_size
+    recorder.begin_forward(list(range(n_prompt)))      # the prompt's rows, which a trace must hold
+    for point in ("resid_pre", "resid_post"):
+        recorder.capture(point, 0, torch.randn(n_prompt, hidden), list(range(n_prompt)))
+    recorder.end_forward()
+    rows = torch.randn(steps, 50, generator=torch.Generator().manual_seed(4))
+    buffer = torch.empty(50)
+    for i in range(steps):
+        buffer.copy_(rows[i])                       # one buffer, rewritten every step
+        recorder.capture_step(i, n_prompt - 1 + i, buffer, int(rows[i].argmax()))
+    recorder.finish(rows.argmax(1).tolist(), "")
+    top = rows.topk(recorder.top_k, dim=1)
+    with open_trace(tmp_path / "t.h5") as tr:
+        got = tr.steps
+    assert got.step.tolist() == list(range(steps)) and got.token_id.tolist() == rows.argmax(1).tolist()
+    assert np.array_equal(got.topk_ids, top.indices.numpy()) and np.array_equal(got.topk_values, top.values.numpy())
+    np.testing.assert_array_equal(got.margin, (top.values[:, 0].double() - top.values[:, 1].double()).numpy())
+
+
 def test_probes_delegate_to_an_attention_wrapper_installed_before_them(tiny_llama, tmp_path):
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -29,7 +29,7 @@ from kvdiff.trace.format import ChunkRecord, ModelDims, point_group
 from kvdiff.trace.writer import TraceWriter
 
 
-STEPS_HELD = 64     # generated steps whose logits rows wait on the GPU for one top-k
+STEPS_HELD = 64     # generated steps whose logits rows wait (on their device) for one top-k
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ class TraceRecorder:
         self._all_cache = np.zeros(0, np.int64)
         self._digested_where_run = False      # this forward's digests came with take_digested
         self._digested_of: tuple[list, list] = ([], [])     # the last `fired` taken, and its points' keys
-        self._steps: list[tuple[int, int, int, torch.Tensor]] = []     # generated steps and their logits, on the GPU
+        self._steps: list[tuple[int, int, int, torch.Tensor]] = []     # generated steps and copies of their logits rows
         # steps whose top-k values and ids wait where they were taken, to come to the host together at the end
         self._step_topk: list[tuple[list[tuple[int, int, int]], torch.Tensor, torch.Tensor]] = []
 
@@ -361,11 +361,8 @@ class TraceRecorder:
                                      encoded if mask is None else encoded[mask], source.reused)
 
     def capture_step(self, step: int, position: int, logits_row: torch.Tensor, token_id: int) -> None:
-        row = logits_row.detach().reshape(1, -1)
-        if not row.is_cuda:
-            self._steps.append((step, position, token_id, row))
-            return self._write_steps()
-        self._steps.append((step, position, token_id, row.clone()))     # the row may be a graph's output
+        # copied: the row may be a CUDA graph's output or an engine's logits buffer, rewritten next step
+        self._steps.append((step, position, token_id, logits_row.detach().reshape(1, -1).clone()))
         if len(self._steps) >= STEPS_HELD:
             self._take_topk()
 
