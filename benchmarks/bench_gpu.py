@@ -48,6 +48,7 @@ NEW = 32
 BATCH = 32
 REPEATS = 3        # best-of for the disk alone
 SCALE = {"tokens": 32768}   # bench_scale's prompt length (--scale-tokens)
+DIGEST_PATHS = {"paths": ("reference", "engine")}    # bench_digest's sides (--digest-paths)
 PAIRS = 7          # alternated (baseline, kvdiff) pairs for the numerics and capture rows; --pairs
 
 
@@ -189,16 +190,19 @@ def bench_digest(setup: Setup) -> list[Row]:
             if os.path.exists(path):
                 os.remove(path)
 
-        row = paired(setup, "", lambda: reference_generate(model, tok, req, new),
-                     lambda: kvdiff.record(model, tok, req, path, max_new_tokens=new, trace_mode="digest",
-                                           fingerprint=fingerprint), "<= 1.1x", remove_trace)
-        row.name = f"reference: digest capture on vs off, {n} + {new} tokens, trace {os.path.getsize(path) / 1e6:.1f} MB, s"
-        rows.append(row)
-        row = paired(setup, "", lambda: engine_run(req, new), lambda: engine_run(req, new, path), "<= 1.1x",
-                     remove_trace)
-        row.name = f"engine: digest capture on vs off, {n} + {new} tokens, trace {os.path.getsize(path) / 1e6:.1f} MB, s"
-        os.remove(path)
-        rows.append(row)
+        if "reference" in DIGEST_PATHS["paths"]:
+            row = paired(setup, "", lambda: reference_generate(model, tok, req, new),
+                         lambda: kvdiff.record(model, tok, req, path, max_new_tokens=new, trace_mode="digest",
+                                               fingerprint=fingerprint), "<= 1.1x", remove_trace)
+            row.name = (f"reference: digest capture on vs off, {n} + {new} tokens, "
+                        f"trace {os.path.getsize(path) / 1e6:.1f} MB, s")
+            rows.append(row)
+        if "engine" in DIGEST_PATHS["paths"]:
+            row = paired(setup, "", lambda: engine_run(req, new), lambda: engine_run(req, new, path), "<= 1.1x",
+                         remove_trace)
+            row.name = f"engine: digest capture on vs off, {n} + {new} tokens, trace {os.path.getsize(path) / 1e6:.1f} MB, s"
+            rows.append(row)
+        remove_trace()
     return rows
 
 
@@ -325,6 +329,7 @@ def print_rows(title: str, rows: list[Row]) -> None:
     for row in rows:
         spread = f"{row.spread[0]:.2f}-{row.spread[1]:.2f}x" if row.spread else ""
         print(f"  {row.name:84} {row.baseline:10.4f} {row.kvdiff:10.4f} {row.ratio:7.2f}x {spread:>13}  {row.goal}")
+    sys.stdout.flush()          # each shape's table as it is done: a run cut short keeps the shapes before
 
 
 BENCHMARKS = {"numerics": bench_numerics, "capture": bench_capture, "digest": bench_digest, "scale": bench_scale,
@@ -340,8 +345,11 @@ def main() -> None:
                         help="run only these benchmarks")
     parser.add_argument("--pairs", type=int, default=PAIRS, help="alternated pairs per numerics and capture row")
     parser.add_argument("--scale-tokens", type=int, default=SCALE["tokens"], help="the scale benchmark's prompt length")
+    parser.add_argument("--digest-paths", nargs="+", default=list(DIGEST_PATHS["paths"]), choices=["reference", "engine"],
+                        help="the digest benchmark's sides (the 8B reference rows take minutes)")
     args = parser.parse_args()
     SCALE["tokens"] = args.scale_tokens
+    DIGEST_PATHS["paths"] = tuple(args.digest_paths)
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
     if not torch.cuda.is_available():
