@@ -331,6 +331,7 @@ def test_inference_tensors_in_a_logged_decode_step_are_copied(tiny_llama, tmp_pa
     with open_trace(tmp_path / "t.h5") as tr:
         assert np.array_equal(tr.layer(0)["resid_pre"][:, 0], np.arange(4.0))
 
+
 def test_step_top_k_is_taken_a_batch_of_steps_at_a_time_from_copies_of_the_rows(tiny_llama, tmp_path):
     """Steps' logits rows are held (copied: an engine may rewrite its buffer the next step) and
     their top-k taken STEPS_HELD at a time; every step's top-k and margin reach the trace."""

@@ -206,11 +206,10 @@ class TraceFile:
                 raise ProbeIntegrityError(f"{name} holds rows for positions {format_ranges(extra)}, whose K/V "
                                           "were read from the cache: only k and v are recorded there")
 
-    def _write_tables(self, positions: np.ndarray, meta: TraceMeta, steps: list[Step],
-                      provenance: list[Source]) -> None:
+    def _write_tables(self, positions: np.ndarray, steps: list[Step], provenance: list[Source]) -> None:
         f = self._file
         write_array(f, "positions", positions)
-        write_array(f, "generated_ids", np.asarray(meta.generated_ids, dtype=np.int64))
+        write_array(f, "generated_ids", np.asarray(self.meta.generated_ids, dtype=np.int64))
         k = max((s[3].size for s in steps), default=0)
         g = f.create_group("steps")
         write_array(g, "step", np.array([s[0] for s in steps], dtype=np.int64))
@@ -247,7 +246,7 @@ class TraceFile:
         # so every dataset's extent ends at the last position
         self._check_complete(row_columns, positions, np.intersect1d(kv_only, positions, assume_unique=True))
         self._check_complete(digest_columns, digested, kv_only)
-        self._write_tables(positions, meta, steps, provenance)
+        self._write_tables(positions, steps, provenance)
         closing = _attributes_after_run(meta)
         if kv_only.size:
             write_array(self._file, "kv_only_positions", kv_only)
