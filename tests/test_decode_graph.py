@@ -163,3 +163,31 @@ def test_decode_steps_in_the_zoom_window_or_of_a_full_trace_run_eagerly(tmp_path
     eng.graphs.replay = lambda rows, digested: pytest.fail("a full trace's decode step replayed a graph")
     (out,) = eng.generate([SEED_MESSAGES], max_new_tokens=6, sinks={0: rec})
     rec.finish(out.token_ids, out.text, out.chunks)
+
+
+def test_graphed_decode_steps_reach_their_sink_a_batch_of_steps_at_a_time(tmp_path, monkeypatch):
+    from dataclasses import astuple
+
+    from kvdiff.analysis.digests import first_digest_mismatch
+    from kvdiff.engine import step_digests
+    from kvdiff.probes.recorder import TraceRecorder
+    from kvdiff.trace import open_trace
+
+    model, tok = build_tiny_model("tiny-llama")
+    brackets = []
+    begin = TraceRecorder.begin_forward
+    monkeypatch.setattr(TraceRecorder, "begin_forward",
+                        lambda self, positions, reads_only=False: brackets.append(list(positions)) or begin(
+                            self, positions, reads_only))
+    whole, _ = _digest_run(model, tok, tmp_path / "whole.h5", True)
+    n = brackets[-1][0]
+    assert brackets[-1] == list(range(n, n + 5))        # five steps, held to the end of the decode: one bracket
+    brackets.clear()
+    monkeypatch.setattr(step_digests, "STEPS_HELD", 2)
+    batched, _ = _digest_run(model, tok, tmp_path / "batched.h5", True)
+    assert brackets[-3:] == [[n, n + 1], [n + 2, n + 3], [n + 4]]
+    with open_trace(whole) as w, open_trace(batched) as b:
+        assert first_digest_mismatch(w, b) is None
+        assert np.array_equal(w.digest_positions, b.digest_positions) and w.digest_positions[-1] == n + 4
+        assert [np.asarray(x).tolist() for x in astuple(w.provenance)] == \
+            [np.asarray(x).tolist() for x in astuple(b.provenance)]

@@ -40,6 +40,7 @@ from kvdiff.engine.kv_cache import BlockTable
 from kvdiff.engine.paged_decode import PagedDecode
 from kvdiff.engine.row_group import RowGroup
 from kvdiff.engine.runner import ModelRunner
+from kvdiff.engine.step_digests import StepDigests
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, Hashable | None],
                           tuple[torch.cuda.CUDAGraph, torch.Tensor, DigestProbes | None] | None] = {}
         self.memory = None        # one memory pool for every bucket's graph
+        self.step_digests = StepDigests()       # graphed steps' digests, not yet handed to their sinks
         self._said_eager = False
 
     def prompt(self, planned: list[tuple[BlockTable, list[RowGroup]]]) -> list[torch.Tensor | None] | None:
@@ -129,11 +131,12 @@ class DecodeGraphs:
         return [logits[end] if g.logits else None for g, end in zip(groups, ends)]
 
     def decode(self, groups: list[RowGroup]) -> list[torch.Tensor] | None:
-        """Each decode row's logits from a graph, its digests handed to its sink where a probe
-        records digests only; None where it cannot be (more rows than a graph holds, or a probe
-        recording more than digests)."""
+        """Each decode row's logits from a graph, its digests held for its sink (`step_digests`)
+        where a probe records digests only; None where it cannot be (more rows than a graph
+        holds, or a probe recording more than digests)."""
         rows = decode_rows(groups)
         if rows is None or len(rows) > BUCKETS[-1]:
+            self.step_digests.flush()       # the eager step's brackets come after the held steps'
             return None
         selections = {digest_selection(g.sink, g.positions) for g in groups} - {None}
         if not selections:
@@ -142,12 +145,14 @@ class DecodeGraphs:
             if not self._said_eager:
                 log.info("probed decode steps recording more than digests run without CUDA graphs")
                 self._said_eager = True
+            self.step_digests.flush()
             return None
         replayed = self.replay(rows, selections.pop())
         if replayed is None:
+            self.step_digests.flush()
             return None
         logits, probes = replayed
-        probes.hand_over(groups)
+        self.step_digests.add(probes, groups)
         return logits
 
     def forward(self, rows: list[GraphRow]) -> list[torch.Tensor] | None:

@@ -21,7 +21,6 @@ from typing import Hashable
 import torch
 
 from kvdiff.engine.kv_cache import BlockPool
-from kvdiff.engine.row_group import RowGroup
 from kvdiff.engine.row_probes import SinkView, begin_view
 from kvdiff.trace.digest import gathered_row_digests, row_digests
 from kvdiff.trace.sink import GraphDigestSink, ProbeIntegrityError, ProbeSink
@@ -52,8 +51,8 @@ def forward_selection(views: list[SinkView]) -> Hashable | None:
 class DigestProbes:
     """The runner's probes (row_probes.RowProbes' interface) for a forward of `rows` rows whose
     sinks digest `selection` (an object with `wants(point, layer)`) and record nothing else.
-    `end` hands `views` their rows' digests; a decode graph calls `digest` inside its step and
-    `hand_over` after each replay instead."""
+    `end` hands `views` their rows' digests; a decode graph calls `digest` inside its step, and its
+    rows' digests go to their sinks a batch of steps at a time (step_digests.py)."""
 
     active = True
 
@@ -154,12 +153,6 @@ class DigestProbes:
         self.digest()
         for view in self.views:
             self._hand(view)
-
-    def hand_over(self, groups: list[RowGroup]) -> None:
-        """After a decode graph's replay: each row group's (one decode row's) digests to its sink."""
-        for i, g in enumerate(groups):
-            if g.sink is not None:
-                self._hand(SinkView(g.sink, slice(i, i + 1), g.positions, [g]))
 
     def _hand(self, view: SinkView) -> None:
         """A view's bracket (begin_forward, provenance, its rows' digests, end_forward)."""

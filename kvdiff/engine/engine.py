@@ -129,7 +129,11 @@ class Engine:
                 self._prefill(requests, planner)
                 planner.fresh = []
                 self._decode(requests, max_new_tokens, start)
+                if self.graphs is not None:
+                    self.graphs.step_digests.flush()
         finally:
+            if self.graphs is not None:
+                self.graphs.step_digests.drop()     # a failed decode's: its traces are not finished
             for entry in planner.fresh:
                 self.registry.discard(entry)
             for r in requests:
