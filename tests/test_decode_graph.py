@@ -191,3 +191,40 @@ def test_graphed_decode_steps_reach_their_sink_a_batch_of_steps_at_a_time(tmp_pa
         assert np.array_equal(w.digest_positions, b.digest_positions) and w.digest_positions[-1] == n + 4
         assert [np.asarray(x).tolist() for x in astuple(w.provenance)] == \
             [np.asarray(x).tolist() for x in astuple(b.provenance)]
+
+
+def test_batched_graph_steps_hand_each_sink_its_own_rows(tmp_path, monkeypatch):
+    from kvdiff.analysis.digests import first_digest_mismatch
+    from kvdiff.engine import step_digests
+    from kvdiff.probes.recorder import TraceRecorder
+    from kvdiff.trace import open_trace
+    from kvdiff.trace.digest import row_digests
+
+    model, tok = build_tiny_model("tiny-llama")
+    other = [{"role": "user", "content": "Name three rivers of Europe and say which is longest."}]
+
+    def run(tag: str, recorded: tuple[int, ...]) -> list:
+        eng = Engine(model, tok, strategy="prefix", kv_budget_bytes=2**24)
+        eng.graphs = DecodeGraphs(eng.runner)
+        convs = [SEED_MESSAGES, other]
+        recs = {i: TraceRecorder.for_model(model, tok, convs[i], tmp_path / f"{tag}{i}.h5", strategy="prefix",
+                                           max_new_tokens=7, trace_mode="digest") for i in recorded}
+        outs = eng.generate(convs, max_new_tokens=7, sinks=recs)
+        return [recs[i].finish(outs[i].token_ids, outs[i].text, outs[i].chunks) for i in recorded]
+
+    whole = run("whole", (0, 1))
+    monkeypatch.setattr(step_digests, "STEPS_HELD", 4)
+    held = run("held", (0, 1))
+    alone = run("alone", (0,))
+    for a, b in ((whole[0], held[0]), (whole[1], held[1]), (whole[0], alone[0])):
+        with open_trace(a) as x, open_trace(b) as y:
+            assert first_digest_mismatch(x, y) is None
+            assert len(x.digest_positions) == len(x.meta.input_ids) + 6      # the prompt and six decode steps
+    embed = model.get_input_embeddings().weight
+    for path in held:         # each sink got its own rows: a decode row's layer-0 input is its token's embedding
+        with open_trace(path) as t:
+            n = len(t.meta.input_ids)
+            hashes, _ = t.digests(0, "resid_pre")
+            for p, token in zip(range(n, n + 6), t.meta.generated_ids):
+                at = int(np.flatnonzero(t.digest_positions == p)[0])
+                assert hashes[at] == row_digests(embed[token].unsqueeze(0))[0][0].item(), (path, p)
