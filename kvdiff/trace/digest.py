@@ -126,7 +126,8 @@ def _block_digests(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     stats = torch.empty(flat.shape[0], len(DIGEST_STATS), dtype=torch.float32, device=flat.device)
     # written into place: few kernels (on a GPU each costs more host time than its rows)
     torch.div(torch.linalg.vector_norm(values, dim=1), flat.shape[1] ** 0.5, out=stats[:, 0])
-    torch.maximum(values.amax(1), values.amin(1).neg(), out=stats[:, 1])
+    # the largest magnitude is one of the row's elements: read from the row itself, not its float64 copy
+    stats[:, 1] = (flat if flat.is_floating_point() else values).abs().amax(1)
     return hashes, stats
 
 
