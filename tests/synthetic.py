@@ -153,8 +153,8 @@ def write_trace(model: SyntheticModel, path: str | Path, prompt: list[int], step
         w.write_norm_weight(None, "final_norm", model.final_w, model.eps)
         for step, (p, logits) in enumerate(rows):
             top = logits.topk(5)
-            w.append_step(step, p, generated[step], top.indices.numpy(), top.values.numpy(),
-                          float(top.values[0] - top.values[1]))
+            w.append_steps([(step, p, generated[step])], top.indices.numpy(), top.values.numpy(),
+                           [float(top.values[0] - top.values[1])])
         for spec in provenance or []:
             w.write_provenance(*spec)
         w.close(generated_ids=generated, text=" ".join(map(str, generated)), chunks=chunks or [])

@@ -45,7 +45,7 @@ def test_rows_round_trip_bit_for_bit(tmp_path, dtype):
             for layer in (0, 1):
                 w.write_rows(f"layers/{layer}", "resid_pre", [pos], rows[(layer, "resid_pre")][pos:pos + 1])
                 w.write_rows(f"layers/{layer}", "k", [pos], keys[layer][pos:pos + 1])
-            w.append_step(step, pos - 1, 7 + step, np.array([7 + step, 3]), np.array([2.5, 1.0]), 1.5)
+            w.append_steps([(step, pos - 1, 7 + step)], np.array([[7 + step, 3]]), np.array([[2.5, 1.0]]), [1.5])
         w.write_provenance([5, 4, 3], "system", 0, [15, 14, 13], False)
         w.write_provenance([4, 5], "usér 😀", 1, [4, 5], True)      # a later report replaces an earlier one
         w.close(generated_ids=[7, 8], text="ok", chunks=chunks)
@@ -59,6 +59,7 @@ def test_rows_round_trip_bit_for_bit(tmp_path, dtype):
                 assert got[name].dtype == want32.dtype
                 assert np.array_equal(got[name].view(np.uint8), want32.view(np.uint8))
         assert tr.steps.token_id.tolist() == [7, 8] and tr.steps.topk_ids.shape == (2, 2)
+        assert tr.steps.position.tolist() == [5, 6] and tr.steps.topk_values.dtype == np.float32
         prov = tr.provenance
         assert prov.chunk == ["", "", "", "system", "usér 😀", "usér 😀", "", ""] and prov.reused[4] and not prov.reused[3]
         assert prov.encoded_position[3:6].tolist() == [13, 4, 5] and prov.prefill_id[3:6].tolist() == [0, 1, 1]
@@ -119,6 +120,15 @@ def test_a_point_missing_positions_is_an_integrity_error_and_leaves_no_file(tmp_
     with pytest.raises(ProbeIntegrityError, match=r"layers/0/k holds no rows for positions 3"):
         w.close()
     assert not path.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_steps_whose_top_k_and_margins_do_not_match_are_refused(tmp_path):
+    with TraceWriter(tmp_path / "t.h5", make_meta()) as w:
+        with pytest.raises(ProbeIntegrityError, match="2 steps with top-k ids of shape"):
+            w.append_steps([(0, 3, 7), (1, 4, 8)], np.zeros((2, 5)), np.zeros((2, 4)), [1.0, 2.0])
+        with pytest.raises(ProbeIntegrityError, match="and 1 margins"):
+            w.append_steps([(0, 3, 7), (1, 4, 8)], np.zeros((2, 5)), np.zeros((2, 5)), [1.0])
+        w.abort()
 
 
 def test_an_exception_inside_the_writer_context_leaves_no_file(tmp_path):

@@ -384,11 +384,10 @@ class TraceRecorder:
             return
         taken, self._step_topk = self._step_topk, []
         steps = [s for held, _, _ in taken for s in held]
-        values = torch.cat([v for _, v, _ in taken]).to("cpu", torch.float64)
-        ids = torch.cat([i for _, _, i in taken]).cpu()
-        for (step, position, token_id), top, top_ids in zip(steps, values, ids):
-            margin = float(top[0] - top[1]) if top.numel() > 1 else float("inf")
-            self.writer.append_step(step, position, token_id, top_ids.numpy(), top.numpy(), margin)
+        values = torch.cat([v for _, v, _ in taken]).to("cpu", torch.float64).numpy()
+        ids = torch.cat([i for _, _, i in taken]).cpu().numpy()
+        margins = values[:, 0] - values[:, 1] if values.shape[1] > 1 else np.full(len(steps), np.inf)
+        self.writer.append_steps(steps, ids, values, margins)
 
     def end_forward(self) -> None:
         if self._positions is None:

@@ -33,7 +33,7 @@ from kvdiff.trace.format import (
 _CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
 _MIN_CHUNK_BYTES = 8 << 10        # and the least one: rows of a few bytes (norm statistics) get more than 128 a chunk
 
-Step = tuple[int, int, int, np.ndarray, np.ndarray, float]   # step, position, token, top-k ids, values, margin
+Steps = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]   # (n, 3) step, position, token; top-k ids, values (n, k); margins
 Source = tuple[np.ndarray, str, int, np.ndarray, bool]      # positions, chunk, prefill id, encoded positions, reused
 
 
@@ -206,18 +206,20 @@ class TraceFile:
                 raise ProbeIntegrityError(f"{name} holds rows for positions {format_ranges(extra)}, whose K/V "
                                           "were read from the cache: only k and v are recorded there")
 
-    def _write_tables(self, positions: np.ndarray, steps: list[Step], provenance: list[Source]) -> None:
+    def _write_tables(self, positions: np.ndarray, steps: list[Steps], provenance: list[Source]) -> None:
         f = self._file
         write_array(f, "positions", positions)
         write_array(f, "generated_ids", np.asarray(self.meta.generated_ids, dtype=np.int64))
-        k = max((s[3].size for s in steps), default=0)
+        k = max((s[1].shape[1] for s in steps), default=0)
+        table, ids, values, margins = (np.concatenate([s[i] for s in steps]) for i in range(4)) if steps else (
+            np.zeros((0, 3), np.int64), np.zeros((0, k), np.int64), np.zeros((0, k), np.float32), np.zeros(0))
         g = f.create_group("steps")
-        write_array(g, "step", np.array([s[0] for s in steps], dtype=np.int64))
-        write_array(g, "position", np.array([s[1] for s in steps], dtype=np.int64))
-        write_array(g, "token_id", np.array([s[2] for s in steps], dtype=np.int64))
-        write_array(g, "topk_ids", np.array([s[3] for s in steps], dtype=np.int64).reshape(len(steps), k))
-        write_array(g, "topk_values", np.array([s[4] for s in steps], dtype=np.float32).reshape(len(steps), k))
-        write_array(g, "margin", np.array([s[5] for s in steps], dtype=np.float64))
+        write_array(g, "step", table[:, 0])
+        write_array(g, "position", table[:, 1])
+        write_array(g, "token_id", table[:, 2])
+        write_array(g, "topk_ids", ids)
+        write_array(g, "topk_values", values)
+        write_array(g, "margin", margins)
         if provenance:
             prov = f.create_group("provenance")
             reports = np.repeat(np.arange(len(provenance)), [s[0].size for s in provenance])
@@ -231,7 +233,7 @@ class TraceFile:
             write_array(prov, "encoded_position", np.concatenate([s[3] for s in provenance])[rows])
             write_array(prov, "reused", np.array([s[4] for s in provenance], dtype=bool)[reports[rows]])
 
-    def finish(self, steps: list[Step], provenance: list[Source]) -> int:
+    def finish(self, steps: list[Steps], provenance: list[Source]) -> int:
         """Check every dataset holds every recorded position, write the tables and the metadata the
         run set, set `complete` last and close the file. Returns the number of recorded positions."""
         meta = self.meta

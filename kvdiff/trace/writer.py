@@ -43,7 +43,7 @@ from kvdiff.trace.norm_stats import norm_statistics
 from kvdiff.trace.sink import ProbeIntegrityError
 from kvdiff.trace.staging import Stage, StageLayout, host_copy
 from kvdiff.trace.step_batch import StagedForward, StepBatch, put_norm_stats
-from kvdiff.trace.file import Source, Step, TraceFile
+from kvdiff.trace.file import Source, Steps, TraceFile
 from kvdiff.trace.format import (ChunkRecord, TraceMeta, dtype_name, latent_weight_path, norm_weight_path,
                                  router_bias_path, to_storage)
 
@@ -111,7 +111,7 @@ class TraceWriter:
         except OSError as exc:
             raise TraceError(f"cannot write trace {self.path}: {_reason(exc)}") from exc
         self._provenance: list[Source] = []     # in the order reported
-        self._steps: list[Step] = []
+        self._steps: list[Steps] = []
         self._stage: Stage | None = None
         self._split = False                     # this forward's captures did not all go into one stage
         self._learning = True                   # the first forward: every staged capture cloned
@@ -301,11 +301,16 @@ class TraceWriter:
 
     # -- steps and provenance ----------------------------------------------------------------
 
-    def append_step(self, step: int, position: int, token_id: int, topk_ids: np.ndarray,
-                    topk_values: np.ndarray, margin: float) -> None:
-        """One generated step (kept in memory: a few bytes a step; written at close)."""
-        self._steps.append((step, position, token_id, np.array(topk_ids, np.int64),
-                            np.array(topk_values, np.float32), float(margin)))
+    def append_steps(self, steps: Sequence[tuple[int, int, int]], topk_ids: np.ndarray, topk_values: np.ndarray,
+                     margins: Sequence[float]) -> None:
+        """Generated steps, each (step, position, token id), with their top-k ids and values
+        (n, k) and margins (n,): kept in memory (a few bytes a step), written at close."""
+        n = len(steps)
+        ids, values = np.array(topk_ids, np.int64).reshape(n, -1), np.array(topk_values, np.float32).reshape(n, -1)
+        if ids.shape != values.shape or len(margins) != n:
+            raise ProbeIntegrityError(f"{n} steps with top-k ids of shape {ids.shape}, values of shape {values.shape} "
+                                      f"and {len(margins)} margins")
+        self._steps.append((np.array(steps, np.int64).reshape(n, 3), ids, values, np.array(margins, np.float64)))
 
     def write_provenance(self, positions: Sequence[int], chunk: str, prefill_id: int,
                          encoded_positions: Sequence[int], reused: bool) -> None:
