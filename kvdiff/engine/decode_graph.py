@@ -136,7 +136,6 @@ class DecodeGraphs:
         holds, or a probe recording more than digests)."""
         rows = decode_rows(groups)
         if rows is None or len(rows) > BUCKETS[-1]:
-            self.step_digests.flush()       # the eager step's brackets come after the held steps'
             return None
         selections = {digest_selection(g.sink, g.positions) for g in groups} - {None}
         if not selections:
@@ -145,11 +144,9 @@ class DecodeGraphs:
             if not self._said_eager:
                 log.info("probed decode steps recording more than digests run without CUDA graphs")
                 self._said_eager = True
-            self.step_digests.flush()
             return None
         replayed = self.replay(rows, selections.pop())
         if replayed is None:
-            self.step_digests.flush()
             return None
         logits, probes = replayed
         self.step_digests.add(probes, groups)

@@ -238,9 +238,11 @@ class Engine:
 
     def _decode_forward(self, groups: list[RowGroup]) -> list[torch.Tensor | None]:
         """A decode forward; a CUDA graph's replay where one applies."""
-        if self.graphs is not None and (logits := self.graphs.decode(groups)):
-            self._forwards += 1
-            return logits
+        if self.graphs is not None:
+            if logits := self.graphs.decode(groups):
+                self._forwards += 1
+                return logits
+            self.graphs.step_digests.flush()        # the eager step's brackets come after the held steps'
         return self._forward(groups)
 
     def _decode(self, requests: list[Request], max_new_tokens: int, start: float) -> None:

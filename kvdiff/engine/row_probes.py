@@ -14,7 +14,7 @@ import torch
 
 from kvdiff.engine.kv_cache import BlockPool
 from kvdiff.engine.row_group import RowGroup
-from kvdiff.trace.sink import ProbeSink
+from kvdiff.trace.sink import ProbeSink, Provenance
 
 
 class SinkView(NamedTuple):
@@ -43,10 +43,14 @@ def sink_views(groups: list[RowGroup], spans: list[slice], positions: list[int])
 
 def begin_view(view: SinkView) -> None:
     """Open a view's bracket: begin_forward at its positions and where its K/V came from."""
-    view.sink.begin_forward(view.positions)
-    for g in view.groups:
-        for p, prov in g.provenance:
-            view.sink.provenance(p, prov)
+    open_bracket(view.sink, view.positions, [p for g in view.groups for p in g.provenance])
+
+
+def open_bracket(sink: ProbeSink, positions: list[int], provenance: list[tuple[list[int], Provenance]]) -> None:
+    """begin_forward at `positions`, then each (positions, source) of where their K/V came from."""
+    sink.begin_forward(positions)
+    for p, source in provenance:
+        sink.provenance(p, source)
 
 
 class RowProbes:

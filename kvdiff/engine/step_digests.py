@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from kvdiff.engine.digest_probes import DigestProbes
 from kvdiff.engine.row_group import RowGroup
+from kvdiff.engine.row_probes import open_bracket
 from kvdiff.trace.sink import GraphDigestSink, Provenance
 
 STEPS_HELD = 64
@@ -68,12 +69,7 @@ class StepDigests:
     def _hand(self, held: _Held) -> None:
         """The held steps as one bracket (begin_forward, provenance, digests, end_forward)."""
         del self._held[id(held.sink)]
-        n = len(held.positions)
-        if n == 0:
-            return
-        sink = held.sink
-        sink.begin_forward(held.positions)
-        for positions, source in held.provenance:
-            sink.provenance(positions, source)
-        sink.take_digested(held.fired, held.hashes[:n], held.stats[:n])
-        sink.end_forward()
+        n = len(held.positions)         # at least one: a sink's entry is made with its first step
+        open_bracket(held.sink, held.positions, held.provenance)
+        held.sink.take_digested(held.fired, held.hashes[:n], held.stats[:n])
+        held.sink.end_forward()
