@@ -210,9 +210,8 @@ class TraceFile:
         f = self._file
         write_array(f, "positions", positions)
         write_array(f, "generated_ids", np.asarray(self.meta.generated_ids, dtype=np.int64))
-        k = max((s[1].shape[1] for s in steps), default=0)
         table, ids, values, margins = (np.concatenate([s[i] for s in steps]) for i in range(4)) if steps else (
-            np.zeros((0, 3), np.int64), np.zeros((0, k), np.int64), np.zeros((0, k), np.float32), np.zeros(0))
+            np.zeros((0, 3), np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32), np.zeros(0))
         g = f.create_group("steps")
         write_array(g, "step", table[:, 0])
         write_array(g, "position", table[:, 1])
