@@ -336,6 +336,28 @@ def test_statistics_prove_a_breach_outside_the_window_and_only_a_difference_for_
     assert np.isin(big.tier[:row], (0, 3)).all() and (tiny.tier[:row] == 0).all()    # earlier layers equal
 
 
+
+def test_equal_hashes_are_not_bitwise_where_the_statistics_prove_the_rows_differ(tiny_llama, tmp_path):
+    """A 2^-32 hash collision, or a trace edited by hand: the statistics' proof of a difference wins."""
+    import h5py
+
+    model, tokenizer = tiny_llama
+    reference = _record(model, tokenizer, tmp_path / "ref.h5", trace_mode="digest")
+    layer = model.model.layers[2].mlp
+    handle = layer.register_forward_hook(lambda m, i, out: out * 1.5)
+    try:
+        _record(model, tokenizer, tmp_path / "cand.h5", trace_mode="digest")
+    finally:
+        handle.remove()
+    with h5py.File(reference, "r") as ref, h5py.File(tmp_path / "cand.h5", "r+") as cand:
+        for table in ("hash", "kv_hash"):           # every row's hash made the reference's, statistics kept
+            cand["digests/layers/" + table][...] = ref["digests/layers/" + table][...]
+    mlp = diff(reference, tmp_path / "cand.h5").comparison.points["mlp_out"]
+    row = mlp.row_of(2)
+    compared = mlp.tier[row] != 3
+    assert set(mlp.tier[row, compared].tolist()) == {2} and (mlp.max_abs[row, compared] > 0).all()
+    assert np.isin(mlp.tier[:row], (0, 3)).all()          # rows whose statistics agree stay bitwise
+
 @pytest.mark.parametrize("strategy, warm", [(s, False) for s in STRATEGIES] + [("prefix", True),
                                                                                ("isolated-local", True)])
 def test_the_seeds_scenario_has_the_same_first_divergence_and_diagnoses_in_digest_and_full_mode(strategy, warm,

@@ -7,6 +7,8 @@ max|x - y| >= | max|x| - max|y| | and max|x - y| >= rms(x - y) >= | rms(x) - rms
 larger of the two gaps, less the float32 rounding of the stored statistics, is a lower bound of
 max_abs; beyond the tolerance's bound at the reference's scale it is a breach. `max_abs` and
 `rel` of such cells are those lower bounds (rel >= (rms(x) - rms(y))^2 / (rms(x)^2 + rms(y)^2)).
+A row is `bitwise` only where the statistics agree too: equal hashes of rows whose statistics prove
+them different (a 2^-32 hash collision, or a trace edited by hand) are compared by the statistics.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def _digest_map(ref: TraceReader, cand: TraceReader, point: str, layers: list[in
             rel = np.where(squares > 0, np.maximum(np.abs(x[:, 0] - y[:, 0]) - slack, 0) ** 2
                            / np.where(squares > 0, squares, 1), 0.0)
             breach = gap > tolerance.bound(x[:, 1] * (1 + _STORED))
-        same = ref_hash == cand_hash
+        # the statistics are a proof, equal hashes only near-certain evidence: the proof wins
+        same = (ref_hash == cand_hash) & ~(gap > 0) & (finite_x == finite_y)
         tier = np.where(same, Tier.BITWISE, np.where(breach | ~(finite_x & finite_y), Tier.DIVERGENT, Tier.DIFFERENT))
         out.tier[row] = np.where(recorded, np.where(al.comparable, tier, Tier.INCOMPARABLE), NOT_COMPARED)
         out.max_abs[row] = np.where(recorded, np.where(same, 0.0, np.maximum(gap, 0.0)), np.nan)
