@@ -177,6 +177,17 @@ def test_a_trace_without_positions_diffs(tmp_path):
     assert code in (0, 1)
 
 
+
+def test_a_reference_whose_one_position_is_incomparable_diffs(tmp_path):
+    """The reference holds position 8 alone, past the inputs both traces share: the keys' diagnoses
+    get no comparable rows (rope.py's finite-row test took zero rows for a crash)."""
+    path = _copy(tmp_path, "reference")
+    fuzz_targets.SetIds("positions", (8,)).apply(path, fuzz_targets.seeds()["reference"])
+    result = runner.invoke(app, ["diff", str(path), str(fuzz_targets.seeds()["candidate"].path),
+                                 "--json", str(tmp_path / "report.json")])
+    fuzz_targets.check(result, ["diff"])
+    assert result.exit_code == 1
+
 def test_huge_finite_rows_keep_their_metrics():
     """Squares of float32 elements beyond ~1e19 overflowed to a NaN rel for finite rows (metrics.py)."""
     from kvdiff.analysis.metrics import row_metrics

@@ -24,7 +24,8 @@ def _complex(x: np.ndarray) -> np.ndarray:
 
 def _finite_rows(*arrays: np.ndarray) -> np.ndarray:
     """Bool per row (first axis): every element of every array is finite."""
-    return np.logical_and.reduce([np.isfinite(a.reshape(a.shape[0], -1)).all(axis=1) for a in arrays])
+    # all() over the row's axes, not a reshape(n, -1): that cannot take zero rows
+    return np.logical_and.reduce([np.isfinite(a).all(axis=tuple(range(1, a.ndim))) for a in arrays])
 
 
 def _unit_scale(x: np.ndarray) -> np.ndarray:
