@@ -358,6 +358,18 @@ def test_equal_hashes_are_not_bitwise_where_the_statistics_prove_the_rows_differ
     assert set(mlp.tier[row, compared].tolist()) == {2} and (mlp.max_abs[row, compared] > 0).all()
     assert np.isin(mlp.tier[:row], (0, 3)).all()          # rows whose statistics agree stay bitwise
 
+
+def test_a_window_row_that_does_not_hash_to_its_digest_is_a_damaged_trace(tiny_llama, tmp_path):
+    import h5py
+
+    model, tokenizer = tiny_llama
+    zoom = _record(model, tokenizer, tmp_path / "zoom.h5", trace_mode="digest", layers="1", positions="2-9")
+    assert diff(zoom, zoom).first_bit_difference is None          # every window row hashes to its digest
+    with h5py.File(zoom, "r+") as f:
+        f["layers/1/attn_out"][5, 3] += 1.0                     # one element of one window row
+    with pytest.raises(InputError, match="row of attn_out of layer 1 at position 5 does not hash to its digest"):
+        diff(zoom, zoom)
+
 @pytest.mark.parametrize("strategy, warm", [(s, False) for s in STRATEGIES] + [("prefix", True),
                                                                                ("isolated-local", True)])
 def test_the_seeds_scenario_has_the_same_first_divergence_and_diagnoses_in_digest_and_full_mode(strategy, warm,

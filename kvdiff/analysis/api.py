@@ -24,7 +24,7 @@ from kvdiff.analysis.diagnose_tokens import diagnose_noise, diagnose_non_finite,
 from kvdiff.analysis.diagnosis import DiagnosisInputs
 from kvdiff.analysis.divergence import Divergence, recorded_with_different
 from kvdiff.analysis.operation import first_operation
-from kvdiff.analysis.digests import digest_comparison, with_window
+from kvdiff.analysis.digests import check_window, digest_comparison, with_window
 from kvdiff.analysis.search import all_maps, first_bit_difference, first_non_finite, first_tolerance_breach, location
 from kvdiff.analysis.tolerance import Tier, Tolerance, Tolerances
 from kvdiff.errors import InputError
@@ -81,6 +81,8 @@ def _compare(ref: TraceReader, cand: TraceReader, tolerances: Mapping[str, Toler
     rows = compare(ref, cand, alignment, tols)
     if ref.meta.trace_mode == "full":
         return rows, rows
+    check_window(ref)
+    check_window(cand)
     whole = align(ref.meta, cand.meta, ref.digest_positions, cand.digest_positions, *steps, text)
     return rows, with_window(digest_comparison(ref, cand, whole, tols), rows)
 

@@ -14,11 +14,14 @@ them different (a 2^-32 hash collision, or a trace edited by hand) are compared 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from kvdiff.analysis.align import Alignment
 from kvdiff.analysis.compare import Comparison, PointMap
 from kvdiff.analysis.tolerance import NOT_COMPARED, Tier, Tolerances
+from kvdiff.errors import TraceError
 from kvdiff.trace import TraceReader
+from kvdiff.trace.digest import row_digests
 from kvdiff.trace.points import FINAL_POINTS, KNOWN_LAYER_POINTS, READ_POINTS
 
 _STORED = 2.0 ** -23      # float32 rounding of a stored statistic, relative, with a factor 2 to spare
@@ -62,6 +65,29 @@ def digest_comparison(ref: TraceReader, cand: TraceReader, alignment: Alignment,
                       {p: _digest_map(ref, cand, p, layers, alignment, tolerances) for p in points},
                       {p: _digest_map(ref, cand, p, [None], alignment, tolerances)
                        for p in FINAL_POINTS if p in shared})
+
+
+def check_window(trace: TraceReader) -> None:
+    """Refuse a digest trace whose zoom window holds a row that does not hash to the trace's own
+    digest of it: the row or its digest was damaged or edited (or recorded apart), and a diff of
+    the window would show a difference no run made."""
+    meta = trace.meta
+    at = np.searchsorted(trace.digest_positions, trace.positions)
+    computed = np.flatnonzero(~np.isin(trace.positions, meta.kv_only_positions))
+    wanted = [(layer, p) for layer in meta.layers if layer in meta.digest_layers
+              for p in meta.points if p in KNOWN_LAYER_POINTS and p in meta.digest_points]
+    wanted += [(None, p) for p in meta.points if p in FINAL_POINTS and p in meta.digest_points]
+    for layer, point in wanted:
+        rows = np.arange(trace.positions.size) if point in READ_POINTS else computed
+        if not rows.size:
+            continue
+        hashed = row_digests(torch.from_numpy(np.ascontiguousarray(trace.point(layer, point, rows))))[0].numpy()
+        differs = np.flatnonzero(hashed != trace.digests(layer, point, at[rows])[0])
+        if differs.size:
+            where = point if layer is None else f"{point} of layer {layer}"
+            raise TraceError(f"trace {trace.path} is damaged: its row of {where} at position "
+                             f"{int(trace.positions[rows[differs[0]]])} does not hash to its digest of that row "
+                             f"({differs.size} such rows): record it again")
 
 
 def _overlay_map(whole: PointMap, window: PointMap) -> None:
