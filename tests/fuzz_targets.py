@@ -1,5 +1,7 @@
 """Fuzz targets: mutated traces fed to `kvdiff diff` and `kvdiff inspect`, mutated case files fed
-to `kvdiff gate`, each run in-process through the typer app.
+to `kvdiff gate`, each run in-process through the typer app. The traces are full ones of a
+synthetic decoder (`seeds`) or digest traces with a zoom window, as `kvdiff compare` writes them
+by default (`digest_seeds`, from the tiny model).
 
 The property (`check`, `invoke`): the command exits 0, 1, 2 or 3; no exception escapes; no
 traceback is printed and kvdiff's code raises no warning (numpy's on NaN would print two lines);
@@ -37,6 +39,7 @@ import numpy as np
 from hypothesis import given, strategies as st
 from typer.testing import CliRunner
 
+import kvdiff
 from kvdiff.engine import loading
 from synthetic import Faults, SyntheticModel, write_trace
 from kvdiff.cli import app
@@ -111,6 +114,21 @@ def seeds() -> dict[str, Seed]:
                             faults=Faults(encoded={p: p - 4 for p in range(4, 8)}, context_start={p: 4 for p in range(4, 8)}),
                             chunks=CHUNKS, provenance=PROVENANCE)
     return {"reference": _describe(reference), "candidate": _describe(candidate)}
+
+
+DIGEST_MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
+                   {"role": "user", "content": "What is the capital of France?"}]
+
+
+@lru_cache(maxsize=None)
+def digest_seeds() -> dict[str, Seed]:
+    """The traces `kvdiff compare` writes by default (digests of every row, full rows in the zoom
+    window), from the tiny model with a divergent strategy, written once per process."""
+    folder = Path(tempfile.mkdtemp(prefix="kvdiff-fuzz-digest-seeds-"))
+    atexit.register(shutil.rmtree, folder, True)
+    kvdiff.compare(DIGEST_MESSAGES, model="tiny-llama", strategy="isolated-local", max_new_tokens=STEPS,
+                   out=folder / "run")
+    return {side: _describe(folder / "run" / f"{side}.h5") for side in ("reference", "candidate")}
 
 
 # -- trace mutations --------------------------------------------------------------------------
@@ -712,9 +730,10 @@ def _expect_refused(mutated: Path, args: list[str]) -> None:
                           f"(exit {LAST_EXIT[0]})")
 
 
-def run_diff(ops: list, target: str, html: bool, baseline: bool) -> None:
-    """`kvdiff diff` with the reference, the candidate or both mutated; report.json always written."""
-    s = seeds()
+def run_diff(ops: list, target: str, html: bool, baseline: bool, digest: bool) -> None:
+    """`kvdiff diff` with the reference, the candidate or both mutated; report.json always written;
+    `digest`: traces as `kvdiff compare` writes them (digest_seeds) instead of full ones."""
+    s = digest_seeds() if digest else seeds()
     with tempfile.TemporaryDirectory(prefix="kvdiff-fuzz-") as tmp:
         folder = Path(tmp)
         mutated = mutate(s[target if target != "same" else "candidate"], ops, folder / "mutated.h5")
@@ -731,8 +750,8 @@ def run_diff(ops: list, target: str, html: bool, baseline: bool) -> None:
             raise FuzzFailure("a trace attribute was unpickled")
 
 
-def run_inspect(ops: list, target: str) -> None:
-    s = seeds()
+def run_inspect(ops: list, target: str, digest: bool) -> None:
+    s = digest_seeds() if digest else seeds()
     with tempfile.TemporaryDirectory(prefix="kvdiff-fuzz-") as tmp:
         mutated = mutate(s[target], ops, Path(tmp) / "mutated.h5")
         invoke(["inspect", str(mutated)])
@@ -908,8 +927,9 @@ def run_gate(content: bytes) -> None:
 trace_ops = st.lists(trace_mutations, min_size=1, max_size=4)
 TARGETS: dict[str, tuple[Callable[..., None], dict[str, st.SearchStrategy]]] = {
     "diff": (run_diff, {"ops": trace_ops, "target": st.sampled_from(("candidate", "reference", "same")),
-                        "html": st.booleans(), "baseline": st.booleans()}),
-    "inspect": (run_inspect, {"ops": trace_ops, "target": st.sampled_from(("candidate", "reference"))}),
+                        "html": st.booleans(), "baseline": st.booleans(), "digest": st.booleans()}),
+    "inspect": (run_inspect, {"ops": trace_ops, "target": st.sampled_from(("candidate", "reference")),
+                              "digest": st.booleans()}),
     "gate": (run_gate, {"content": case_files}),
 }
 

@@ -42,8 +42,9 @@ def test_the_property_flags_a_crash_into_the_catch_all(monkeypatch, tmp_path):
         raise ZeroDivisionError("planted")
 
     monkeypatch.setattr("kvdiff.reports.inspect.describe_trace", boom)
-    with pytest.raises(fuzz_targets.FuzzFailure, match="catch-all"):
-        fuzz_targets.run_inspect([], "candidate")
+    for digest in (False, True):          # a full trace, and a digest trace as `kvdiff compare` writes it
+        with pytest.raises(fuzz_targets.FuzzFailure, match="catch-all"):
+            fuzz_targets.run_inspect([], "candidate", digest)
 
 
 # -- regressions: one input per bug the fuzzer found ---------------------------------------------
