@@ -87,7 +87,7 @@ def check_window(trace: TraceReader) -> None:
             where = point if layer is None else f"{point} of layer {layer}"
             raise TraceError(f"trace {trace.path} is damaged: its row of {where} at position "
                              f"{int(trace.positions[rows[differs[0]]])} does not hash to its digest of that row "
-                             f"({differs.size} such rows): record it again")
+                             f"(rows of it that do not: {differs.size}): record it again")
 
 
 def _overlay_map(whole: PointMap, window: PointMap) -> None:
