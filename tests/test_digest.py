@@ -337,6 +337,19 @@ def test_statistics_prove_a_breach_outside_the_window_and_only_a_difference_for_
 
 
 
+def test_inspect_says_what_a_digest_trace_holds_every_row_and_its_window(tiny_llama, tmp_path):
+    model, tokenizer = tiny_llama
+    zoom = _record(model, tokenizer, tmp_path / "zoom.h5", trace_mode="digest", layers="1", positions="2-9")
+    result = CliRunner().invoke(app, ["inspect", str(zoom)], terminal_width=300)
+    assert result.exit_code == 0, result.output
+    with open_trace(zoom) as t:
+        every = f"positions 0-{int(t.digest_positions[-1])}"
+    text = " ".join(result.output.split())        # rich wraps the summary's values
+    assert f"generated; {every} " in text and " mode digest: " in text       # every digested position, not the window's
+    digests, window = text[text.index(" digests "):text.index(" window full rows")], text[text.index(" window full rows"):]
+    assert "layers 0-2" in digests and every in digests and "logits" in digests
+    assert "layers 1, positions 2-9" in window and "window rows" in window
+
 def test_equal_hashes_are_not_bitwise_where_the_statistics_prove_the_rows_differ(tiny_llama, tmp_path):
     """A 2^-32 hash collision, or a trace edited by hand: the statistics' proof of a difference wins."""
     import h5py

@@ -8,6 +8,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from kvdiff.trace.format import DIGEST_GROUP
 from kvdiff.trace.points import POINT_ORDER
 from kvdiff.trace.ranges import format_ranges
 from kvdiff.trace.reader import TraceReader
@@ -18,8 +19,24 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
+def _what_is_recorded(tr: TraceReader) -> list[tuple[str, str]]:
+    """Summary rows of what the trace holds: the points and layers of a full trace; a digest
+    trace's digests (every row) and its zoom window (full rows)."""
+    m = tr.meta
+    if m.trace_mode != "digest":
+        return [("points", ", ".join(m.points)), ("layers", format_ranges(m.layers))]
+    digests = sum(ds.stored_bytes for ds in tr.datasets() if ds.name.startswith(DIGEST_GROUP + "/"))
+    window = (f"full rows of {', '.join(m.points)}; layers {format_ranges(m.layers)}, positions "
+              f"{format_ranges(tr.positions)}") if tr.positions.size and m.points else "none (digests only)"
+    return [("mode", "digest: a hash, rms and max_abs of every row; full rows only in the window"),
+            ("digests", f"{', '.join(m.digest_points)}; layers {format_ranges(m.digest_layers)}, positions "
+                        f"{format_ranges(tr.digest_positions)} ({_mb(digests)})"),
+            ("window", window)]
+
+
 def describe_trace(tr: TraceReader) -> Group:
-    """A summary table, the chunk table and the stored size per probe point."""
+    """A summary table, the chunk table and the stored size per probe point (a digest trace's:
+    of its window's full rows)."""
     m = tr.meta
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")
@@ -31,13 +48,12 @@ def describe_trace(tr: TraceReader) -> Group:
                   f"head_dim {m.dims.head_dim}, hidden {m.dims.hidden_size}, vocab {m.dims.vocab_size}"),
         ("run", f"strategy {m.strategy}, numerics {m.numerics}, {m.dtype} on {m.device}, "
                 f"torch {m.torch_version}, transformers {m.transformers_version}"),
-        ("tokens", f"{len(m.input_ids)} prompt + {len(m.generated_ids)} generated; "
-                   f"positions {format_ranges(tr.positions)}"),
+        ("tokens", f"{len(m.input_ids)} prompt + {len(m.generated_ids)} generated; positions "
+                   f"{format_ranges(tr.digest_positions if m.trace_mode == 'digest' else tr.positions)}"),
         *([("kv only", f"positions {format_ranges(m.kv_only_positions)}: K/V read from the cache, "
                        "only k and v recorded")] if m.kv_only_positions.size else []),
         ("text", repr(m.text)),
-        ("points", ", ".join(m.points)),
-        ("layers", format_ranges(m.layers)),
+        *_what_is_recorded(tr),
     ]
     for key, value in rows:
         summary.add_row(key, Text(printable(value, keep="")))         # trace text is never read as markup
@@ -58,7 +74,7 @@ def describe_trace(tr: TraceReader) -> Group:
             entry[0] += 1
             entry[1] += ds.stored_bytes
             entry[2], entry[3] = ds.shape[1:], ds.dtype
-    points = Table(title="probe points", title_justify="left")
+    points = Table(title="window rows" if m.trace_mode == "digest" else "probe points", title_justify="left")
     for col in ("point", "datasets", "row shape", "dtype", "stored"):
         points.add_column(col, justify="right" if col in ("datasets", "stored") else "left")
     for name, (count, stored, shape, dtype) in sorted(sizes.items(), key=lambda kv: POINT_ORDER[kv[0]]):
