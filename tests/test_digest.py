@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -372,16 +374,24 @@ def test_equal_hashes_are_not_bitwise_where_the_statistics_prove_the_rows_differ
     assert np.isin(mlp.tier[:row], (0, 3)).all()          # rows whose statistics agree stay bitwise
 
 
-def test_a_window_row_that_does_not_hash_to_its_digest_is_a_damaged_trace(tiny_llama, tmp_path):
+def test_a_window_row_that_does_not_match_its_digest_is_a_damaged_trace(tiny_llama, tmp_path):
     import h5py
 
     model, tokenizer = tiny_llama
     zoom = _record(model, tokenizer, tmp_path / "zoom.h5", trace_mode="digest", layers="1", positions="2-9")
-    assert diff(zoom, zoom).first_bit_difference is None          # every window row hashes to its digest
+    assert diff(zoom, zoom).first_bit_difference is None          # every window row matches its digest
+    stats = tmp_path / "stats.h5"
+    stats.write_bytes(Path(zoom).read_bytes())
     with h5py.File(zoom, "r+") as f:
         f["layers/1/attn_out"][5, 3] += 1.0                     # one element of one window row
-    with pytest.raises(InputError, match="row of attn_out of layer 1 at position 5 does not hash to its digest"):
+    with pytest.raises(InputError, match="row of attn_out of layer 1 at position 5 does not match its digest"):
         diff(zoom, zoom)
+    with open_trace(stats) as t:
+        layer, column = t.meta.digest_layers.index(1), digest_tables(t.meta.digest_points, 1)[""].index("attn_out")
+    with h5py.File(stats, "r+") as f:                        # the rms of that row's digest, 1% off
+        f["digests/layers/stats"][5, layer, column, 0] *= 1.01
+    with pytest.raises(InputError, match="row of attn_out of layer 1 at position 5 does not match its digest"):
+        diff(stats, stats)
 
 @pytest.mark.parametrize("strategy, warm", [(s, False) for s in STRATEGIES] + [("prefix", True),
                                                                                ("isolated-local", True)])

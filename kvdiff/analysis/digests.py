@@ -68,9 +68,10 @@ def digest_comparison(ref: TraceReader, cand: TraceReader, alignment: Alignment,
 
 
 def check_window(trace: TraceReader) -> None:
-    """Refuse a digest trace whose zoom window holds a row that does not hash to the trace's own
-    digest of it: the row or its digest was damaged or edited (or recorded apart), and a diff of
-    the window would show a difference no run made."""
+    """Refuse a digest trace whose zoom window holds a row that does not match the trace's own
+    digest of it, its hash or (beyond the stored rounding) its statistics: the row or its digest
+    was damaged or edited, or recorded apart. A diff of the window would show a difference no run
+    made; statistics that do not describe their rows would prove breaches outside it."""
     meta = trace.meta
     at = np.searchsorted(trace.digest_positions, trace.positions)
     computed = np.flatnonzero(~np.isin(trace.positions, meta.kv_only_positions))
@@ -81,12 +82,17 @@ def check_window(trace: TraceReader) -> None:
         rows = np.arange(trace.positions.size) if point in READ_POINTS else computed
         if not rows.size:
             continue
-        hashed = row_digests(torch.from_numpy(np.ascontiguousarray(trace.point(layer, point, rows))))[0].numpy()
-        differs = np.flatnonzero(hashed != trace.digests(layer, point, at[rows])[0])
+        hashed, stats = row_digests(torch.from_numpy(np.ascontiguousarray(trace.point(layer, point, rows))))
+        stored_hash, stored_stats = trace.digests(layer, point, at[rows])
+        fresh, stored = stats.numpy().astype(np.float64), stored_stats.astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            agree = (fresh == stored) | (np.isnan(fresh) & np.isnan(stored)) | (
+                np.abs(fresh - stored) <= _STORED * np.maximum(np.abs(fresh), np.abs(stored)))
+        differs = np.flatnonzero((hashed.numpy() != stored_hash) | ~agree.all(1))
         if differs.size:
             where = point if layer is None else f"{point} of layer {layer}"
             raise TraceError(f"trace {trace.path} is damaged: its row of {where} at position "
-                             f"{int(trace.positions[rows[differs[0]]])} does not hash to its digest of that row "
+                             f"{int(trace.positions[rows[differs[0]]])} does not match its digest of that row "
                              f"(rows of it that do not: {differs.size}): record it again")
 
 
