@@ -11,7 +11,7 @@ from rich.text import Text
 from kvdiff.trace.format import DIGEST_GROUP
 from kvdiff.trace.points import POINT_ORDER
 from kvdiff.trace.ranges import format_ranges
-from kvdiff.trace.reader import TraceReader
+from kvdiff.trace.reader import DatasetInfo, TraceReader
 from kvdiff.reports.printable import printable
 
 
@@ -19,13 +19,13 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def _what_is_recorded(tr: TraceReader) -> list[tuple[str, str]]:
+def _what_is_recorded(tr: TraceReader, datasets: list[DatasetInfo]) -> list[tuple[str, str]]:
     """Summary rows of what the trace holds: the points and layers of a full trace; a digest
-    trace's digests (every row) and its zoom window (full rows)."""
+    trace's digests (every row; their size from `datasets`, the trace's) and its zoom window (full rows)."""
     m = tr.meta
     if m.trace_mode != "digest":
         return [("points", ", ".join(m.points)), ("layers", format_ranges(m.layers))]
-    digests = sum(ds.stored_bytes for ds in tr.datasets() if ds.name.startswith(DIGEST_GROUP + "/"))
+    digests = sum(ds.stored_bytes for ds in datasets if ds.name.startswith(DIGEST_GROUP + "/"))
     window = (f"full rows of {', '.join(m.points)}; layers {format_ranges(m.layers)}, positions "
               f"{format_ranges(tr.positions)}") if tr.positions.size and m.points else "none (digests only)"
     return [("mode", "digest: a hash, rms and max_abs of every row; full rows only in the window"),
@@ -38,6 +38,7 @@ def describe_trace(tr: TraceReader) -> Group:
     """A summary table, the chunk table and the stored size per probe point (a digest trace's:
     of its window's full rows)."""
     m = tr.meta
+    datasets = tr.datasets()         # one walk of the file for the summary and the size table
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")
     summary.add_column()
@@ -53,7 +54,7 @@ def describe_trace(tr: TraceReader) -> Group:
         *([("kv only", f"positions {format_ranges(m.kv_only_positions)}: K/V read from the cache, "
                        "only k and v recorded")] if m.kv_only_positions.size else []),
         ("text", repr(m.text)),
-        *_what_is_recorded(tr),
+        *_what_is_recorded(tr, datasets),
     ]
     for key, value in rows:
         summary.add_row(key, Text(printable(value, keep="")))         # trace text is never read as markup
@@ -67,7 +68,7 @@ def describe_trace(tr: TraceReader) -> Group:
                            f"{c.encoded_positions[0]}-{c.encoded_positions[1]}", c.cache, Text(printable(c.hash[:16], keep="")))
         parts.append(chunks)
     sizes: dict[str, list] = defaultdict(lambda: [0, 0, None, ""])
-    for ds in tr.datasets():
+    for ds in datasets:
         head = ds.name.split("/")
         if head[0] in ("layers", "final") and len(head) == (3 if head[0] == "layers" else 2):
             entry = sizes[head[-1]]
