@@ -319,6 +319,29 @@ def test_the_zoom_run_not_repeating_the_first_is_reported_with_where(tiny_llama,
     assert finding.positions == (0, 0) and finding.confidence == 1.0
 
 
+def test_a_repeat_whose_statistics_differ_under_equal_hashes_is_not_its_first_run(tiny_llama, tmp_path):
+    """A 2^-32 hash collision between the two runs of one side: the statistics still tell them apart."""
+    import h5py
+
+    model, tokenizer = tiny_llama
+    first = _record(model, tokenizer, tmp_path / "first.h5", trace_mode="digest")
+    again = tmp_path / "again.h5"
+    again.write_bytes(Path(first).read_bytes())
+    with open_trace(first) as t:
+        layer, column = t.meta.digest_layers.index(1), digest_tables(t.meta.digest_points, 1)[""].index("mlp_out")
+    with h5py.File(again, "r+") as f:                       # position 3's rms, hash kept
+        stats = f["digests/layers/stats"]
+        rms = stats[3, layer, column, 0]
+        stats[3, layer, column, 0] = rms * np.float32(1 + 2 ** -20)
+    assert repeat_findings((first,), (first,), ("candidate",)) == []
+    (finding,) = repeat_findings((first,), (again,), ("candidate",))
+    assert finding.details == {"side": "candidate", "layer": 1, "tensor": "mlp_out"} and finding.positions == (3, 3)
+    with h5py.File(again, "r+") as f:                       # one float32 step: the rounding of a stored rms
+        f["digests/layers/stats"][3, layer, column, 0] = np.nextafter(rms, np.float32(np.inf))
+    with open_trace(first) as a, open_trace(again) as b:
+        assert first_digest_mismatch(a, b) is None
+
+
 def test_statistics_prove_a_breach_outside_the_window_and_only_a_difference_for_a_last_bit(tiny_llama, tmp_path):
     model, tokenizer = tiny_llama
     reference = _record(model, tokenizer, tmp_path / "ref.h5", trace_mode="digest")

@@ -67,6 +67,15 @@ def digest_comparison(ref: TraceReader, cand: TraceReader, alignment: Alignment,
                        for p in FINAL_POINTS if p in shared})
 
 
+def _statistics_agree(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Per row, whether two digests' statistics (rows, 2) describe the same row: equal, both NaN, or
+    apart by no more than their float32 rounding (each statistic on its own scale)."""
+    x, y = x.astype(np.float64), y.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        agree = (x == y) | (np.isnan(x) & np.isnan(y)) | (np.abs(x - y) <= _STORED * np.maximum(np.abs(x), np.abs(y)))
+    return agree.all(1)
+
+
 def check_window(trace: TraceReader) -> None:
     """Refuse a digest trace whose zoom window holds a row that does not match the trace's own
     digest of it, its hash or (beyond the stored rounding) its statistics: the row or its digest
@@ -84,11 +93,7 @@ def check_window(trace: TraceReader) -> None:
             continue
         hashed, stats = row_digests(torch.from_numpy(np.ascontiguousarray(trace.point(layer, point, rows))))
         stored_hash, stored_stats = trace.digests(layer, point, at[rows])
-        fresh, stored = stats.numpy().astype(np.float64), stored_stats.astype(np.float64)
-        with np.errstate(invalid="ignore"):
-            agree = (fresh == stored) | (np.isnan(fresh) & np.isnan(stored)) | (
-                np.abs(fresh - stored) <= _STORED * np.maximum(np.abs(fresh), np.abs(stored)))
-        differs = np.flatnonzero((hashed.numpy() != stored_hash) | ~agree.all(1))
+        differs = np.flatnonzero((hashed.numpy() != stored_hash) | ~_statistics_agree(stats.numpy(), stored_stats))
         if differs.size:
             where = point if layer is None else f"{point} of layer {layer}"
             raise TraceError(f"trace {trace.path} is damaged: its row of {where} at position "
@@ -124,7 +129,9 @@ def with_window(whole: Comparison, window: Comparison) -> Comparison:
 
 def first_digest_mismatch(a: TraceReader, b: TraceReader) -> tuple[int | None, str, int] | None:
     """The first (layer, point, position), layer by layer, where two digest traces of the same
-    run hold different hashes (or one holds a position the other lacks); None when they agree."""
+    run hold different digests: hashes, or statistics beyond their stored rounding (a hash
+    collision hides no difference the statistics show); or one holds a position the other lacks.
+    None when they agree."""
     if not np.array_equal(a.digest_positions, b.digest_positions):
         return None, "positions", int(np.setxor1d(a.digest_positions, b.digest_positions)[0])
     layers = [i for i in a.meta.digest_layers if i in b.meta.digest_layers]
@@ -133,7 +140,8 @@ def first_digest_mismatch(a: TraceReader, b: TraceReader) -> tuple[int | None, s
         for point in points:
             if (point in FINAL_POINTS) != (layer is None):
                 continue
-            differs = np.flatnonzero(a.digests(layer, point)[0] != b.digests(layer, point)[0])
+            (hash_a, stats_a), (hash_b, stats_b) = a.digests(layer, point), b.digests(layer, point)
+            differs = np.flatnonzero((hash_a != hash_b) | ~_statistics_agree(stats_a, stats_b))
             if differs.size:
                 return layer, point, int(a.digest_positions[differs[0]])
     return None

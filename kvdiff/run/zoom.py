@@ -80,12 +80,13 @@ def repeat_findings(first_pass: tuple[Path, ...], zoom: tuple[Path, ...],
         at = f"{point} at layer {layer}" if layer is not None else point
         out.append(Diagnosis(
             kind="nondeterministic", chunk=None, positions=(position, position),
-            evidence=f"the {side}'s zoom run is not its first run: {at}, position {position}, hashes differently "
+            evidence=f"the {side}'s zoom run is not its first run: {at}, position {position}, digests differently "
                      "on the same input",
             details={"side": side, "layer": layer, "tensor": point},
             confidence=1.0,
-            proof=f"the {side} ran the same request twice; the row hashes of {at} at position {position} "
-                  "differ between the runs (equal hashes are equal bits)"))
+            proof=f"the {side} ran the same request twice; the row digests of {at} at position {position} "
+                  "differ between the runs (a different hash is different bits; statistics apart by more than "
+                  "their float32 rounding are a different row)"))
     return out
 
 
