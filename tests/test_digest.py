@@ -44,6 +44,12 @@ def test_a_hash_tells_one_flipped_bit_and_does_not_depend_on_the_batch(monkeypat
     bf16 = rows.to(torch.bfloat16)
     assert row_digests(bf16)[0].shape == (7,) and not torch.equal(row_digests(bf16)[0], hashes)
     assert torch.equal(row_digests(bf16)[0], row_digests(bf16.float())[0])    # by value: an engine's float32 logits
+    empty = torch.empty(0, 3, 16)                   # no rows: empty digests, not a reshape error
+    assert [t.shape for t in row_digests(empty)] == [(0,), (0, 2)]
+    batch = DigestBatch()
+    assert batch.stage(empty) is None                # nothing to stage: the caller hashes it alone
+    batch.add(empty)
+    assert [t.shape for t in batch.digests()[0]] == [(0,), (0, 2)]
 
 
 def test_staged_captures_hash_as_they_were_copied_a_stage_at_a_time(monkeypatch):

@@ -179,6 +179,18 @@ def test_a_probe_firing_twice_or_matching_nothing_is_an_error(tiny_llama, tmp_pa
         record(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=2, spec=nothing)
 
 
+@pytest.mark.parametrize("mode", ["full", "digest"])
+def test_a_forward_over_no_positions_is_refused_in_either_mode(tiny_llama, tmp_path, mode):
+    """An adapter that brackets a forward holding no rows of its request breaks the sink's contract:
+    one error naming it, where the digest recorder failed inside torch (`reshape(0, -1)`)."""
+    model, tokenizer = tiny_llama
+    recorder = TraceRecorder.for_model(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=1, trace_mode=mode)
+    with pytest.raises(ProbeIntegrityError, match="begin_forward over no positions"):
+        recorder.begin_forward([])
+    recorder.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_buffer_overwritten_after_capture_does_not_change_the_trace(tiny_llama, tmp_path):
     model, tokenizer = tiny_llama
     dims = model_dims(model)

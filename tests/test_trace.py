@@ -128,6 +128,9 @@ def test_steps_whose_top_k_and_margins_do_not_match_are_refused(tmp_path):
             w.append_steps([(0, 3, 7), (1, 4, 8)], np.zeros((2, 5)), np.zeros((2, 4)), [1.0, 2.0])
         with pytest.raises(ProbeIntegrityError, match="and 1 margins"):
             w.append_steps([(0, 3, 7), (1, 4, 8)], np.zeros((2, 5)), np.zeros((2, 5)), [1.0])
+        with pytest.raises(ProbeIntegrityError, match="0 steps with top-k ids of shape"):
+            w.append_steps([], np.zeros((1, 5)), np.zeros((1, 5)), [])
+        w.append_steps([], np.zeros((0, 5)), np.zeros((0, 5)), [])          # no steps: nothing to keep
         w.abort()
 
 

@@ -200,6 +200,9 @@ class TraceRecorder:
     def begin_forward(self, positions: Sequence[int], reads_only: bool = False) -> None:
         if self._positions is not None:
             raise ProbeIntegrityError("begin_forward called twice without end_forward in between")
+        if not len(positions):
+            raise ProbeIntegrityError("begin_forward over no positions: bracket only a forward that computes (or "
+                                      "reads) rows of this request, with their positions")
         self._positions = [int(p) for p in positions]
         self._reads_only = reads_only
         self._kept_for = None

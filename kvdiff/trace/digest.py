@@ -21,6 +21,7 @@ the hash reads each byte once. `ROW_HASH` names this hash in the traces, which o
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -52,11 +53,16 @@ def multipliers(width: int, device: torch.device) -> torch.Tensor:
     return found[:width]
 
 
+def flat_rows(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` (T, ...) as T flat rows (T, width), zero rows too (where `reshape(T, -1)` cannot)."""
+    return rows.reshape(rows.shape[0], math.prod(rows.shape[1:]))
+
+
 def row_digests(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(hash int64 (T,), statistics float32 (T, 2): rms and max_abs) of the T rows of `rows`
     (T, ...), on the rows' device; rows are flattened to T vectors. Hashed a block of rows at a
     time: the temporaries take 12 bytes a float32 element (a 32k-token prompt's logits are GBs)."""
-    flat = rows.detach().reshape(rows.shape[0], -1)
+    flat = flat_rows(rows.detach())
     if flat.shape[1] == 0:
         zeros = torch.zeros(flat.shape[0], device=flat.device)
         return torch.zeros(flat.shape[0], dtype=torch.int64, device=flat.device), torch.stack([zeros, zeros], 1)
@@ -163,16 +169,16 @@ class DigestBatch:
     def add(self, rows: torch.Tensor) -> int:
         """Keep `rows` (T, ...) until `digests()`; returns its index there."""
         rows = rows.detach()
-        self._rows.append(rows if rows.dim() == 2 else rows.reshape(rows.shape[0], -1))
+        self._rows.append(rows if rows.dim() == 2 else flat_rows(rows))
         return len(self._rows) - 1
 
     def stage(self, rows: torch.Tensor) -> int | None:
         """Copy `rows` (T, ...) into the stage of its row width and dtype; returns its index in
-        `digests()`, or None (nothing kept) where it would not fit a stage of STAGE_BYTES."""
-        flat = rows.detach().reshape(rows.shape[0], -1)
+        `digests()`, or None (nothing kept) where it has no rows or would not fit a stage of STAGE_BYTES."""
+        flat = flat_rows(rows.detach())
         width = flat.shape[1]
         capacity = STAGE_BYTES // max(1, width * flat.element_size())
-        if flat.shape[0] > capacity or width == 0:
+        if not 0 < flat.shape[0] <= capacity or width == 0:
             return None
         key, n = (width, flat.dtype, flat.device), flat.shape[0]
         stage = self._stages.get(key)

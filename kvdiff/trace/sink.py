@@ -34,7 +34,7 @@ class ProbeSink(Protocol):
         """Whether this sink records `point` at `layer`; paths skip work for points it does not want."""
 
     def begin_forward(self, positions: Sequence[int], reads_only: bool = False) -> None:
-        """A forward over rows at these global positions starts.
+        """A forward over rows at these global positions (at least one) starts.
 
         `reads_only`: the bracket computes nothing; it records the `k`/`v` rows attention reads at
         these positions (reused cache rows, re-rotated placed rows), so only `k` and `v` fire.

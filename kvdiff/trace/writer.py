@@ -306,8 +306,15 @@ class TraceWriter:
         """Generated steps, each (step, position, token id), with their top-k ids and values
         (n, k) and margins (n,): kept in memory (a few bytes a step), written at close."""
         n = len(steps)
-        ids, values = np.array(topk_ids, np.int64).reshape(n, -1), np.array(topk_values, np.float32).reshape(n, -1)
-        if ids.shape != values.shape or len(margins) != n:
+        ids, values = np.array(topk_ids, np.int64), np.array(topk_values, np.float32)
+        if n == 0 and ids.size == values.size == len(margins) == 0:
+            return
+        try:
+            ids, values = ids.reshape(n, -1), values.reshape(n, -1)
+            fits = ids.shape == values.shape and len(margins) == n
+        except ValueError:          # not n rows (numpy cannot reshape a non-empty array to zero rows)
+            fits = False
+        if not fits:
             raise ProbeIntegrityError(f"{n} steps with top-k ids of shape {ids.shape}, values of shape {values.shape} "
                                       f"and {len(margins)} margins")
         self._steps.append((np.array(steps, np.int64).reshape(n, 3), ids, values, np.array(margins, np.float64)))
