@@ -8,6 +8,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 from kvdiff.errors import InputError, KvdiffError  # noqa: E402
+from kvdiff.exports import lazy_exports  # noqa: E402
 from kvdiff.version import __version__  # noqa: E402
 
 __all__ = ["__version__", "load_model", "record", "diff", "compare", "KvdiffError", "InputError"]
@@ -16,14 +17,4 @@ __all__ = ["__version__", "load_model", "record", "diff", "compare", "KvdiffErro
 # starts fast. The pipeline lives in kvdiff.run.compare: `kvdiff.compare` stays the function.
 _EXPORTS = {"load_model": "kvdiff.engine.loading", "compare": "kvdiff.run.compare",
             "record": "kvdiff.run.record", "diff": "kvdiff.analysis"}
-
-
-def __getattr__(name: str):
-    """Import an exported function's stage on first use."""
-    if name in _EXPORTS:
-        import importlib
-
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'kvdiff' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -52,6 +52,25 @@ def test_the_api_functions_stay_functions_when_their_modules_are_imported():
     assert out.returncode == 0 and out.stdout.split() == ["True"] * 4, out.stderr
 
 
+@pytest.mark.parametrize("args, says", [
+    (["diff", "missing.h5", "other.h5"], "trace missing.h5 not found"),
+    (["inspect", "missing.h5"], "trace missing.h5 not found"),
+    (["compare", "--prompt", "hi", "--strategy", "bogus"], "unknown strategy 'bogus'"),
+    (["compare", "--strategy", "isolated-local"], "no prompt"),
+    (["compare", "--prompt", "hi", "--layers", "0-3"], "layers select what a full trace records"),
+    (["compare", "--prompt", "hi", "--capture", "bogus"], "bogus"),
+    (["gate", "missing.toml"], "case file missing.toml not found"),
+])
+def test_a_bad_input_is_answered_before_torch_and_transformers_load(tmp_path, args, says):
+    """Their import takes seconds: an error a user can fix at once must not wait for them."""
+    code = ("import runpy, sys\nsys.argv = ['kvdiff', *sys.argv[1:]]\ntry:\n    runpy.run_module('kvdiff', "
+            "run_name='__main__')\nexcept SystemExit as exc:\n    print('exit', exc.code, *sorted({'torch', "
+            "'transformers', 'h5py'} & set(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path)
+    assert out.stdout.split() == ["exit", "2"], (out.stdout, out.stderr)
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("kvdiff: error: ") and says in out.stderr
+
+
 def test_generate_with_missing_model_is_one_line_exit_2(tmp_path):
     result = runner.invoke(app, ["generate", "-p", "hi", "--model", str(tmp_path / "missing")])
     assert result.exit_code == 2

@@ -2,7 +2,7 @@
 without saying why.
 
 cli -> gate -> run -> reports -> targets -> engine / probes / analysis -> trace -> files /
-conversation / options -> errors / version. Packages of one rank do not import each other; a module may import
+conversation / options -> errors / version / exports. Packages of one rank do not import each other; a module may import
 its own package freely. Imports inside functions count too.
 """
 
@@ -16,7 +16,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "kvdiff"
 
 RANKS = {
-    "errors": 0, "version": 0,
+    "errors": 0, "version": 0, "exports": 0,
     "files": 1, "conversation": 1, "options": 1,
     "trace": 2,
     "engine": 3, "probes": 3, "analysis": 3,

@@ -128,10 +128,20 @@ def _configure_logging(verbose: int, quiet: bool) -> None:
     handler.setFormatter(PrintableFormatter(timed + "%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
     logging.getLogger("kvdiff").setLevel(level)
-    from transformers.utils import logging as hf_logging
+    _quiet_transformers()
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+
+def _quiet_transformers() -> None:
+    """transformers' warnings and progress bars off: through the variables it reads when it loads,
+    as importing it here would cost every command (an error line too) 1-2 s; directly where an
+    embedding process has loaded it already."""
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "transformers" in sys.modules or "huggingface_hub" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
 
 
 class Terminated(KeyboardInterrupt):

@@ -29,16 +29,17 @@ def gate(
 
     Example: kvdiff gate tests/gate/default.toml --junit gate.xml --out gate-reports
     """
+    from kvdiff.gate.cases import load_cases
+
+    check_outputs({"the JUnit XML": junit}, [cases_file], made_later=junit.parent if junit is not None else None)
+    cases = load_cases(cases_file)      # before torch loads (seconds), for a quick error
     from rich.markup import escape
     from rich.table import Table
 
     from kvdiff.reports.printable import printable
     from kvdiff.run.folder import claimed_out_dir
-    from kvdiff.gate.cases import load_cases
     from kvdiff.gate.runner import run_cases, write_junit
 
-    check_outputs({"the JUnit XML": junit}, [cases_file], made_later=junit.parent if junit is not None else None)
-    cases = load_cases(cases_file)
     with claimed_out_dir(out, "gate") as out_dir, progress() as step:
         def announce(outcome):
             step(f"{outcome.name}: {outcome.status}")

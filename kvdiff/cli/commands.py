@@ -88,12 +88,17 @@ def compare(
 
     Example: kvdiff compare --system "You are a helpful assistant. Always answer in French." --prompt "What is the capital of France?" --strategy isolated-local
     """
-    from kvdiff.run.compare import compare as run_compare
     from kvdiff.conversation import build_messages
+    from kvdiff.run.options import RunOptions
 
     check_point(point)
     conversation = build_messages(prompt, system, messages)
     warm_up = build_messages(None, None, warm_with) if warm_with is not None else warm
+    if engine == "kvdiff":      # checked again by the run; here before torch loads (seconds), for a quick error
+        RunOptions.of(strategy, numerics, max_new_tokens, recompute_ratio, chunk_size, capture, layers, trace_mode,
+                      zoom_layers, zoom_positions)
+    from kvdiff.run.compare import compare as run_compare
+
     with progress() as step:
         result = run_compare(
             conversation, model=model, strategy=strategy, numerics=numerics, recompute_ratio=recompute_ratio,
@@ -127,6 +132,13 @@ def diff(
 
     Example: kvdiff diff run/reference.h5 run/candidate.h5 --json report.json --tolerance logits=1e-4,1e-3
     """
+    from kvdiff.trace.paths import check_trace_path
+
+    check_point(point)
+    traces = [trace for trace in (reference, candidate, baseline) if trace is not None]
+    check_outputs({"report.json": json_out, "the HTML report": html}, traces)
+    for trace in traces:        # before torch loads (seconds), for a quick error
+        check_trace_path(trace)
     from kvdiff.analysis import diff as run_diff, parse_tolerance
     from kvdiff.engine.loading import load_model
     from kvdiff.files import write_texts_atomically
@@ -134,9 +146,6 @@ def diff(
     from kvdiff.reports.html import render_html
     from kvdiff.reports.printable import printable
 
-    check_point(point)
-    check_outputs({"report.json": json_out, "the HTML report": html},
-                  [trace for trace in (reference, candidate, baseline) if trace is not None])
     tolerances = dict(parse_tolerance(spec) for spec in tolerance)
     tokenizer = load_model(model)[1] if model else _named_tokenizer(reference)
     div = run_diff(reference, candidate, baseline=baseline, tolerances=tolerances, tokenizer=tokenizer)
@@ -197,6 +206,9 @@ def inspect(
 
     Example: kvdiff inspect run/reference.h5
     """
+    from kvdiff.trace.paths import check_trace_path
+
+    check_trace_path(trace)     # before torch loads (seconds), for a quick error
     from kvdiff.reports.inspect import describe_trace
     from kvdiff.trace import open_trace
 

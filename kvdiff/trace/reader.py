@@ -22,6 +22,7 @@ from kvdiff.trace.format import (
 )
 from kvdiff.trace.digest_checks import check_digests
 from kvdiff.trace.weight_checks import check_weights
+from kvdiff.trace.paths import check_trace_path
 
 
 Rows = slice | np.ndarray | None       # which of a trace's positions to read: a slice or indices into them
@@ -43,12 +44,7 @@ def _stored_dtype(ds: h5py.Dataset) -> str:
 
 
 def _open_file(path: Path) -> h5py.File:
-    if not path.exists():
-        raise TraceError(f"trace {path} not found: check the path, or record it first")
-    if not path.is_file():
-        raise TraceError(f"trace {path} is not a file")
-    if path.name.endswith(".partial"):   # TraceWriter's temporary name: renamed only once complete
-        raise TraceError(f"trace {path} is incomplete: its writer did not finish (killed or failed); record it again")
+    check_trace_path(path)
     if not h5py.is_hdf5(path):
         raise TraceError(f"{path} is not an HDF5 file, so not a kvdiff trace")
     try:

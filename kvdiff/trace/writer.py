@@ -44,6 +44,7 @@ from kvdiff.trace.sink import ProbeIntegrityError
 from kvdiff.trace.staging import Stage, StageLayout, host_copy
 from kvdiff.trace.step_batch import StagedForward, StepBatch, put_norm_stats
 from kvdiff.trace.file import Source, Steps, TraceFile
+from kvdiff.trace.paths import PARTIAL_SUFFIX
 from kvdiff.trace.format import (ChunkRecord, TraceMeta, dtype_name, latent_weight_path, norm_weight_path,
                                  router_bias_path, to_storage)
 
@@ -105,7 +106,7 @@ class TraceWriter:
             raise TraceError(f"cannot write trace {self.path}: folder {self.path.parent} does not exist")
         self.meta = meta
         self.compression = compression
-        self.tmp_path = self.path.parent / f".{self.path.name}.{os.getpid()}.partial"
+        self.tmp_path = self.path.parent / f".{self.path.name}.{os.getpid()}{PARTIAL_SUFFIX}"
         try:
             self._file = TraceFile(self.tmp_path, meta, compression, max_positions, window_positions)
         except OSError as exc:
