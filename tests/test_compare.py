@@ -46,11 +46,13 @@ def test_report_json_puts_each_heatmap_row_and_token_list_on_one_line(tmp_path):
 
 
 
-def test_a_compare_hashes_the_weights_once_for_the_engine_and_both_traces(tmp_path, monkeypatch):
+@pytest.mark.parametrize("strategy", ["prefix", "isolated-local", "blend"])
+def test_a_compare_hashes_the_weights_once_for_the_engine_and_both_traces(tmp_path, monkeypatch, strategy):
+    """Also where the zoom run builds a second engine and blend three more (~1 s each on a CPU)."""
     import kvdiff
     from kvdiff.engine import engine as engine_module
     from kvdiff.probes import model_meta
-    from kvdiff.trace import open_trace
+    from kvdiff.trace import fingerprint as fingerprint_module, open_trace
 
     hashed = []
     fingerprint = model_meta.model_fingerprint
@@ -59,10 +61,11 @@ def test_a_compare_hashes_the_weights_once_for_the_engine_and_both_traces(tmp_pa
         hashed.append(model)
         return fingerprint(model)
 
-    monkeypatch.setattr(model_meta, "model_fingerprint", counted)
-    monkeypatch.setattr(engine_module, "model_fingerprint", counted)
-    result = compare(MESSAGES, model="tiny-llama", max_new_tokens=2, out=tmp_path / "run")
+    for module in (model_meta, engine_module, fingerprint_module):
+        monkeypatch.setattr(module, "model_fingerprint", counted)
+    result = compare(MESSAGES, model="tiny-llama", strategy=strategy, max_new_tokens=2, out=tmp_path / "run")
     assert len(hashed) == 1
+    assert (result.report.section("digest")["zoom"] is not None) == (strategy != "prefix")     # both diverge
     want = fingerprint(kvdiff.load_model("tiny-llama")[0])
     for path in (result.reference_trace, result.candidate_trace):
         with open_trace(path) as trace:

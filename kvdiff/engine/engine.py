@@ -50,7 +50,9 @@ class Engine:
     Greedy by default; `temperature > 0` samples (seeded by `seed`) with optional top-k / top-p.
     On a GPU, decode steps and a cache hit's few new rows replay CUDA graphs (decode_graph.py)
     unless `cuda_graphs=False` or a probe records them (a decode step whose probes record
-    digests only replays a graph that digests its captures: digest_probes.py).
+    digests only replays a graph that digests its captures: digest_probes.py). `fingerprint`: the
+    model's `model_fingerprint` where the caller has it (hashing the weights takes ~1 s for the
+    default model on a CPU); computed otherwise.
     """
 
     def __init__(self, model, tokenizer, strategy: Strategy | str = Strategy.PREFIX,
@@ -58,7 +60,7 @@ class Engine:
                  chunk_size: int | None = None, recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO,
                  kv_budget_bytes: int | None = None, allow_boundary_mismatch: bool = False,
                  seed: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 block_size: int = BLOCK_SIZE, cuda_graphs: bool = True):
+                 block_size: int = BLOCK_SIZE, cuda_graphs: bool = True, fingerprint: str | None = None):
         # A public entry point: names from Python callers are parsed here, once.
         strategy, numerics = Strategy.parse(strategy), Numerics.parse(numerics)
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
@@ -88,7 +90,7 @@ class Engine:
         self.registry = ChunkRegistry(self.pool, per_block, kv_budget_bytes)
         self.runner = ModelRunner(a, self.pool, exact=numerics is Numerics.EXACT)
         self.graphs = DecodeGraphs(self.runner) if cuda_graphs and graphs_apply(self.runner) else None
-        self.fingerprint = model_fingerprint(model)
+        self.fingerprint = model_fingerprint(model) if fingerprint is None else fingerprint
         self.stops = stop_token_ids(model, tokenizer)
         self._forwards = 0
 

@@ -97,9 +97,11 @@ def _recomputed(sink: _KeySink, placed: list[int], last: int) -> list[bool]:
     return [sink.sources[p].prefill_id == final and not sink.sources[p].reused for p in placed]
 
 
-def blend_errors(model, tokenizer, messages: Messages, options: RunOptions) -> dict[str, Any] | None:
+def blend_errors(model, tokenizer, messages: Messages, options: RunOptions,
+                 fingerprint: str | None = None) -> dict[str, Any] | None:
     """Per placed position, k's error against the reference under blend, isolated-local and
-    isolated-global (the run's numerics, ratio and chunking); None without a placed position."""
+    isolated-global (the run's numerics, ratio and chunking); None without a placed position.
+    `fingerprint`: the model's, where the caller has it (each engine would hash the weights)."""
     prompt = split_conversation(tokenizer, messages, chunk_size=options.chunk_size)
     placed = [p for c in prompt.chunks[:-1] for p in range(c.start, c.end)]
     if not placed:
@@ -111,7 +113,8 @@ def blend_errors(model, tokenizer, messages: Messages, options: RunOptions) -> d
     for strategy in STRATEGIES:
         sink = _KeySink(placed)
         engine = Engine(model, tokenizer, strategy=strategy, numerics=options.numerics,
-                        chunk_size=options.chunk_size, recompute_ratio=options.recompute_ratio)
+                        chunk_size=options.chunk_size, recompute_ratio=options.recompute_ratio,
+                        fingerprint=fingerprint)
         engine.generate([prompt.messages], max_new_tokens=1, sinks={0: sink})
         errors = _largest_rel(reference, sink.stacked(placed))
         section[str(strategy)] = [float(e) if np.isfinite(e) else None for e in errors]
@@ -121,9 +124,9 @@ def blend_errors(model, tokenizer, messages: Messages, options: RunOptions) -> d
 
 
 def blend_errors_section(model, tokenizer, messages: Messages, options: RunOptions,
-                         step: Callable[[str], None]) -> dict[str, Any]:
+                         step: Callable[[str], None], fingerprint: str | None = None) -> dict[str, Any]:
     """report.json's `blend_errors` key for a blend run ({} for any other strategy)."""
     if options.strategy is not Strategy.BLEND:
         return {}
     step("checking blend against isolated-local and isolated-global, position by position")
-    return {"blend_errors": blend_errors(model, tokenizer, messages, options)}
+    return {"blend_errors": blend_errors(model, tokenizer, messages, options, fingerprint)}

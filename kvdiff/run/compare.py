@@ -106,6 +106,7 @@ def compare(
     from kvdiff.run.blend_errors import blend_errors_section
     from kvdiff.run.model_cache import ModelKey, cached_model
     from kvdiff.run.record import record
+    from kvdiff.trace.fingerprint import model_fingerprint
 
     if engine != "kvdiff":
         return _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, html, json_path,
@@ -125,6 +126,7 @@ def compare(
         check_report_copies(json_path, html, out_dir)
         step("loading model")
         loaded, tokenizer = cached_model(model_cache, ModelKey(model, dtype, device, device_map, gpu_memory))
+        fingerprint = model_fingerprint(loaded)     # once a run: every engine of it (zoom, blend's) shares it
 
         # The engine drops empty messages (no chunk); the reference must render the same prompt.
         chunked = split_conversation(tokenizer, messages, chunk_size=chunk_size)
@@ -134,16 +136,15 @@ def compare(
         def run_both(reference_path: Path, candidate_path: Path, mode: TraceMode, layers: str | None,
                      positions: str | None) -> None:
             """Record the reference, then a fresh engine (warmed up first if asked) as the candidate."""
-            engine = Engine(loaded, tokenizer, strategy=strategy, numerics=numerics,
-                            chunk_size=chunk_size, recompute_ratio=options.recompute_ratio)
+            engine = Engine(loaded, tokenizer, strategy=strategy, numerics=numerics, chunk_size=chunk_size,
+                            recompute_ratio=options.recompute_ratio, fingerprint=fingerprint)
             engine.check_fits(chunked, max_new_tokens)
             if warm:
                 engine.check_fits(warm_chunked, 1, "warm-up ")
-            fingerprint = engine.fingerprint
             step("recording the reference")
             record(loaded, tokenizer, chunked.messages, reference_path, max_new_tokens=max_new_tokens,
                    capture=capture, layers=layers, positions=positions, strategy="reference", numerics=str(numerics),
-                   fingerprint=fingerprint, trace_mode=mode)     # the weights' hash, once per engine
+                   fingerprint=fingerprint, trace_mode=mode)
             if warm:
                 step("filling the engine's cache (--warm)")
                 engine.generate([warm_chunked.messages], max_new_tokens=1)
@@ -163,7 +164,7 @@ def compare(
         candidate_path = out_dir / "candidate.h5"
         skipped = {"skipped_messages": [{"index": s.message_index, "role": s.role, "reason": s.reason}
                                         for s in chunked.skipped]}
-        skipped.update(blend_errors_section(loaded, tokenizer, chunked.messages, options, step))
+        skipped.update(blend_errors_section(loaded, tokenizer, chunked.messages, options, step, fingerprint))
         if options.trace_mode is TraceMode.FULL:
             run_both(reference_path, candidate_path, TraceMode.FULL, options.layers, None)
             step("diffing")
