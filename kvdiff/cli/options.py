@@ -32,7 +32,6 @@ ZoomLayers = Annotated[int, typer.Option("--zoom-layers", help="digest: layers r
 ZoomPositions = Annotated[int, typer.Option("--zoom-positions", help="digest: positions recorded in full from the "
                                             "first that differs (from 0 when it is early).")]
 
-DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_STRATEGY = Strategy.PREFIX.value
 DEFAULT_NUMERICS = Numerics.EXACT.value
 DEFAULT_RATIO = DEFAULT_RECOMPUTE_RATIO

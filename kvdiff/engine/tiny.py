@@ -9,19 +9,20 @@ from __future__ import annotations
 import functools
 
 import torch
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
     Gemma3TextConfig,
     GptOssConfig,
-    LlamaConfig,
     MistralConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
-    Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
 )
+
+from kvdiff.options import TINY_MODELS
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -42,16 +43,8 @@ _CORPUS = [
     "0 1 2 3 4 5 6 7 8 9 10 100 1000, lists: a, b, c; numbers and punctuation!",
 ]
 
-TINY_FAMILIES: dict[str, type[PretrainedConfig]] = {
-    "tiny-llama": LlamaConfig,
-    "tiny-mistral": MistralConfig,
-    "tiny-qwen2": Qwen2Config,
-    "tiny-qwen3": Qwen3Config,
-    "tiny-qwen3-moe": Qwen3MoeConfig,
-    "tiny-gemma3": Gemma3TextConfig,
-    "tiny-gpt-oss": GptOssConfig,
-    "tiny-deepseek-v3": DeepseekV3Config,
-}
+TINY_FAMILIES: dict[str, type[PretrainedConfig]] = {name: getattr(transformers, config)
+                                                     for name, config in TINY_MODELS.items()}
 
 SEED = 1234
 
