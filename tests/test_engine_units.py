@@ -16,7 +16,8 @@ from kvdiff.engine.partial_attention import merge_states, partial_attention
 from kvdiff.engine.partial_attention import with_sinks as with_sinks_of
 from kvdiff.engine.chunks import split_conversation
 from kvdiff.engine.kv_cache import BlockPool, BlockTable, OutOfBlocks
-from kvdiff.engine.numerics import CPU_ROW_TILE, exact_attention, exact_numerics, invariant_linear
+from kvdiff.engine.cpu_linear import ROW_TILE as CPU_ROW_TILE
+from kvdiff.engine.numerics import exact_attention, exact_numerics, invariant_linear
 from kvdiff.engine.paged_decode import PagedDecode
 from kvdiff.engine.reference import cache_keyword, reference_generate
 from kvdiff.conversation import render_prompt_ids
@@ -420,6 +421,49 @@ def test_exact_attention_same_bits_for_any_split():
         assert torch.equal(one, whole[p:p + 1])
     part = exact_attention(q[70:90], k[:90], v[:90], causal[70:90, :90], 0.25)
     assert torch.equal(part, whole[70:90])
+
+
+@pytest.mark.parametrize("keys", [129, 700, 2461])
+def test_a_decode_steps_rows_over_all_key_tiles_at_once_get_the_tile_loops_bits(keys):
+    """On the CPU a block of a few real rows (a decode step's) takes every key tile at once where a
+    probe finds the two forms agree (`exact_attention._all_tiles_at_once`): every row, mask, window and sink
+    must then give the loop's bits, and `exact_attention` the loop's bits whichever form it runs."""
+    from kvdiff.engine import exact_attention as attention
+
+    torch.manual_seed(keys)
+    k, v, sinks = torch.randn(keys, 3, 64), torch.randn(keys, 3, 64), torch.randn(9)
+    position = torch.arange(keys)[None]
+    agrees = attention._at_once_agrees(3, 3, 64, 64)
+    for rows in (1, 3, CPU_ROW_TILE):
+        q = torch.randn(rows, 9, 64)
+        last = torch.arange(keys - rows, keys)[:, None]
+        masks = {"causal": position <= last, "window": (position <= last) & (position > last - 100),
+                 "holes": torch.rand(rows, keys) > 0.7, "one row sees nothing": (position <= last) & (last > keys - rows)}
+        for name, visible in masks.items():
+            for sink in (None, sinks):
+                loop = attention._tiled_attention(q, k, v, visible, 0.125, sink, False).nan_to_num(7.0)
+                forms = [exact_attention(q, k, v, visible, 0.125, sink)]
+                if agrees:
+                    forms.append(attention._tiled_attention(q, k, v, visible, 0.125, sink, True))
+                for form in forms:
+                    assert torch.equal(form.nan_to_num(7.0), loop), (rows, name, sink is None)
+
+
+def test_where_all_key_tiles_at_once_would_give_other_bits_the_loop_runs(monkeypatch):
+    from kvdiff.engine import exact_attention as attention
+
+    def off_by_a_bit(*args):             # as another CPU's matmuls might round
+        out = real(*args)
+        return out + out.abs().mul(2 ** -20)
+
+    real = attention._all_tiles_at_once
+    monkeypatch.setattr(attention, "_all_tiles_at_once", off_by_a_bit)
+    monkeypatch.setattr(attention, "_AT_ONCE_AGREES", {})
+    q, k, v = torch.randn(1, 4, 16), torch.randn(300, 2, 16), torch.randn(300, 2, 16)
+    visible = torch.ones(1, 300, dtype=torch.bool)
+    assert torch.equal(exact_attention(q, k, v, visible, 0.25), attention._tiled_attention(q, k, v, visible, 0.25, None,
+                                                                                        False))
+    assert attention._AT_ONCE_AGREES == {(2, 2, 16, 16): False}
 
 
 def test_exact_numerics_restores_the_model(tiny_llama):

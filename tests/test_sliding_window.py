@@ -15,7 +15,8 @@ from kvdiff.conversation import render_prompt_ids
 from kvdiff.engine import Engine
 from kvdiff.engine.attention_plan import ForwardAttention, key_sets
 from kvdiff.engine.kv_cache import Segment
-from kvdiff.engine.numerics import KEY_TILE, exact_numerics
+from kvdiff.engine.exact_attention import KEY_TILE
+from kvdiff.engine.numerics import exact_numerics
 from kvdiff.run.model_cache import ModelKey
 from kvdiff.engine.reference import reference_generate
 from kvdiff.engine.row_group import RowGroup

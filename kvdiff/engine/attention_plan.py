@@ -23,7 +23,7 @@ import torch
 
 from kvdiff.engine.cascade import CascadePlan
 from kvdiff.engine.kv_cache import BlockPool
-from kvdiff.engine.numerics import KEY_TILE, exact_attention
+from kvdiff.engine.exact_attention import KEY_TILE, exact_attention
 from kvdiff.engine.paged_decode import PagedDecode
 
 

@@ -27,7 +27,7 @@ except ImportError as exc:  # a CUDA torch without Triton
                       "install triton, or use --numerics fast") from exc
 
 BLOCK_M = 64   # query rows per program
-BLOCK_N = 64   # keys per tile: must equal numerics.KEY_TILE's alignment
+BLOCK_N = 64   # keys per tile: must equal exact_attention.KEY_TILE's alignment
 KEY_SEGMENT = 256   # keys per segment, aligned to position 0: its tiles are folded into a state of their own
 
 

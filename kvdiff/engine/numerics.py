@@ -12,7 +12,8 @@ Two pieces, shared by the engine and, through `exact_numerics(model)`, by the re
 - `exact_attention`: keys are processed in fixed 64-key tiles aligned to sequence position 0,
   with an online softmax in tile order, so a query at position p reads the same tiles with the
   same reduction order whether it is computed in a prefill, a chunked prefill or a decode step
-  (tiles past p are fully masked and leave the running state bit-for-bit unchanged). On CUDA
+  (tiles past p are fully masked and leave the running state bit-for-bit unchanged;
+  kvdiff/engine/exact_attention.py). On CUDA
   Triton kernels do the same walk, a 256-key segment of tiles at a time, the segments' states
   merged in position order, so that a decode row's segments run side by side
   (kvdiff/engine/gpu_kernels.py).
@@ -31,14 +32,13 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from kvdiff.engine.cpu_linear import PACKED, ROW_TILE as CPU_ROW_TILE, PackedWeights, cpu_invariant_matmul, pad_rows
+from kvdiff.engine.cpu_linear import PACKED, PackedWeights, cpu_invariant_matmul, pad_rows
+from kvdiff.engine.exact_attention import exact_attention
 from kvdiff.engine.row_tiles import CUDA_ROW_TILE, row_tiles
 from kvdiff.errors import KvdiffError
 
 log = logging.getLogger(__name__)
 
-KEY_TILE = 64          # attention: keys in tiles of this many positions, aligned to position 0
-QUERY_BLOCK = 128      # CPU attention: query rows per block (a multiple of both row tiles)
 
 EXACT_ATTENTION = "kvdiff_exact"
 
@@ -65,79 +65,6 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
-
-
-def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                    scale: float, sinks: torch.Tensor | None = None, diagonal: int | None = None) -> torch.Tensor:
-    """Batch-invariant attention of one sequence.
-
-    q (T, H, D); k, v (L, KVH, D) with key j at sequence position j (or j plus a multiple of
-    KEY_TILE); visible (T, L) bool; sinks (H,): per-head sink logits, one more term in each row's
-    softmax denominator (gpt-oss), or None; `diagonal`: where `visible` is known to show row i
-    exactly keys 0..i + diagonal (the CUDA kernel then computes the mask instead of reading it).
-    Returns (T, H, D) in q's dtype. Computed in float32.
-    """
-    T, H, D = q.shape
-    Dv = v.shape[-1]      # the values' width (MLA's differs from the keys')
-    if q.is_cuda and D & (D - 1) == 0 and Dv == D:
-        from kvdiff.engine import gpu_kernels
-
-        return gpu_kernels.attention(q, k, v, visible, scale, sinks, diagonal)
-    L, KVH, _ = k.shape
-    groups = H // KVH
-    multiple = CUDA_ROW_TILE if q.device.type == "cuda" else CPU_ROW_TILE
-    Tp = -(-T // multiple) * multiple
-    ntiles = -(-L // KEY_TILE)
-    Lp = ntiles * KEY_TILE
-    qf = q.new_zeros((Tp, H, D), dtype=torch.float32)
-    qf[:T] = q
-    qf = qf.view(Tp, KVH, groups, D).permute(1, 0, 2, 3).reshape(KVH, Tp * groups, D)     # row t * groups + g
-    kf = k.new_zeros((KVH, Lp, D), dtype=torch.float32)
-    kf[:, :L] = k.permute(1, 0, 2)
-    vf = v.new_zeros((KVH, Lp, Dv), dtype=torch.float32)
-    vf[:, :L] = v.permute(1, 0, 2)
-    vis = torch.zeros((Tp, Lp), dtype=torch.bool, device=q.device)
-    vis[:T, :L] = visible
-    hidden = ~vis.unsqueeze(1).expand(Tp, groups, Lp).reshape(Tp * groups, Lp)
-    # A key tile hidden from every row of a block leaves those rows' state bit-for-bit unchanged
-    # (scores -inf: alpha 1, p 0), so each block skips such tiles (half of a causal prefill).
-    reaches = vis.view(Tp, ntiles, KEY_TILE).any(-1)
-    sink_rows = None if sinks is None else \
-        sinks.float().to(q.device).view(KVH, 1, groups).expand(KVH, Tp, groups).reshape(KVH, Tp * groups, 1)
-    out = torch.empty((KVH, Tp * groups, Dv), device=q.device)
-    for first in range(0, Tp, QUERY_BLOCK):
-        rows = slice(first * groups, min(Tp, first + QUERY_BLOCK) * groups)
-        out[:, rows] = _online_softmax(qf[:, rows], kf, vf, hidden[rows], reaches[first:first + QUERY_BLOCK], scale,
-                                       None if sink_rows is None else sink_rows[:, rows])
-    out = out.view(KVH, Tp, groups, Dv).permute(1, 0, 2, 3).reshape(Tp, H, Dv)
-    return out[:T].to(q.dtype)
-
-
-def _online_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,
-                    reaches: torch.Tensor, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
-    """Attention of one block of rows over the key tiles any of them can see, in key order; `sinks`
-    (kvh, n, 1): each row's sink logit, folded into the denominator after the last tile."""
-    neg_inf = float("-inf")
-    kvh, n, _ = q.shape
-    m = torch.full((kvh, n, 1), neg_inf, device=q.device)
-    l = torch.zeros((kvh, n, 1), device=q.device)
-    acc = torch.zeros((kvh, n, v.shape[-1]), device=q.device)
-    for t in torch.nonzero(reaches.any(0)).flatten().tolist():
-        cols = slice(t * KEY_TILE, (t + 1) * KEY_TILE)
-        s = torch.bmm(q, k[:, cols].transpose(1, 2)) * scale
-        s = s.masked_fill(hidden[:, cols], neg_inf)
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        m_safe = m_new.masked_fill(m_new == neg_inf, 0.0)
-        alpha = torch.exp(m - m_safe)
-        p = torch.exp(s - m_safe)
-        l = l * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + torch.bmm(p, v[:, cols])
-        m = m_new
-    if sinks is None:
-        return acc / l
-    top = torch.maximum(m, sinks)
-    alpha = torch.exp(m - top)
-    return acc * alpha / (l * alpha + torch.exp(sinks - top))
 
 
 def _exact_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
