@@ -65,6 +65,30 @@ def test_the_weight_first_form_of_the_lm_head_is_row_invariant_too(shape):
     torch.testing.assert_close(head(rows[:5], weight), rows[:5] @ weight.t(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("form, tile", [(cpu_linear.tiled_matmul, cpu_linear.ROW_TILE),
+                                        (cpu_linear.weight_first_matmul, cpu_linear.HEAD_TILE)])
+def test_one_tile_of_rows_is_multiplied_in_a_batch_of_two_as_many_tiles_are(form, tile, monkeypatch):
+    """A batched matmul of one tile runs another kernel than a batch of several: on an Intel Xeon
+    (torch 2.11) a 16-row tile of 1536-wide rows got other bits in rows 9-16 alone than in a batch,
+    which broke exact numerics' row invariance there (this AMD CPU gives the same bits either way,
+    so the batch sizes are what is checked here, and the bits)."""
+    batches = []
+    bmm = torch.bmm
+
+    def counted(a, b):
+        batches.append(a.shape[0])
+        return bmm(a, b)
+
+    monkeypatch.setattr(torch, "bmm", counted)
+    torch.manual_seed(0)
+    weight, rows = torch.randn(96, 1536), torch.randn(3 * tile, 1536)
+    whole = form(rows, weight)
+    for n in range(1, 2 * tile + 1):
+        batches.clear()
+        assert torch.equal(form(rows[:n], weight), whole[:n]), n
+        assert batches == [max(2, -(-n // tile))], n
+
+
 def test_exact_numerics_take_the_lm_head_weight_first_where_onednn_does_not_apply(tiny_llama, monkeypatch):
     from kvdiff.engine.numerics import patched_forwards
 
