@@ -8,7 +8,8 @@ one row and at a thousand: it is used for every weight whose first call finds it
 (`OneDnnCheck`). Otherwise every gemm of one fixed shape is deterministic, so:
 
 - more than SMALL_ROWS rows: one batched matmul of ROW_TILE-row tiles against the same
-  (stride-0) weight, each tile a gemm of one shape whatever the number of tiles;
+  (stride-0) weight, each tile a gemm of one shape whatever the number of tiles (two at least:
+  a batch of one runs another kernel);
 - up to SMALL_ROWS rows (a decode step): one matmul of the rows padded to SMALL_ROWS, which
   costs about a third of a 16-row tile for the small layers of a decode step.
 
