@@ -104,6 +104,12 @@ def _online_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: t
         l = l * alpha + p.sum(-1, keepdim=True)
         acc = acc * alpha + torch.bmm(p, v[:, cols])
         m = m_new
+    return _finished(acc, l, m, sinks)
+
+
+def _finished(acc: torch.Tensor, l: torch.Tensor, m: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The online softmax's output from its running output, sum and max; `sinks` (kvh, n, 1): each
+    row's sink logit, one more term in the denominator, both rescaled to the larger maximum."""
     if sinks is None:
         return acc / l
     top = torch.maximum(m, sinks)
@@ -172,9 +178,4 @@ def _all_tiles_at_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden
             l = l * alpha[:, :, t] + sums[:, :, t]
             acc = acc * alpha[:, :, t] + pv[:, t]
         m = m_after[..., -1:]
-    if sinks is None:
-        return acc / l
-    sinks = sinks[:, :real]
-    top = torch.maximum(m, sinks)
-    alpha = torch.exp(m - top)
-    return acc * alpha / (l * alpha + torch.exp(sinks - top))
+    return _finished(acc, l, m, None if sinks is None else sinks[:, :real])
