@@ -20,7 +20,7 @@ attention recomputed from its recorded q, k and v), and audit every missing_cont
 case the same way. `python tests/catalogue.py docs/catalogue.md` runs every case and writes the
 table with expected vs got, the score and the wrong claims by cause.
 
-Longer than ~300 lines because the case table alone is ~280 (a case a few lines, 49 cases), and the
+Longer than ~300 lines because the case table alone is ~320 (a case a few lines, 57 cases), and the
 plants, the runner for three engines and the data checks share its types; split, each part would
 import the others' internals.
 
@@ -368,7 +368,7 @@ CASES: list[Case] = [
     Case("vllm-llama64-kproj-in-cache", VLLM_ARCH, VLLM,
          "cached K computed with a changed k projection (V right)",
          "K rows of layer 0 qkv_proj.weight x 1.05 while the primer runs",
-         (p("vllm_k_rows", "fill", layer=0, factor=1.05),), "warm-other", K_CACHE, 0, "0",
+         (p("vllm_qkv_rows", "fill", layer=0, part="k", factor=1.05),), "warm-other", K_CACHE, 0, "0",
          (want(CC, positions=("0", "H - 1")),), (PM, MC)),
     Case("vllm-llama64-zeroed-boundary-row", VLLM_ARCH, VLLM,
          "the last cached row (block boundary) zeroed", "paged cache K/V row H-1 zeroed after the primer",
@@ -381,6 +381,37 @@ CASES: list[Case] = [
          "rows computed after a cache hit encoded at +3", "rotary_emb pre-hook: positions >= H + 3 in the warm run",
          (p("vllm_rope_shift", offset=3, lo="H"),), "warm-other", ROPE_QK, 0, "H",
          (want(PM, first="H", offset=3),), (MC, CC)),
+    Case("vllm-llama64-rope-theta", VLLM_ARCH, VLLM,
+         "wrong RoPE base (20000 instead of 10000)", "rotary_emb cos_sin_cache of base 20000 during the run",
+         (p("vllm_rope_freq", base=20000.0),), "cold", ROPE_QK, 0, "1", (), NONE3),
+    Case("vllm-llama64-rope-linear-scaling", VLLM_ARCH, VLLM,
+         "RoPE linear scaling factor 2 added", "rotary_emb cos_sin_cache of positions p/2 during the run",
+         (p("vllm_rope_freq", factor=2.0),), "cold", ROPE_QK, 0, "1", (), (MC, CC), (HALVED,)),
+    Case("vllm-llama64-decode-off-by-one", VLLM_ARCH, VLLM,
+         "decode positions off by one", "rotary_emb pre-hook: positions >= P + 1",
+         (p("vllm_rope_shift", offset=1, lo="P"),), "cold", ROPE_QK, 0, "P",
+         (want(PM, first="P", offset=1),), (MC, CC)),
+    Case("vllm-llama64-stale-rows", VLLM_ARCH, VLLM,
+         "stale cache rows: cached rows 11..13 hold rows 2..4", "paged cache rows copied after the primer",
+         (p("cache_copy", "cache", dst="[11, 12, 13]", src="[2, 3, 4]"),), "warm-other", K_CACHE, 0, "11",
+         (want(CC, positions=("11", "13"), source_positions=[2, 3, 4]),), (PM, MC)),
+    Case("vllm-llama64-shifted-block", VLLM_ARCH, VLLM,
+         "cached block shifted by one slot", "paged cache rows 1..H-1 <- rows 0..H-2 after the primer",
+         (p("cache_copy", "cache", dst="list(range(1, H))", src="list(range(0, H - 1))"),), "warm-other",
+         K_CACHE, 0, "1", (want(CC, positions=("1", "H - 1"), source_positions=X("list(range(0, H - 1))")),),
+         (PM, MC)),
+    Case("vllm-llama64-attn-norm-eps", VLLM_ARCH, VLLM,
+         "attention norm epsilon changed at layer 1 (1e-6 -> 1e-2), the fused add-norm",
+         "input_layernorm.variance_epsilon = 1e-2",
+         (p("vllm_set_attr", module="model.layers.1.input_layernorm", name="variance_epsilon", value=1e-2),),
+         "cold", "attention norm", 1, "0", (want(NC, source="norm"),), NONE3),
+    Case("vllm-llama64-q-rows", VLLM_ARCH, VLLM,
+         "q projection changed at layer 1 (x1.01)", "q rows of layer 1 qkv_proj output x 1.01",
+         (p("vllm_qkv_rows", layer=1, part="q", factor=1.01),), "cold", "q projection", 1, "0", (), NONE3),
+    Case("vllm-llama64-mlp-changed", VLLM_ARCH, VLLM,
+         "MLP changed at layer 1", "layer 1 mlp.down_proj output x 1.01",
+         (p("vllm_scale_output", module="model.layers.1.mlp.down_proj", factor=1.01),), "cold", "MLP", 1, "0",
+         (), NONE3, (NOT_FROM_NORMS,)),
 ]
 
 # What kvdiff gets wrong, per case: filled in after the runs (the expectations above stay as written).
@@ -451,6 +482,14 @@ KNOWN_WRONG: dict[str, str] = {
         "D: kvdiff gives no diagnosis of the cached keys (only norm_consistency, source inputs); the data show the "
         "cached K wrong while V is right: at layer 0, positions 0-31 read from the cache, k is divergent and v "
         "bitwise (expected cache_content_mismatch 0-31)"),
+    "vllm-llama64-shifted-block": (
+        "G: kvdiff named sources 8, 5 and 8 for positions 14, 25 and 30 (whose rows came from 13, 24 and 29); the "
+        "data show the tokens at 8 and 13 (5 and 24, 8 and 29) are the same, so their layer-0 v rows are equal, "
+        "while the k each slot holds equals the reference's k at 13, 24 and 29 only"),
+    "vllm-llama64-attn-norm-eps": (
+        "H: kvdiff named attention @ layer 1 position 20 (proved: q, k, v within tolerance) and norm_consistency "
+        "with source inputs; the data show layer 1's attn_norm 4e-5-6e-5 of the row away from its recomputation "
+        "with the declared eps at every position, where the reference's recomputes bitwise"),
     "vllm-llama64-attn-scale": (
         "B: kvdiff says missing_context (decode 51-53, unattended 0-50, mass 1.0); the data show the softmax scale "
         f"changed, nothing left out: {_RECOMPUTED} with scale x1.25 over every earlier position gives rel 3e-7, "
@@ -846,20 +885,50 @@ def plant_vllm_scale(ctx: Ctx, factor: float) -> Undo:
     return lambda: [setattr(i, "scale", o) for i, o in zip(impls, old)]
 
 
-def plant_vllm_k_rows(ctx: Ctx, layer: int, factor: float) -> Undo:
-    """The k part of vLLM's fused qkv_proj output at `layer` x factor (the k projection; its CPU
+def plant_vllm_qkv_rows(ctx: Ctx, layer: int, part: str, factor: float) -> Undo:
+    """The q or k part of vLLM's fused qkv_proj output at `layer` x factor (that projection; its CPU
     build packs the weight away, so the output is changed, by a forward hook)."""
     attn = ctx.target.model.model.layers[layer].self_attn
     q_size = attn.num_heads * attn.head_dim
-    kv_size = attn.num_kv_heads * attn.head_dim
+    cols = slice(0, q_size) if part == "q" else slice(q_size, q_size + attn.num_kv_heads * attn.head_dim)
 
     def hook(module, args, out):
         qkv, *rest = out if isinstance(out, tuple) else (out,)
         qkv = qkv.clone()
-        qkv[..., q_size:q_size + kv_size] *= factor
+        qkv[..., cols] *= factor
         return (qkv, *rest) if isinstance(out, tuple) else qkv
 
     return _hooks([attn.qkv_proj.register_forward_hook(hook)])
+
+
+def plant_vllm_scale_output(ctx: Ctx, module: str, factor: float) -> Undo:
+    """A vLLM linear's output x factor (its parallel linears return (output, bias))."""
+    def hook(mod, args, out):
+        return (out[0] * factor, *out[1:]) if isinstance(out, tuple) else out * factor
+
+    return _hooks([m.register_forward_hook(hook) for m in ctx.vllm_modules(module)])
+
+
+def plant_vllm_set_attr(ctx: Ctx, module: str, name: str, value: Any) -> Undo:
+    undos = []
+    for m in ctx.vllm_modules(module):
+        undos.append(lambda m=m, old=getattr(m, name): setattr(m, name, old))
+        setattr(m, name, value)
+    return lambda: [u() for u in undos]
+
+
+def plant_vllm_rope_freq(ctx: Ctx, base: float | None = None, factor: float | None = None) -> Undo:
+    """vLLM's rotary embedding's cos/sin table of another base, or of positions divided by `factor`."""
+    ropes = {id(l.self_attn.rotary_emb): l.self_attn.rotary_emb for l in ctx.target.model.model.layers}
+    saved = []
+    for rope in ropes.values():
+        old = rope.cos_sin_cache
+        inv_freq = rope._compute_inv_freq(base if base is not None else rope.base)
+        t = torch.arange(old.shape[0], dtype=torch.float) / (factor or 1.0)
+        freqs = torch.einsum("i,j->ij", t, inv_freq)
+        saved.append((rope, old))
+        rope.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(old.dtype)
+    return lambda: [setattr(rope, "cos_sin_cache", old) for rope, old in saved]
 
 
 def plant_vllm_rope_shift(ctx: Ctx, offset: int, lo: str = "0") -> Undo:
@@ -875,7 +944,9 @@ def plant_vllm_rope_shift(ctx: Ctx, offset: int, lo: str = "0") -> Undo:
 
 
 PLANTS: dict[str, Callable[..., Undo]] = {
-    "vllm_scale": plant_vllm_scale, "vllm_k_rows": plant_vllm_k_rows, "vllm_rope_shift": plant_vllm_rope_shift,
+    "vllm_scale": plant_vllm_scale, "vllm_qkv_rows": plant_vllm_qkv_rows, "vllm_rope_shift": plant_vllm_rope_shift,
+    "vllm_rope_freq": plant_vllm_rope_freq, "vllm_set_attr": plant_vllm_set_attr,
+    "vllm_scale_output": plant_vllm_scale_output,
     "rope_shift": plant_rope_shift, "rope_freq": plant_rope_freq, "set_attr": plant_set_attr,
     "adapter_scale": plant_adapter_scale, "scale_weight": plant_scale_weight, "skip": plant_skip,
     "scale_output": plant_scale_output, "drop_residual": plant_drop_residual, "mask": plant_mask,
@@ -1270,6 +1341,19 @@ CAUSES = {
           "positions has layer-0 keys rotated off, so only the position_mismatch is named, although `v` (RoPE-free) "
           "differs from layer 1 on.",
           "undo the found offset before comparing `k` (as is done for q), or use `v` at the next layer."),
+    "G": ("a stale row of a repeated token named by the token's first occurrence",
+          "`cache_content_mismatch` names each wrong row's source by its nearest reference row of `v` (or "
+          "`k_pre_rope`); at the first layer those depend on the token alone, so a token that occurs twice has two "
+          "equal rows and the first was named, whichever the slot held.",
+          "where several reference rows match exactly, take the one whose `k` (rotated where it was computed) the "
+          "candidate holds too."),
+    "H": ("a norm computing otherwise within tolerance: the attention after it named first",
+          "A norm's recomputation from the candidate's own recorded input was judged with the two traces' "
+          "tolerance (1e-4 of the row in float32), so another eps moving every output by ~5e-5 passed as the "
+          "declared norm; the first row past tolerance was attention's, which amplified it, and the norm was "
+          "said to be explained by its inputs.",
+          "judge a float32 recomputation by a few dozen ulps (it is one computation, not two runs), and name a "
+          "norm that fails it as the first operation when it comes before the first breach."),
 }
 
 

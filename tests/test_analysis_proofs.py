@@ -21,7 +21,7 @@ import kvdiff
 from kvdiff.analysis.api import _compare
 from kvdiff.analysis.chunks import ChunkLookup
 from kvdiff.analysis.contradictions import consistent, contradictions
-from kvdiff.analysis.diagnose_cache import round_to
+from kvdiff.analysis.diagnose_cache import _sources, round_to
 from kvdiff.analysis.diagnose_operation import diagnose_operation
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs
 from kvdiff.analysis.search import first_tolerance_breach
@@ -111,6 +111,7 @@ def traces(tmp_path_factory, model):
         "norm": (plain, Faults(norm_eps={1: 10.0}), CHUNKS),
         "noise": (plain, Faults(jitter=1e-7), CHUNKS),
         "nan": (plain, Faults(norm_eps={1: -1e9}), CHUNKS),
+        "eps": (plain, Faults(norm_eps={1: 1e-4}), CHUNKS),      # 1e-5 declared: moves rows by ~3e-5 of their scale
     }
     return {name: write_trace(m, root / f"{name}.h5", PROMPT, STEPS, strategy="reference" if name == "reference"
                               else "prefix", faults=faults, chunks=chunks) for name, (m, faults, chunks) in runs.items()}
@@ -218,3 +219,35 @@ def test_every_diagnosis_carries_a_proof_and_no_report_contradicts_itself(traces
             render_terminal(Report.from_json(report), console)
             text = console.export_text()
             assert "confidence=" in text and "proof=" in text
+
+
+def test_a_stale_row_of_a_repeated_token_is_named_by_the_key_it_holds():
+    """A token at positions 1 and 4 has the same v row at both (v depends on the token alone); a
+    slot holding position 4's K/V is named 4, by its k (rotated where it was computed), not 1."""
+    gen = np.random.default_rng(0)
+    v_ref = gen.standard_normal((6, 8)).astype(np.float32)
+    v_ref[4] = v_ref[1]
+    k_ref = gen.standard_normal((6, 8)).astype(np.float32)
+    positions = np.arange(6)
+    holds = np.array([4, 1])        # the candidate's two stale rows: position 4's, then position 1's
+    src, dist = _sources(v_ref, v_ref[holds], positions, (k_ref, k_ref[holds]))
+    assert src.tolist() == [4, 1] and (dist <= 1e-6).all()
+    # without keys (or with keys that match neither), the first of the equal rows
+    assert _sources(v_ref, v_ref[holds], positions)[0].tolist() == [1, 1]
+    assert _sources(v_ref, v_ref[holds], positions, (k_ref, k_ref[holds] + 1))[0].tolist() == [1, 1]
+
+
+def test_a_norm_that_computes_otherwise_is_named_though_its_output_stays_within_tolerance(traces):
+    """Layer 1's attention norm runs with eps 1e-4 where 1e-5 is declared: its output moves by less
+    than the traces' tolerance (no row breaks it), but not by the few ulps a recomputation from the
+    candidate's own recorded input allows. The norm is named, as the first operation and as
+    norm_consistency's inconsistent norm (vLLM's fused add-norm with another eps moved attention's
+    output past tolerance first: tests/catalogue.py)."""
+    div = kvdiff.diff(traces["reference"], traces["eps"])
+    assert div.first_divergence is None           # the change stays within tolerance everywhere
+    norms = [d for d in div.diagnoses if d.kind == "norm_consistency"]
+    assert len(norms) == 1 and norms[0].details["source"] == "norm"
+    assert norms[0].details["candidate_inconsistent"] == {"layer": 1, "norm": "attn_norm", "position": 0}
+    op = div.report().to_json()["first_operation"]
+    assert (op["operation"], op["layer"], op["position"], op["proved"]) == ("attention norm", 1, 0, True)
+    assert "declared weight and eps" in op["proof"]

@@ -13,21 +13,41 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
+from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.keys import CONTENT, SCALED
 
+EXACT = 1e-6      # a relative distance this small: the same row
 
-def _sources(ref: np.ndarray, cand: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each candidate row, the reference position whose row is nearest, and the relative distance
-    (Inf for a candidate row that holds NaN or Inf, or overflows)."""
+
+def _distances(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """Relative distance of each candidate row to each reference row, (cand rows, ref rows); Inf
+    where a candidate row holds NaN or Inf, or overflows."""
     r = ref.reshape(ref.shape[0], -1).astype(np.float64)
     c = cand.reshape(cand.shape[0], -1).astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
         dist = (c * c).sum(1)[:, None] - 2 * c @ r.T + (r * r).sum(1)[None, :]
-        dist[~np.isfinite(dist)] = np.inf
-        best = dist.argmin(axis=1)
-        rel = np.sqrt(np.maximum(dist[np.arange(c.shape[0]), best], 0) / np.maximum((c * c).sum(1), 1e-300))
-    return positions[best], np.where(np.isnan(rel), np.inf, rel)
+        rel = np.sqrt(np.maximum(dist, 0) / np.maximum((c * c).sum(1), 1e-300)[:, None])
+    rel[~np.isfinite(rel)] = np.inf
+    return rel
+
+
+def _sources(ref: np.ndarray, cand: np.ndarray, positions: np.ndarray,
+             keys: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """For each candidate row, the reference position whose row is nearest, and the relative distance.
+    Rows of one token are equal wherever it occurs (before RoPE, at the first layer), so where several
+    reference rows match exactly, `keys` (reference and candidate k rows, rotated at the positions they
+    were computed at) picks the one whose k the candidate holds too; else the first."""
+    rel = _distances(ref, cand)
+    best = rel.argmin(axis=1)
+    if keys is not None:
+        exact = rel <= EXACT
+        tied = np.flatnonzero(exact.sum(1) > 1)
+        if tied.size:
+            k_rel = np.where(exact[tied], _distances(keys[0], keys[1][tied]), np.inf)
+            by_key = k_rel.argmin(axis=1)
+            settled = k_rel[np.arange(tied.size), by_key] <= EXACT
+            best[tied[settled]] = by_key[settled]
+    return positions[best], rel[np.arange(rel.shape[0]), best]
 
 
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -95,7 +115,11 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
                      and (inputs.divergent(name, 0)[gcols].any() if name != "k" else k_only[gcols].any())]
         point = "v" if "v" in differing else differing[0]
         ref_rows, cand_rows = inputs.rows(layer, point)
-        src, dist = _sources(ref_rows, cand_rows[gcols], positions)
+        keys = None
+        if point != "k" and "k" in inputs.comparison.points:
+            ref_k, cand_k = inputs.rows(layer, "k")
+            keys = ref_k, cand_k[gcols]
+        src, dist = _sources(ref_rows, cand_rows[gcols], positions, keys)
         parts = []
         for name in differing:
             max_abs, rel = inputs.worst(name, 0, gcols)
@@ -105,9 +129,11 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
         same = "the tokens are the same" if al.kv_only[gcols].all() else "the layer input matches"
         evidence = (f"layer {layer}, positions {span_text(lo, hi)} {where}: {' and '.join(parts)} although "
                     f"{same}, and before RoPE these depend on the token alone")
-        details: dict = {"layer": layer, "source_positions": [int(s) if d <= 1e-6 else None for s, d in zip(src, dist)],
+        details: dict = {"layer": layer, "source_positions": [int(s) if d <= EXACT else None for s, d in zip(src, dist)],
                          "points": differing, "rounding": None}
-        exact, moved = dist <= 1e-6, src != group
+        if group.size != hi - lo + 1:       # rows of the span left out: `source_positions` follows these runs
+            details["rows"] = [list(r) for r in runs(group)]
+        exact, moved = dist <= EXACT, src != group
         proof = f"{point} at {group.size} rows differs (rel up to {fmt(inputs.worst(point, 0, gcols)[1])}) with {same}"
         if (exact & moved).any():
             pairs = ", ".join(f"{p}<-{s}" for p, s in zip(group[exact & moved][:6], src[exact & moved][:6]))

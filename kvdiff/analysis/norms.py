@@ -14,11 +14,17 @@ import torch
 
 from kvdiff.analysis.align import Alignment
 from kvdiff.analysis.metrics import row_metrics
-from kvdiff.analysis.tolerance import Tier, Tolerances
+from kvdiff.analysis.tolerance import Tier, Tolerance, Tolerances
 from kvdiff.errors import TraceError
 from kvdiff.trace import TraceReader
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A float32 norm recomputed from its own recorded input differs from the recorded output by a few
+# ulps of the row at most (another summation order, rsqrt against 1/sqrt): ~70 ulps of the row's
+# scale is a bound no clean engine measured reaches (the reference path, vLLM's CPU kernel and
+# transformers' engine recompute bitwise), while another eps or weight moves every row by far more
+# than that long before the output leaves the two traces' tolerance (1e-4 of the row in float32).
+RECOMPUTE_FLOAT32 = Tolerance(atol=1e-6, rtol=8e-6)
 # Each layer norm's input point and output point; the final norm reads the last resid_post.
 NORM_IO = {"attn_norm": ("resid_pre", "attn_norm"), "mlp_norm": ("resid_mid", "mlp_norm"),
            "attn_post_norm": ("attn_out", "attn_post_norm"), "mlp_post_norm": ("mlp_out", "mlp_post_norm")}
@@ -105,7 +111,8 @@ class NormChecker:
         if weight is None:
             return None, None
         metrics = row_metrics(io[1], recompute_rms_norm(io[0], *weight))
-        return metrics.rel, metrics.tiers(self.tolerances.for_point(self.norm)) <= Tier.NOISE
+        tolerance = RECOMPUTE_FLOAT32 if weight[2] == "float32" else self.tolerances.for_point(self.norm)
+        return metrics.rel, metrics.tiers(tolerance) <= Tier.NOISE
 
     def add(self, ref_io: tuple[np.ndarray, np.ndarray], cand_io: tuple[np.ndarray, np.ndarray]) -> None:
         """The next block of aligned rows: (norm input, norm output) of the reference and the candidate."""

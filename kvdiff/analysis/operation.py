@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvdiff.analysis.compare import Comparison, PointMap
+from kvdiff.analysis.norms import NORM_IO
 from kvdiff.analysis.search import Location
 from kvdiff.analysis.tolerance import Tier
+from kvdiff.trace.points import POINT_ORDER
 
 # point -> (the operation producing it, its inputs: (point, layer offset)); attention reads
 # k and v at every earlier position too.
@@ -70,13 +72,17 @@ class Operation:
     position: int
     tensor: str                  # its output point
     tier: str                    # the output's tier there
-    proved: bool                 # every input recorded and within tolerance
+    proved: bool                 # every input recorded and within tolerance, or (a norm) its recomputation fails
     inputs: list[InputCheck] = field(default_factory=list)
+    recomputed: bool = False     # a norm whose output is not its own recomputation from its recorded input
 
     @property
     def proof(self) -> str:
         """One sentence: the inputs' tiers against the output's."""
         ins = ", ".join(f"{i.point}{'' if i.layer is None else f'@{i.layer}'} {i.tier}" for i in self.inputs)
+        if self.recomputed:
+            return (f"input {ins or 'none'}; output {self.tensor} {self.tier}, and not what the candidate's declared "
+                    f"weight and eps give from its own recorded input")
         return f"inputs {ins or 'none'}; output {self.tensor} {self.tier}"
 
     def to_json(self) -> dict:
@@ -106,8 +112,45 @@ def _input_check(comparison: Comparison, point: str, layer: int | None, position
     return InputCheck(point, layer, _worst(pmap, row, cols))
 
 
+def _norm_first(comparison: Comparison, where: Location | None) -> Operation | None:
+    """The first norm, in dataflow order and not after `where`, whose candidate output is not its
+    recomputation from the candidate's own recorded input and declared weight and eps (where the
+    reference's is): the norm computes otherwise, whether or not its output already leaves the two
+    traces' tolerance there (another eps may move it by less, and attention after it by more)."""
+    layer_rank = {layer: i for i, layer in enumerate(comparison.layers)}
+    best = None
+    for check in comparison.norms:
+        if check.cand_consistent is None or check.ref_consistent is None:
+            continue
+        bad = np.flatnonzero(~check.cand_consistent & check.ref_consistent)
+        if not bad.size:
+            continue
+        position = int(comparison.alignment.positions[bad[0]])
+        layer = len(layer_rank) if check.layer is None else layer_rank.get(check.layer, len(layer_rank))
+        key = (position, layer, POINT_ORDER[check.norm])
+        if best is None or key < best[0]:
+            best = (key, check, position, int(bad[0]))
+    if best is None:
+        return None
+    key, check, position, col = best
+    if where is not None:
+        where_layer = len(layer_rank) if where.layer is None else layer_rank.get(where.layer, len(layer_rank))
+        if (where.position, where_layer, POINT_ORDER[where.tensor]) < key:
+            return None
+    source = NORM_IO.get(check.norm, ("resid_post",))[0]
+    inp = _input_check(comparison, source, check.layer if check.layer is not None else comparison.layers[-1],
+                       position, False)
+    tier = int(check.output_tier[col])
+    return Operation(OPERATIONS[check.norm][0], check.layer, position, check.norm,
+                     Tier(tier).label if tier >= 0 else "not compared", True, [inp], recomputed=True)
+
+
 def first_operation(comparison: Comparison, where: Location | None) -> Operation | None:
-    """The operation that produced `where` (the first breach, or first bit difference), checked."""
+    """The operation that produced `where` (the first breach, or first bit difference), checked; or an
+    earlier norm that does not compute as the candidate declares it (`_norm_first`)."""
+    norm = _norm_first(comparison, where)
+    if norm is not None:
+        return norm
     if where is None or where.tensor not in OPERATIONS:
         return None
     name, sources = OPERATIONS[where.tensor]
