@@ -79,8 +79,9 @@ def cold_trace(target, hf, ids, tmp_path_factory):
     return path
 
 
-def _warm(target, hf, ids, path, during_primer=None, after_primer=None):
-    """Reset, run the primer (optionally with a tap planted), optionally edit the cache, record the warm run."""
+def _warm(target, hf, ids, path, during_primer=None, after_primer=None, during_warm=None):
+    """Reset, run the primer (optionally with a tap planted), optionally edit the cache, record the
+    warm run (optionally with a tap planted)."""
     target.reset_cache()
     if during_primer:
         target.taps.append(during_primer)
@@ -90,7 +91,12 @@ def _warm(target, hf, ids, path, during_primer=None, after_primer=None):
         target.taps.clear()
     if after_primer:
         after_primer(target)
-    trace, run = _record(target, hf, path, ids[0])
+    if during_warm:
+        target.taps.append(during_warm)
+    try:
+        trace, run = _record(target, hf, path, ids[0])
+    finally:
+        target.taps.clear()
     target.reset_cache()
     assert run.cache_hit_tokens == ids[2]
     return trace
@@ -216,6 +222,79 @@ def test_position_shift_of_cached_tokens(target, hf, ids, cold_trace, tmp_path):
     assert [d.kind for d in found] == ["position_mismatch"], div.diagnoses
     assert found[0].chunk == "cache" and found[0].positions == (0, cached - 1)
     assert found[0].details["offset"] == 5
+
+
+def _rerotated(target, offset: int, applies) -> "callable":
+    """A tap re-rotating q and k (every layer) by `offset` more positions where `applies(positions)`."""
+    base = float(target.llm.metadata["llama.rope.freq_base"])
+    d = target.head_dim
+    inv = base ** (-np.arange(0, d, 2) / d)
+    pre = {}
+
+    def shift(name, op, rows, positions):
+        if not name.startswith(("Qcur-", "Kcur-")):
+            return None
+        if op != "ROPE":
+            pre[name] = rows.copy()
+            return None
+        pos = np.asarray(positions)
+        keep = applies(pos)
+        x = pre.pop(name).astype(np.float64).reshape(len(pos), -1, d // 2, 2)
+        angle = (pos[:, None] + offset) * inv[None, :]
+        cos, sin = np.cos(angle)[:, None], np.sin(angle)[:, None]
+        out = np.stack([x[..., 0] * cos - x[..., 1] * sin, x[..., 0] * sin + x[..., 1] * cos], -1)
+        rows = rows.copy()
+        rows[keep] = out.reshape(len(pos), -1)[keep]
+        return rows
+    return shift
+
+
+def test_rows_computed_after_the_hit_encoded_three_positions_on(target, hf, ids, cold_trace, tmp_path):
+    """In the warm run, q and k of the positions computed after the cache hit are rotated at p + 3
+    (the suffix of a hit encoded from the wrong start). Expected (written before the first run): a
+    position_mismatch from the first computed position `cached` on, offset +3; no missing_context and
+    no cache_content_mismatch anywhere; the first operation RoPE at layer 0, position `cached`."""
+    cached = ids[2]
+    div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5",
+                                        during_warm=_rerotated(target, 3, lambda pos: pos >= cached)))
+    kinds = {d.kind for d in div.diagnoses}
+    assert "missing_context" not in kinds and "cache_content_mismatch" not in kinds, div.diagnoses
+    shifted = [d for d in div.diagnoses if d.kind == "position_mismatch"]
+    assert shifted and shifted[0].positions[0] == cached and all(d.details["offset"] == 3 for d in shifted)
+    op = div.report().to_json()["first_operation"]
+    assert (op["operation"], op["layer"], op["position"]) == ("RoPE (on q and k)", 0, cached), op
+
+
+def test_cached_values_rounded_to_bfloat16(target, hf, ids, cold_trace, tmp_path):
+    """While the primer runs, every layer's V rows are rounded to bfloat16 (a cache that stores V in
+    bf16). Expected: one cache_content_mismatch over the cached positions 0..cached-1 (chunk "cache"),
+    rounding "bfloat16", no source position; no position_mismatch or missing_context over them."""
+    from kvdiff.analysis.diagnose_cache import round_to
+
+    def rounded(name, op, rows, positions):
+        return round_to(rows, "bfloat16") if name.startswith("Vcur-") else None
+
+    cached = ids[2]
+    div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5", during_primer=rounded))
+    found = _cached_diagnoses(div, cached)
+    assert [d.kind for d in found] == ["cache_content_mismatch"], div.diagnoses
+    assert found[0].chunk == "cache" and found[0].positions == (0, cached - 1)
+    assert found[0].details["rounding"] == "bfloat16" and set(found[0].details["source_positions"]) == {None}
+
+
+def test_cached_keys_of_a_changed_k_projection(target, hf, ids, cold_trace, tmp_path):
+    """While the primer runs, layer 0's keys are 1.05x theirs (the k projection changed when the
+    cached rows were computed; V right). Expected: cache_content_mismatch over the cached positions
+    0..cached-1 at layer 0 naming k and the scale 1.05; no position_mismatch or missing_context over them."""
+    def scaled(name, op, rows, positions):
+        return rows * np.float32(1.05) if name == "Kcur-0" and op == "ROPE" else None
+
+    cached = ids[2]
+    div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5", during_primer=scaled))
+    found = _cached_diagnoses(div, cached)
+    assert [d.kind for d in found] == ["cache_content_mismatch"], div.diagnoses
+    assert found[0].positions == (0, cached - 1) and found[0].details["layer"] == 0
+    assert "k" in found[0].details["points"] and abs(found[0].details["k_scale"] - 1.05) < 1e-3, found[0].details
 
 
 def test_dropped_cached_row(target, hf, ids, cold_trace, tmp_path):

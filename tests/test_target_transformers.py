@@ -30,6 +30,7 @@ EXPECTED = {
     "stale_block": "cache_content_mismatch",    # a cached block holds another block's K/V
     "zeroed_row": "cache_content_mismatch",     # one cached position's K/V were zeroed
     "suffix_shift": "position_mismatch",        # the warm request computed its rows at position + 3
+    "k_scaled": "cache_content_mismatch",       # cached keys computed by another k projection, V right
 }
 SHIFT = 3
 
@@ -134,11 +135,20 @@ def _zeroed_row(target, phase):
                 rows[1].zero_()
 
 
+def _k_scaled(target, phase):
+    """While OTHER fills the cache, layer 0's k projection gives 1.05x its keys (V right)."""
+    if phase == "fill":
+        k_proj = target.model.model.layers[0].self_attn.k_proj
+        return k_proj.register_forward_hook(lambda module, args, out: out * 1.05)
+    return None
+
+
 BUGS = {"rope_shift": _rope_shift, "suffix_shift": _suffix_shift, "stale_block": _stale_block,
-        "zeroed_row": _zeroed_row}
+        "zeroed_row": _zeroed_row, "k_scaled": _k_scaled}
 # The positions the diagnosis must name, given the cache hit and the prompt length.
 WHERE = {"rope_shift": lambda hit, n: (0, hit - 1), "suffix_shift": lambda hit, n: (hit, n - 1),
-         "stale_block": lambda hit, n: (BLOCK, 2 * BLOCK - 1), "zeroed_row": lambda hit, n: (BLOCK + 1, BLOCK + 1)}
+         "stale_block": lambda hit, n: (BLOCK, 2 * BLOCK - 1), "zeroed_row": lambda hit, n: (BLOCK + 1, BLOCK + 1),
+         "k_scaled": lambda hit, n: (0, hit - 1)}
 
 
 @pytest.mark.parametrize("bug", list(BUGS))
@@ -173,6 +183,8 @@ def test_planted_bug_is_diagnosed(target, tmp_path, bug):
         assert found[0].details["offset"] == SHIFT
     if bug == "stale_block":
         assert found[0].details["source_positions"] == list(range(BLOCK))
+    if bug == "k_scaled":       # the keys are the reference's rotated right and scaled: the factor is named
+        assert found[0].details["points"] == ["k"] and abs(found[0].details["k_scale"] - 1.05) < 1e-4
 
 
 def test_requests_packed_in_one_forward_match_the_reference(target, tmp_path):

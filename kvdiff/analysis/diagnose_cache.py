@@ -115,11 +115,11 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
                      and (inputs.divergent(name, 0)[gcols].any() if name != "k" else k_only[gcols].any())]
         point = "v" if "v" in differing else differing[0]
         ref_rows, cand_rows = inputs.rows(layer, point)
-        keys = None
+        rotated = None      # the k rows, to tell a repeated token's equal rows apart
         if point != "k" and "k" in inputs.comparison.points:
             ref_k, cand_k = inputs.rows(layer, "k")
-            keys = ref_k, cand_k[gcols]
-        src, dist = _sources(ref_rows, cand_rows[gcols], positions, keys)
+            rotated = ref_k, cand_k[gcols]
+        src, dist = _sources(ref_rows, cand_rows[gcols], positions, rotated)
         parts = []
         for name in differing:
             max_abs, rel = inputs.worst(name, 0, gcols)
