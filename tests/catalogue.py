@@ -20,7 +20,7 @@ attention recomputed from its recorded q, k and v), and audit every missing_cont
 case the same way. `python tests/catalogue.py docs/catalogue.md` runs every case and writes the
 table with expected vs got, the score and the wrong claims by cause.
 
-Longer than ~300 lines because the case table alone is ~320 (a case a few lines, 57 cases), and the
+Longer than ~300 lines because the case table alone is ~340 (a case a few lines, 60 cases), and the
 plants, the runner for three engines and the data checks share its types; split, each part would
 import the others' internals.
 
@@ -231,6 +231,11 @@ CASES: list[Case] = [
          "cached system chunk shifted by one slot", "pool rows 1..S <- rows 0..S-1 after the fill",
          (p("cache_copy", "cache", dst="range(1, S + 1)", src="range(0, S)"),), "warm-other", K_CACHE, 0, "1",
          (want(CC, "system", ("1", "S"), source_positions=X("list(range(0, S))")),), (PM, MC)),
+    Case("kvdiff-qwen2-layer-mixup", "tiny-qwen2", KVDIFF,
+         "the cache's layer 1 holds layer 0's K/V for the cached system chunk",
+         "pool rows 0..S of layer 1 <- layer 0's after the fill",
+         (p("cache_layer_copy", "cache", positions="range(0, S + 1)", src=0, dst=1),), "warm-other", K_CACHE, 1,
+         "0", (want(CC, "system", ("0", "S"), layer=1),), (PM, MC)),
     Case("kvdiff-qwen3-v-bf16", "tiny-qwen3", KVDIFF,
          "cached V rounded through bf16", "pool V rows of the system chunk -> bf16 -> fp32 after the fill",
          (p("cache_round_v", "cache", positions="range(0, S + 1)"),), "warm-other", V_CACHE, 0, "0",
@@ -301,6 +306,11 @@ CASES: list[Case] = [
          "stale block: cached block 1 holds block 0's K/V", "block_kv copy after the fill",
          (p("cache_copy", "cache", dst="range(B, 2 * B)", src="range(0, B)"),), "warm-other", K_CACHE, 0, "B",
          (want(CC, positions=("B", "2 * B - 1"), source_positions=X("list(range(B))")),), (PM, MC)),
+    Case("cb-llama-layer-mixup", "tiny-llama", CB,
+         "the cache's layer 1 holds layer 0's K/V for the cached blocks",
+         "block_kv rows 0..H-1 of layer 1 <- layer 0's after the fill",
+         (p("cache_layer_copy", "cache", positions="range(0, H)", src=0, dst=1),), "warm-other", K_CACHE, 1, "0",
+         (want(CC, positions=("0", "H - 1"), layer=1),), (PM, MC)),
     Case("cb-qwen3-zeroed-boundary-row", "tiny-qwen3", CB,
          "the last cached row (block boundary) zeroed", "block_kv row H-1 zeroed after the fill",
          (p("cache_zero", "cache", positions="[H - 1]"),), "warm-other", K_CACHE, 0, "H - 1",
@@ -381,6 +391,11 @@ CASES: list[Case] = [
          "rows computed after a cache hit encoded at +3", "rotary_emb pre-hook: positions >= H + 3 in the warm run",
          (p("vllm_rope_shift", offset=3, lo="H"),), "warm-other", ROPE_QK, 0, "H",
          (want(PM, first="H", offset=3),), (MC, CC)),
+    Case("vllm-llama64-layer-mixup", VLLM_ARCH, VLLM,
+         "the cache's layer 1 holds layer 0's K/V for the cached block",
+         "paged cache rows 0..H-1 of layer 1 <- layer 0's after the primer",
+         (p("cache_layer_copy", "cache", positions="range(0, H)", src=0, dst=1),), "warm-other", K_CACHE, 1, "0",
+         (want(CC, positions=("0", "H - 1"), layer=1),), (PM, MC)),
     Case("vllm-llama64-rope-theta", VLLM_ARCH, VLLM,
          "wrong RoPE base (20000 instead of 10000)", "rotary_emb cos_sin_cache of base 20000 during the run",
          (p("vllm_rope_freq", base=20000.0),), "cold", ROPE_QK, 0, "1", (), NONE3),
@@ -482,6 +497,15 @@ KNOWN_WRONG: dict[str, str] = {
         "D: kvdiff gives no diagnosis of the cached keys (only norm_consistency, source inputs); the data show the "
         "cached K wrong while V is right: at layer 0, positions 0-31 read from the cache, k is divergent and v "
         "bitwise (expected cache_content_mismatch 0-31)"),
+    "kvdiff-qwen2-layer-mixup": (
+        "I: kvdiff gave no cache_content_mismatch (only norm_consistency, source inputs); the data show layer 1's "
+        "cached k and v at positions 0-10 equal to the reference's layer-0 rows exactly"),
+    "cb-llama-layer-mixup": (
+        "I: kvdiff gave no cache_content_mismatch (only norm_consistency, source inputs); the data show layer 1's "
+        "cached k and v at positions 0-11 equal to the reference's layer-0 rows exactly"),
+    "vllm-llama64-layer-mixup": (
+        "I: kvdiff gave no cache_content_mismatch; the data show layer 1's cached k and v at positions 0-31 equal "
+        "to the reference's layer-0 rows exactly"),
     "vllm-llama64-shifted-block": (
         "G: kvdiff named sources 8, 5 and 8 for positions 14, 25 and 30 (whose rows came from 13, 24 and 29); the "
         "data show the tokens at 8 and 13 (5 and 24, 8 and 29) are the same, so their layer-0 v rows are equal, "
@@ -860,6 +884,13 @@ def plant_cache_copy(ctx: Ctx, dst: str, src: str) -> Undo:
             ctx.write(layer, dst_, *ctx.rows(layer, src_))
 
 
+def plant_cache_layer_copy(ctx: Ctx, positions: str, src: int, dst: int) -> Undo:
+    """The cached K/V of `positions` at layer `dst` replaced by layer `src`'s (a layer index off)."""
+    pos = ev(positions, ctx.names)
+    with torch.no_grad():
+        ctx.write(dst, pos, *ctx.rows(src, pos))
+
+
 def plant_cache_zero(ctx: Ctx, positions: str) -> Undo:
     pos = ev(positions, ctx.names)
     with torch.no_grad():
@@ -950,7 +981,8 @@ PLANTS: dict[str, Callable[..., Undo]] = {
     "rope_shift": plant_rope_shift, "rope_freq": plant_rope_freq, "set_attr": plant_set_attr,
     "adapter_scale": plant_adapter_scale, "scale_weight": plant_scale_weight, "skip": plant_skip,
     "scale_output": plant_scale_output, "drop_residual": plant_drop_residual, "mask": plant_mask,
-    "cache_copy": plant_cache_copy, "cache_zero": plant_cache_zero, "cache_round_v": plant_cache_round_v,
+    "cache_copy": plant_cache_copy, "cache_layer_copy": plant_cache_layer_copy, "cache_zero": plant_cache_zero,
+    "cache_round_v": plant_cache_round_v,
 }
 
 
@@ -1354,6 +1386,12 @@ CAUSES = {
           "said to be explained by its inputs.",
           "judge a float32 recomputation by a few dozen ulps (it is one computation, not two runs), and name a "
           "norm that fails it as the first operation when it comes before the first breach."),
+    "I": ("cached K/V of another layer: no diagnosis",
+          "`cache_content_mismatch` looked at the first layer only; cached K/V that match there and differ at the "
+          "next layer were left to the missing-context rule, which claims nothing for a chunk that starts at "
+          "position 0, so the report named the operation (`K read from the cache` at layer 1) and no cause.",
+          "at the first layer where cached K/V diverge after matching, look for the reference layer whose k and v "
+          "rows the candidate holds exactly at the same positions, and claim a cache content mismatch only then."),
 }
 
 

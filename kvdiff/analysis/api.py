@@ -15,6 +15,7 @@ from kvdiff.analysis.chunks import ChunkLookup
 from kvdiff.analysis.compare import Comparison, compare
 from kvdiff.analysis.contradictions import consistent
 from kvdiff.analysis.diagnose_cache import diagnose_cache_content
+from kvdiff.analysis.diagnose_cache_layers import diagnose_cache_layers
 from kvdiff.analysis.diagnose_context import diagnose_missing_context, diagnose_missing_context_in_cache
 from kvdiff.analysis.diagnose_experts import diagnose_expert_flip
 from kvdiff.analysis.diagnose_norms import diagnose_norms
@@ -110,7 +111,7 @@ def _diff_open(ref: TraceReader, cand: TraceReader, baseline: TraceReader | None
     unsized = any((m.tier == Tier.DIFFERENT).any() for m in all_maps(whole))
     inputs = DiagnosisInputs(ref, cand, cmp, chunks, text)
     diagnoses = (diagnose_tokenization(inputs) + diagnose_non_finite(inputs, first_non_finite(cmp, chunks))
-                 + diagnose_cache_content(inputs) + diagnose_position_mismatch(inputs)
+                 + diagnose_cache_content(inputs) + diagnose_cache_layers(inputs) + diagnose_position_mismatch(inputs)
                  + diagnose_missing_context(inputs) + diagnose_missing_context_in_cache(inputs)
                  + diagnose_expert_flip(inputs) + diagnose_operation(inputs, window_div) + diagnose_norms(inputs)
                  + ([] if unsized else diagnose_noise(inputs, first_bit, first_div)))
