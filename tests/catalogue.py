@@ -20,7 +20,7 @@ attention recomputed from its recorded q, k and v), and audit every missing_cont
 case the same way. `python tests/catalogue.py docs/catalogue.md` runs every case and writes the
 table with expected vs got, the score and the wrong claims by cause.
 
-Longer than ~300 lines because the case table alone is ~340 (a case a few lines, 60 cases), and the
+Longer than ~300 lines because the case table alone is ~350 (a case a few lines, 62 cases), and the
 plants, the runner for three engines and the data checks share its types; split, each part would
 import the others' internals.
 
@@ -311,6 +311,11 @@ CASES: list[Case] = [
          "block_kv rows 0..H-1 of layer 1 <- layer 0's after the fill",
          (p("cache_layer_copy", "cache", positions="range(0, H)", src=0, dst=1),), "warm-other", K_CACHE, 1, "0",
          (want(CC, positions=("0", "H - 1"), layer=1),), (PM, MC)),
+    Case("cb-qwen2-unrotated-cache-keys", "tiny-qwen2", CB,
+         "cached keys stored before RoPE (as if encoded at position 0)",
+         "block_kv K rows 0..H-1 rotated back to position 0 after the fill",
+         (p("cache_unrotate_k", "cache", positions="range(0, H)"),), "warm-other", K_CACHE, 0, "1",
+         (want(PM, positions=("1", "H - 1"), encoded_positions=[0, 0]),), (MC, CC)),
     Case("cb-qwen3-zeroed-boundary-row", "tiny-qwen3", CB,
          "the last cached row (block boundary) zeroed", "block_kv row H-1 zeroed after the fill",
          (p("cache_zero", "cache", positions="[H - 1]"),), "warm-other", K_CACHE, 0, "H - 1",
@@ -396,6 +401,11 @@ CASES: list[Case] = [
          "paged cache rows 0..H-1 of layer 1 <- layer 0's after the primer",
          (p("cache_layer_copy", "cache", positions="range(0, H)", src=0, dst=1),), "warm-other", K_CACHE, 1, "0",
          (want(CC, positions=("0", "H - 1"), layer=1),), (PM, MC)),
+    Case("vllm-llama64-unrotated-cache-keys", VLLM_ARCH, VLLM,
+         "cached keys stored before RoPE (as if encoded at position 0)",
+         "paged cache K rows 0..H-1 rotated back to position 0 after the primer",
+         (p("cache_unrotate_k", "cache", positions="range(0, H)"),), "warm-other", K_CACHE, 0, "1",
+         (want(PM, positions=("1", "H - 1"), encoded_positions=[0, 0]),), (MC, CC)),
     Case("vllm-llama64-rope-theta", VLLM_ARCH, VLLM,
          "wrong RoPE base (20000 instead of 10000)", "rotary_emb cos_sin_cache of base 20000 during the run",
          (p("vllm_rope_freq", base=20000.0),), "cold", ROPE_QK, 0, "1", (), NONE3),
@@ -891,6 +901,23 @@ def plant_cache_layer_copy(ctx: Ctx, positions: str, src: int, dst: int) -> Undo
         ctx.write(dst, pos, *ctx.rows(src, pos))
 
 
+def plant_cache_unrotate_k(ctx: Ctx, positions: str) -> Undo:
+    """Cached K rows of `positions` rotated back by their position (every layer): keys stored before RoPE."""
+    pos = ev(positions, ctx.names)
+    rotary = ctx.model.model.rotary_emb
+    with torch.no_grad():
+        for layer in range(ctx.layers):
+            k, v = ctx.rows(layer, pos)
+            shaped = k.reshape(len(pos), -1, ctx.model.config.head_dim if getattr(ctx.model.config, "head_dim", None)
+                               else ctx.model.config.hidden_size // ctx.model.config.num_attention_heads).float()
+            cos, sin = rotary(shaped, torch.tensor([pos]))
+            cos, sin = cos[0][:, None, :], sin[0][:, None, :]
+            half = shaped.shape[-1] // 2
+            rotated_half = torch.cat((-shaped[..., half:], shaped[..., :half]), dim=-1)
+            back = shaped * cos - rotated_half * sin          # a rotation by -p
+            ctx.write(layer, pos, back.reshape(k.shape).to(k.dtype), v)
+
+
 def plant_cache_zero(ctx: Ctx, positions: str) -> Undo:
     pos = ev(positions, ctx.names)
     with torch.no_grad():
@@ -982,6 +1009,7 @@ PLANTS: dict[str, Callable[..., Undo]] = {
     "adapter_scale": plant_adapter_scale, "scale_weight": plant_scale_weight, "skip": plant_skip,
     "scale_output": plant_scale_output, "drop_residual": plant_drop_residual, "mask": plant_mask,
     "cache_copy": plant_cache_copy, "cache_layer_copy": plant_cache_layer_copy, "cache_zero": plant_cache_zero,
+    "cache_unrotate_k": plant_cache_unrotate_k,
     "cache_round_v": plant_cache_round_v,
 }
 

@@ -50,7 +50,10 @@ def _positions(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
                     f"differs (rel {fmt(k_rel)}), so the keys hold the same content rotated to other positions; the "
                     f"rotation angles fit encoded positions {span_text(int(enc[0]), int(enc[-1]))} (fit quality "
                     f"{fmt(float(quality.min()))}), expected {span_text(lo, hi)}: offset {offset:+d}")
-        if values.size > 1:
+        if values.size > 1 and enc.min() == enc.max():
+            evidence += (f" (every one of them encoded at position {int(enc[0])}"
+                         + (": the keys were stored without RoPE)" if enc[0] == 0 else ")"))
+        elif values.size > 1:
             evidence += f" ({values.size} different offsets, {int(counts.max())} of {group.size} positions at {offset:+d})"
         details: dict = {"offset": offset, "encoded_positions": [int(enc.min()), int(enc.max())],
                          "expected_positions": [lo, hi], "fit_quality": float(quality.min()), "layer": layer}
