@@ -20,7 +20,7 @@ attention recomputed from its recorded q, k and v), and audit every missing_cont
 case the same way. `python tests/catalogue.py docs/catalogue.md` runs every case and writes the
 table with expected vs got, the score and the wrong claims by cause.
 
-Longer than ~300 lines because the case table alone is ~350 (a case a few lines, 62 cases), and the
+Longer than ~300 lines because the case table alone is ~360 (a case a few lines, 64 cases), and the
 plants, the runner for three engines and the data checks share its types; split, each part would
 import the others' internals.
 
@@ -236,6 +236,11 @@ CASES: list[Case] = [
          "pool rows 0..S of layer 1 <- layer 0's after the fill",
          (p("cache_layer_copy", "cache", positions="range(0, S + 1)", src=0, dst=1),), "warm-other", K_CACHE, 1,
          "0", (want(CC, "system", ("0", "S"), layer=1),), (PM, MC)),
+    Case("kvdiff-mistral-kv-heads-swapped", "tiny-mistral", KVDIFF,
+         "the cache holds the system chunk's two KV heads in swapped order",
+         "pool rows 0..S: K/V heads 0 and 1 exchanged after the fill",
+         (p("cache_swap_heads", "cache", positions="range(0, S + 1)"),), "warm-other", K_CACHE, 0, "0",
+         (want(CC, "system", ("0", "S"), head_order=[1, 0]),), (PM, MC)),
     Case("kvdiff-qwen3-v-bf16", "tiny-qwen3", KVDIFF,
          "cached V rounded through bf16", "pool V rows of the system chunk -> bf16 -> fp32 after the fill",
          (p("cache_round_v", "cache", positions="range(0, S + 1)"),), "warm-other", V_CACHE, 0, "0",
@@ -316,6 +321,11 @@ CASES: list[Case] = [
          "block_kv K rows 0..H-1 rotated back to position 0 after the fill",
          (p("cache_unrotate_k", "cache", positions="range(0, H)"),), "warm-other", K_CACHE, 0, "1",
          (want(PM, positions=("1", "H - 1"), encoded_positions=[0, 0]),), (MC, CC)),
+    Case("cb-llama-kv-heads-swapped", "tiny-llama", CB,
+         "the cache holds the cached blocks' two KV heads in swapped order",
+         "block_kv rows 0..H-1: K/V heads 0 and 1 exchanged after the fill",
+         (p("cache_swap_heads", "cache", positions="range(0, H)"),), "warm-other", K_CACHE, 0, "0",
+         (want(CC, positions=("0", "H - 1"), head_order=[1, 0]),), (PM, MC)),
     Case("cb-qwen3-zeroed-boundary-row", "tiny-qwen3", CB,
          "the last cached row (block boundary) zeroed", "block_kv row H-1 zeroed after the fill",
          (p("cache_zero", "cache", positions="[H - 1]"),), "warm-other", K_CACHE, 0, "H - 1",
@@ -516,6 +526,12 @@ KNOWN_WRONG: dict[str, str] = {
     "vllm-llama64-layer-mixup": (
         "I: kvdiff gave no cache_content_mismatch; the data show layer 1's cached k and v at positions 0-31 equal "
         "to the reference's layer-0 rows exactly"),
+    "kvdiff-mistral-kv-heads-swapped": (
+        "J: kvdiff said cache_content_mismatch over 0-10 with no source and no rounding; the data show each row's "
+        "two v heads equal to the reference's heads 1 and 0 exactly"),
+    "cb-llama-kv-heads-swapped": (
+        "J: kvdiff said cache_content_mismatch over 0-11 with no source and no rounding; the data show each row's "
+        "two v heads equal to the reference's heads 1 and 0 exactly"),
     "vllm-llama64-shifted-block": (
         "G: kvdiff named sources 8, 5 and 8 for positions 14, 25 and 30 (whose rows came from 13, 24 and 29); the "
         "data show the tokens at 8 and 13 (5 and 24, 8 and 29) are the same, so their layer-0 v rows are equal, "
@@ -918,6 +934,15 @@ def plant_cache_unrotate_k(ctx: Ctx, positions: str) -> Undo:
             ctx.write(layer, pos, back.reshape(k.shape).to(k.dtype), v)
 
 
+def plant_cache_swap_heads(ctx: Ctx, positions: str) -> Undo:
+    """Cached K/V rows of `positions` (every layer) with their two KV heads exchanged (a head layout bug)."""
+    pos = ev(positions, ctx.names)
+    with torch.no_grad():
+        for layer in range(ctx.layers):
+            k, v = ctx.rows(layer, pos)
+            ctx.write(layer, pos, *(t.reshape(len(pos), 2, -1).flip(1).reshape(t.shape) for t in (k, v)))
+
+
 def plant_cache_zero(ctx: Ctx, positions: str) -> Undo:
     pos = ev(positions, ctx.names)
     with torch.no_grad():
@@ -1009,7 +1034,7 @@ PLANTS: dict[str, Callable[..., Undo]] = {
     "adapter_scale": plant_adapter_scale, "scale_weight": plant_scale_weight, "skip": plant_skip,
     "scale_output": plant_scale_output, "drop_residual": plant_drop_residual, "mask": plant_mask,
     "cache_copy": plant_cache_copy, "cache_layer_copy": plant_cache_layer_copy, "cache_zero": plant_cache_zero,
-    "cache_unrotate_k": plant_cache_unrotate_k,
+    "cache_unrotate_k": plant_cache_unrotate_k, "cache_swap_heads": plant_cache_swap_heads,
     "cache_round_v": plant_cache_round_v,
 }
 
@@ -1420,6 +1445,11 @@ CAUSES = {
           "position 0, so the report named the operation (`K read from the cache` at layer 1) and no cause.",
           "at the first layer where cached K/V diverge after matching, look for the reference layer whose k and v "
           "rows the candidate holds exactly at the same positions, and claim a cache content mismatch only then."),
+    "J": ("cached K/V with their heads in another order: no cause named",
+          "`cache_content_mismatch` matches whole rows against the reference's (other positions) and its rounding; "
+          "rows whose heads are the reference's in another order match neither, so the claim said only that the "
+          "rows differ.",
+          "match the rows head by head at the same positions and name the order when it is a permutation."),
 }
 
 

@@ -21,7 +21,7 @@ import kvdiff
 from kvdiff.analysis.api import _compare
 from kvdiff.analysis.chunks import ChunkLookup
 from kvdiff.analysis.contradictions import consistent, contradictions
-from kvdiff.analysis.diagnose_cache import _sources, round_to
+from kvdiff.analysis.diagnose_cache import _sources, head_order, round_to
 from kvdiff.analysis.diagnose_operation import diagnose_operation
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs
 from kvdiff.analysis.search import first_tolerance_breach
@@ -251,3 +251,16 @@ def test_a_norm_that_computes_otherwise_is_named_though_its_output_stays_within_
     op = div.report().to_json()["first_operation"]
     assert (op["operation"], op["layer"], op["position"], op["proved"]) == ("attention norm", 1, 0, True)
     assert "declared weight and eps" in op["proof"]
+
+
+def test_rows_whose_heads_come_in_another_order_are_named_by_that_order():
+    """Two heads exchanged in every row: the order is named; the identity, a row of other content, or
+    one row that breaks the pattern name none."""
+    gen = np.random.default_rng(1)
+    ref = gen.standard_normal((5, 3, 4)).astype(np.float32)
+    assert head_order(ref, ref[:, [2, 0, 1]]) == [2, 0, 1]
+    assert head_order(ref, ref) is None
+    broken = ref[:, [2, 0, 1]].copy()
+    broken[3, 1] += 1
+    assert head_order(ref, broken) is None
+    assert head_order(ref, gen.standard_normal(ref.shape).astype(np.float32)) is None

@@ -4,7 +4,7 @@ Each case plants a bug in an engine under test (kvdiff's chunked engine, transfo
 batching, vLLM's CPU build), records the candidate trace, diffs it against the reference path and
 checks report.json against the expectation written in the case table before the case first ran:
 the first operation (operation, layer, position), the diagnoses that must be there and those the
-bug contradicts. catalogue.KNOWN_WRONG keeps what kvdiff used to claim wrongly in 22 cases (each
+bug contradicts. catalogue.KNOWN_WRONG keeps what kvdiff used to claim wrongly in 24 cases (each
 now passes; docs/catalogue.md lists them as fixed); a case kvdiff gets wrong again fails.
 """
 

@@ -50,6 +50,31 @@ def _sources(ref: np.ndarray, cand: np.ndarray, positions: np.ndarray,
     return positions[best], rel[np.arange(rel.shape[0]), best]
 
 
+def same_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row: `a` and `b` hold the same values (relative distance within EXACT; NaN never does)."""
+    x = a.reshape(a.shape[0], -1).astype(np.float64)
+    y = b.reshape(b.shape[0], -1).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        rel = np.sqrt(((x - y) ** 2).sum(1) / np.maximum((y * y).sum(1), 1e-300))
+    return rel <= EXACT
+
+
+def head_order(ref: np.ndarray, cand: np.ndarray) -> list[int] | None:
+    """Rows (n, heads, d) of the same positions: `order` with candidate head i equal to the
+    reference's head order[i] in every row, where that is a permutation other than the identity;
+    else None."""
+    if ref.ndim != 3 or ref.shape != cand.shape or ref.shape[1] < 2 or not ref.shape[0]:
+        return None
+    heads = ref.shape[1]
+    order = []
+    for i in range(heads):
+        match = [j for j in range(heads) if same_rows(ref[:, j], cand[:, i]).all()]
+        if not match:
+            return None
+        order.append(match[0])
+    return order if sorted(order) == list(range(heads)) and order != list(range(heads)) else None
+
+
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     """float32 values rounded to `dtype` (round to nearest even) and back."""
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -139,6 +164,11 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
             pairs = ", ".join(f"{p}<-{s}" for p, s in zip(group[exact & moved][:6], src[exact & moved][:6]))
             evidence += f"; the candidate's {point} rows equal the reference's at other positions ({pairs}): a wrong slot or stale entry"
             proof += f"; {int((exact & moved).sum())} rows equal the reference's {point} at other positions exactly"
+        elif (order := head_order(ref_rows[gcols], cand_rows[gcols])) is not None:
+            details["head_order"] = order
+            evidence += (f"; at every one of these positions the candidate's {point} rows hold the reference's heads in "
+                         f"the order {order}: the cache's head layout differs")
+            proof += f"; every row's heads equal the reference's heads {order} exactly"
         else:
             dtype, share = rounding(ref_rows[gcols], cand_rows[gcols])
             if dtype is not None:

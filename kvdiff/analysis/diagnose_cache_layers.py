@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvdiff.analysis.diagnose_cache import EXACT
+from kvdiff.analysis.diagnose_cache import EXACT, same_rows
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
 from kvdiff.analysis.latent import value_point
 
@@ -40,22 +40,13 @@ def _first_bad_layer(inputs: DiagnosisInputs, points: list[str], cached: np.ndar
     return None
 
 
-def _equal_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per row: `a` and `b` hold the same values (relative distance within EXACT; NaN never does)."""
-    x = a.reshape(a.shape[0], -1).astype(np.float64)
-    y = b.reshape(b.shape[0], -1).astype(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        rel = np.sqrt(((x - y) ** 2).sum(1) / np.maximum((y * y).sum(1), 1e-300))
-    return rel <= EXACT
-
-
 def _source_layer(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarray) -> int | None:
     """The other recorded layer whose reference K and V rows the candidate's rows at layer `row` equal
     at the same positions, every one of them; None when no layer does."""
     layers = inputs.comparison.layers
     cand = {p: inputs.rows(layers[row], p)[1][cols] for p in points}
     for other, layer in enumerate(layers):
-        if other != row and all(_equal_rows(inputs.rows(layer, p)[0][cols], cand[p]).all() for p in points):
+        if other != row and all(same_rows(inputs.rows(layer, p)[0][cols], cand[p]).all() for p in points):
             return layer
     return None
 
