@@ -118,14 +118,16 @@ def _norm_first(comparison: Comparison, where: Location | None) -> Operation | N
     reference's is): the norm computes otherwise, whether or not its output already leaves the two
     traces' tolerance there (another eps may move it by less, and attention after it by more)."""
     layer_rank = {layer: i for i, layer in enumerate(comparison.layers)}
+    al = comparison.alignment
     best = None
     for check in comparison.norms:
         if check.cand_consistent is None or check.ref_consistent is None:
             continue
-        bad = np.flatnonzero(~check.cand_consistent & check.ref_consistent)
+        # where both traces computed the norm (not past differing tokens, not at K/V read from a cache)
+        bad = np.flatnonzero(~check.cand_consistent & check.ref_consistent & al.comparable & al.computed)
         if not bad.size:
             continue
-        position = int(comparison.alignment.positions[bad[0]])
+        position = int(al.positions[bad[0]])
         layer = len(layer_rank) if check.layer is None else layer_rank.get(check.layer, len(layer_rank))
         key = (position, layer, POINT_ORDER[check.norm])
         if best is None or key < best[0]:
