@@ -190,41 +190,7 @@ def test_engine_tensors_line_up_with_the_reference(hf, ids, cold_trace, tmp_path
 # -- planted bugs: diff(cold, warm) must name them -------------------------------------------------
 
 
-def test_position_shift_of_cached_tokens(target, hf, ids, cold_trace, tmp_path):
-    """While the primer runs, a cb_eval tap re-rotates q and k of positions below `cached` at p + 5 in
-    every layer (relative positions, hence attention, unchanged; the cache holds keys rotated 5 too far).
-    Expected: position_mismatch over the cached positions 0..cached-1 (chunk "cache"), offset +5, and
-    no cache_content_mismatch (v is untouched)."""
-    cached = ids[2]
-    base = float(target.llm.metadata["llama.rope.freq_base"])
-    d = target.head_dim
-    inv = base ** (-np.arange(0, d, 2) / d)                  # (d/2,)
-    pre = {}
-
-    def shift(name, op, rows, positions):
-        if not name.startswith(("Qcur-", "Kcur-")):
-            return None
-        if op != "ROPE":
-            pre[name] = rows.copy()
-            return None
-        pos = np.asarray(positions)
-        keep = pos < cached
-        x = pre.pop(name).astype(np.float64).reshape(len(pos), -1, d // 2, 2)
-        angle = (pos[:, None] + 5) * inv[None, :]            # (T, d/2)
-        cos, sin = np.cos(angle)[:, None], np.sin(angle)[:, None]
-        out = np.stack([x[..., 0] * cos - x[..., 1] * sin, x[..., 0] * sin + x[..., 1] * cos], -1)
-        rows = rows.copy()
-        rows[keep] = out.reshape(len(pos), -1)[keep]
-        return rows
-
-    div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5", during_primer=shift))
-    found = _cached_diagnoses(div, cached)
-    assert [d.kind for d in found] == ["position_mismatch"], div.diagnoses
-    assert found[0].chunk == "cache" and found[0].positions == (0, cached - 1)
-    assert found[0].details["offset"] == 5
-
-
-def _rerotated(target, offset: int, applies) -> "callable":
+def _rerotated(target, offset: int, applies):
     """A tap re-rotating q and k (every layer) by `offset` more positions where `applies(positions)`."""
     base = float(target.llm.metadata["llama.rope.freq_base"])
     d = target.head_dim
@@ -247,6 +213,20 @@ def _rerotated(target, offset: int, applies) -> "callable":
         rows[keep] = out.reshape(len(pos), -1)[keep]
         return rows
     return shift
+
+
+def test_position_shift_of_cached_tokens(target, hf, ids, cold_trace, tmp_path):
+    """While the primer runs, a cb_eval tap re-rotates q and k of positions below `cached` at p + 5 in
+    every layer (relative positions, hence attention, unchanged; the cache holds keys rotated 5 too far).
+    Expected: position_mismatch over the cached positions 0..cached-1 (chunk "cache"), offset +5, and
+    no cache_content_mismatch (v is untouched)."""
+    cached = ids[2]
+    shift = _rerotated(target, 5, lambda pos: pos < cached)
+    div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5", during_primer=shift))
+    found = _cached_diagnoses(div, cached)
+    assert [d.kind for d in found] == ["position_mismatch"], div.diagnoses
+    assert found[0].chunk == "cache" and found[0].positions == (0, cached - 1)
+    assert found[0].details["offset"] == 5
 
 
 def test_rows_computed_after_the_hit_encoded_three_positions_on(target, hf, ids, cold_trace, tmp_path):
