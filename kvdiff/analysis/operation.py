@@ -16,10 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvdiff.analysis.compare import Comparison, PointMap
-from kvdiff.analysis.norms import NORM_IO
-from kvdiff.analysis.search import Location
+from kvdiff.analysis.search import Location, dataflow_key
 from kvdiff.analysis.tolerance import Tier
-from kvdiff.trace.points import POINT_ORDER
 
 # point -> (the operation producing it, its inputs: (point, layer offset)); attention reads
 # k and v at every earlier position too.
@@ -117,7 +115,6 @@ def _norm_first(comparison: Comparison, where: Location | None) -> Operation | N
     recomputation from the candidate's own recorded input and declared weight and eps (where the
     reference's is): the norm computes otherwise, whether or not its output already leaves the two
     traces' tolerance there (another eps may move it by less, and attention after it by more)."""
-    layer_rank = {layer: i for i, layer in enumerate(comparison.layers)}
     al = comparison.alignment
     best = None
     for check in comparison.norms:
@@ -127,24 +124,21 @@ def _norm_first(comparison: Comparison, where: Location | None) -> Operation | N
         bad = np.flatnonzero(~check.cand_consistent & check.ref_consistent & al.comparable & al.computed)
         if not bad.size:
             continue
-        position = int(al.positions[bad[0]])
-        layer = len(layer_rank) if check.layer is None else layer_rank.get(check.layer, len(layer_rank))
-        key = (position, layer, POINT_ORDER[check.norm])
+        key = dataflow_key(comparison, int(al.positions[bad[0]]), check.layer, check.norm)
         if best is None or key < best[0]:
-            best = (key, check, position, int(bad[0]))
+            best = (key, check, int(bad[0]))
     if best is None:
         return None
-    key, check, position, col = best
-    if where is not None:
-        where_layer = len(layer_rank) if where.layer is None else layer_rank.get(where.layer, len(layer_rank))
-        if (where.position, where_layer, POINT_ORDER[where.tensor]) < key:
-            return None
-    source = NORM_IO.get(check.norm, ("resid_post",))[0]
+    key, check, col = best
+    if where is not None and dataflow_key(comparison, where.position, where.layer, where.tensor) < key:
+        return None
+    name, ((source, _),) = OPERATIONS[check.norm]
+    position = key[0]
     inp = _input_check(comparison, source, check.layer if check.layer is not None else comparison.layers[-1],
                        position, False)
     tier = int(check.output_tier[col])
-    return Operation(OPERATIONS[check.norm][0], check.layer, position, check.norm,
-                     Tier(tier).label if tier >= 0 else "not compared", True, [inp], recomputed=True)
+    return Operation(name, check.layer, position, check.norm, Tier(tier).label if tier >= 0 else "not compared", True,
+                     [inp], recomputed=True)
 
 
 def first_operation(comparison: Comparison, where: Location | None) -> Operation | None:

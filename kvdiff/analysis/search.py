@@ -51,10 +51,14 @@ def location(comparison: Comparison, chunks: ChunkLookup, pmap: PointMap, row: i
         max_abs=_num(pmap.max_abs[row, col]), rel=_num(pmap.rel[row, col]), cosine=_num(pmap.cosine[row, col]))
 
 
+def dataflow_key(comparison: Comparison, position: int, layer: int | None, point: str) -> tuple[int, int, int]:
+    """Where a cell comes in dataflow order (the module's order: position, layer, point)."""
+    return position, len(comparison.layers) if layer is None else comparison.layers.index(layer), POINT_ORDER[point]
+
+
 def first_where(comparison: Comparison, chunks: ChunkLookup,
                 hit: Callable[[PointMap], np.ndarray]) -> Location | None:
     """The first cell, in dataflow order, where `hit(map)` (a bool (L, P) array) holds."""
-    layer_rank = {layer: i for i, layer in enumerate(comparison.layers)}
     best: tuple | None = None
     for pmap in all_maps(comparison):
         mask = hit(pmap)
@@ -63,8 +67,7 @@ def first_where(comparison: Comparison, chunks: ChunkLookup,
             continue
         col = int(cols[0])
         row = int(np.flatnonzero(mask[:, col])[0])
-        layer = pmap.layers[row]
-        key = (int(pmap.positions[col]), len(layer_rank) if layer is None else layer_rank[layer], POINT_ORDER[pmap.point])
+        key = dataflow_key(comparison, int(pmap.positions[col]), pmap.layers[row], pmap.point)
         if best is None or key < best[0]:
             best = (key, pmap, row, col)
     return None if best is None else location(comparison, chunks, best[1], best[2], best[3])
