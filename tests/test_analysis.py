@@ -10,6 +10,7 @@ import pytest
 
 import kvdiff
 from kvdiff.analysis import compare
+from kvdiff.analysis.tolerance import NOT_COMPARED
 from synthetic import Faults, SyntheticModel, write_trace
 from kvdiff.errors import InputError, TraceError
 from kvdiff.trace import ChunkRecord
@@ -275,3 +276,17 @@ def test_reading_one_row_at_a_time_gives_the_same_result(traces, monkeypatch, na
     whole = kvdiff.diff(traces["reference"], traces[name]).to_json()
     monkeypatch.setattr(compare, "_BLOCK_BYTES", (1, 1))
     assert kvdiff.diff(traces["reference"], traces[name]).to_json() == whole
+
+
+def test_a_trace_that_stops_before_the_last_layer_does_not_check_the_final_norm_against_another_layer(
+        tiny_llama, tmp_path):
+    """The final norm reads the model's last layer: recorded without it (`--layers`, a zoom window),
+    its check is not made, where it had taken the last recorded layer's rows for its input."""
+    model, tokenizer = tiny_llama
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    paths = [kvdiff.record(model, tokenizer, messages, tmp_path / f"{numerics}.h5", max_new_tokens=2,
+                           layers="0-1", numerics=numerics) for numerics in ("fast", "exact")]
+    div = kvdiff.diff(*paths)
+    assert model.config.num_hidden_layers == 3 and (div.comparison.final["final_norm"].tier != NOT_COMPARED).any()
+    assert [n for n in div.comparison.norms if n.layer is None] == []
+    assert "norm_consistency" not in {d.kind for d in div.diagnoses}

@@ -122,8 +122,10 @@ def _compare_layer(ref: TraceReader, cand: TraceReader, out: Comparison, row: in
 
 
 def _compare_final(ref: TraceReader, cand: TraceReader, out: Comparison, block_bytes: int) -> None:
-    """The final points; the final norm's check reads the last layer's resid_post block by block."""
-    last = out.layers[-1] if out.layers and "resid_post" in out.points else None
+    """The final points; the final norm's check reads the model's last layer's resid_post block by
+    block, where both traces hold that layer (a zoom trace or `--layers` may stop before it)."""
+    last = ref.meta.dims.num_layers - 1
+    last = last if last in out.layers and "resid_post" in out.points else None
     checker = NormChecker(ref, cand, None, "final_norm", out.tolerances) \
         if last is not None and "final_norm" in out.final else None
     al = out.alignment
