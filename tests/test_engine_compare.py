@@ -27,6 +27,7 @@ def test_a_clean_engine_gives_identical_tokens_with_the_hit_confirmed(tmp_path):
     assert report["noise_floor"] == {"tokens_identical": True, "bitwise_equal": True, "max_abs_logit": None}
     assert report["flips"] == [] and report["engine_vs_reference"]["tokens_identical"]
     assert report["first_divergence"] is None
+    assert report["diagnoses"] == []          # its zoom window stops before the last layer: no final-norm claim
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
         "cold-again.h5", "cold.h5", "reference.h5", "report.html", "report.json", "warm.h5"]
 
