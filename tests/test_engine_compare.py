@@ -26,6 +26,7 @@ def test_a_clean_engine_gives_identical_tokens_with_the_hit_confirmed(tmp_path):
     assert report["engine"]["cache_hit_tokens"] == 32 and report["engine"]["prompt_tokens"] == 35   # two 16-token blocks
     assert report["noise_floor"] == {"tokens_identical": True, "bitwise_equal": True, "max_abs_logit": None}
     assert report["flips"] == [] and report["engine_vs_reference"]["tokens_identical"]
+    assert (report["engine_vs_reference"]["first_divergence"], report["engine_vs_reference"]["diagnoses"]) == (None, [])
     assert report["first_divergence"] is None
     assert report["diagnoses"] == []          # its zoom window stops before the last layer: no final-norm claim
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
@@ -65,6 +66,40 @@ def test_a_stale_cached_block_is_a_flip_classified_as_a_divergence(tmp_path, mon
     if not report["tokens_identical"]:
         (flip,) = report["flips"]
         assert flip["kind"] == "divergence" and "cache_content_mismatch" in flip["diagnoses"]
+
+
+@pytest.mark.parametrize("mode", ["digest", "full"])
+def test_a_bug_in_every_run_of_the_engine_is_diagnosed_against_the_reference(tmp_path, monkeypatch, mode):
+    """Layer 1's o_proj output x1.01 in every engine run: cold and warm agree, so only the engine's
+    cold run against kvdiff's reference shows it, and names attention at layer 1 from the tensors."""
+    from kvdiff.targets import transformers_cb
+
+    original = transformers_cb.TransformersTarget.generate
+
+    def scaled(self, prompt_ids, max_new_tokens, sink=None):
+        handle = self.model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda m, a, out: out * 1.01)
+        try:
+            return original(self, prompt_ids, max_new_tokens, sink)
+        finally:
+            handle.remove()
+
+    monkeypatch.setattr(transformers_cb.TransformersTarget, "generate", scaled)
+    result = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=6, out=tmp_path / "run",
+                     trace_mode=mode)
+    report = result.report.to_json()
+    assert result.exit_code == 0 and {d["kind"] for d in report["diagnoses"]} <= {"numerical_noise"}   # cold, warm agree
+    against = report["engine_vs_reference"]
+    operation = against["first_operation"]
+    assert (operation["operation"], operation["layer"], operation["proved"]) == (
+        "attention (softmax(q k^T) v, o_proj)", 1, True)
+    assert (against["first_divergence"]["layer"], against["first_divergence"]["position"]) == (1, 0)
+    kinds = [d["kind"] for d in against["diagnoses"]]
+    assert "attention_mismatch" in kinds and set(kinds) <= {"attention_mismatch", "norm_consistency"}
+    assert all(d["layer"] == 1 for d in against["diagnoses"] if d["kind"] == "attention_mismatch")
+    window = (tmp_path / "run" / "cold-vs-reference.h5").exists()
+    assert (against["zoom"], window) == (({"layers": [0, 2], "positions": [0, 39]}, True) if mode == "digest"
+                                         else (None, False))
+    assert against["repeated"] and not (tmp_path / "run" / "reference.first.h5").exists()
 
 
 def test_flip_classification_follows_the_data(tmp_path):

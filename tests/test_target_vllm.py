@@ -255,6 +255,50 @@ def test_dropped_cached_row(target, hf, ids, cold_trace, tmp_path):
     assert found[0].details["source_positions"] == [None]
 
 
+class _Lent:
+    """The module's engine lent to one `kvdiff compare --engine vllm` run, which closes its target."""
+
+    def __init__(self, target):
+        self._target = target
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def close(self):
+        pass
+
+
+def test_a_bug_in_every_run_is_diagnosed_against_the_reference(target, folder, hf, monkeypatch, tmp_path):
+    """vLLM's RoPE table of base 20000 (the checkpoint says 10000) in every run: cold and warm agree,
+    and `kvdiff compare --engine vllm` names RoPE at layer 0 from the cold run against the reference."""
+    from kvdiff.run import engine_compare
+    from kvdiff.run.compare import compare
+    from kvdiff.run.model_cache import ModelKey
+
+    ropes = {id(layer.self_attn.rotary_emb): layer.self_attn.rotary_emb for layer in target.model.model.layers}
+    saved = [(rope, rope.cos_sin_cache) for rope in ropes.values()]
+    for rope, old in saved:
+        freqs = torch.outer(torch.arange(old.shape[0], dtype=torch.float), rope._compute_inv_freq(20000.0))
+        rope.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(old.dtype)
+    monkeypatch.setattr(engine_compare, "open_target", lambda name, model, tokenizer: _Lent(target))
+    try:
+        result = compare(PROMPT, engine="vllm", model=str(folder), warm=PRIMER, max_new_tokens=NEW,
+                         out=tmp_path / "run", model_cache={ModelKey(str(folder)): hf})
+    finally:
+        for rope, old in saved:
+            rope.cos_sin_cache = old
+        target.reset_cache()
+    report = result.report.to_json()
+    assert report["engine"]["cache_hit_tokens"] > 0
+    assert {d["kind"] for d in report["diagnoses"]} <= {"numerical_noise"}
+    against = report["engine_vs_reference"]
+    operation = against["first_operation"]
+    assert (operation["operation"], operation["layer"], operation["tier"]) == ("RoPE (on q and k)", 0, "divergent")
+    kinds = {d["kind"] for d in against["diagnoses"]}
+    assert not kinds & {"position_mismatch", "missing_context", "cache_content_mismatch"}, kinds
+    assert against["zoom"]["layers"] == [0, 1] and against["repeated"]
+
+
 # -- errors ----------------------------------------------------------------------------------------
 
 

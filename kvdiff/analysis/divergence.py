@@ -154,15 +154,28 @@ class Divergence:
         """The typed report the renderers take; `extra` keys join its report.json document."""
         return Report.from_json({**self.to_json(), **extra})
 
+    def findings_json(self) -> dict:
+        """Where the runs part and why, without the per-row maps: the keys of report.json that a
+        report embedding this divergence (an engine's against the reference) repeats."""
+        loc = lambda x: None if x is None else x.to_json()
+        return {
+            "tokens_identical": self.tokens_identical,
+            "first_bit_difference": loc(self.first_bit_difference),
+            "first_divergence": loc(self.first_divergence),
+            "first_operation": None if self.first_operation is None else self.first_operation.to_json(),
+            "diagnoses": [_strict(d.to_json()) for d in self.diagnoses],     # details may hold NaN (NaN traces)
+            "top_diagnosis": None if not self.diagnoses else self.diagnoses.index(top_diagnosis(self.diagnoses)),
+        }
+
     def to_json(self) -> dict:
         """report.json (schema_version 1): strict JSON types, no NaN."""
         cmp, al = self.comparison, self.comparison.alignment
         meta = lambda m: {**{f: getattr(m, f) for f in _META_FIELDS}, **{f: getattr(m.dims, f) for f in _DIMS_FIELDS}}
-        loc = lambda x: None if x is None else x.to_json()
+        findings = self.findings_json()
         return {
             "schema_version": REPORT_SCHEMA_VERSION,
             "verdict": "identical" if self.tokens_identical else "divergent",
-            "tokens_identical": self.tokens_identical,
+            "tokens_identical": findings["tokens_identical"],
             "text_identical": al.text_identical,
             "prompt": {"token_ids": self.reference.input_ids.tolist(), "tokens": self.token_strings["prompt"]},
             "conversation": [{"role": str(m.get("role")), "content": str(m.get("content"))} for m in self.reference.messages],
@@ -172,11 +185,8 @@ class Divergence:
                           "tokens": self.token_strings["candidate"], "strategy": self.candidate.strategy,
                           "numerics": self.candidate.numerics},
             "first_token_divergence": self._token_divergence_json(),
-            "first_bit_difference": loc(self.first_bit_difference),
-            "first_divergence": loc(self.first_divergence),
-            "first_operation": None if self.first_operation is None else self.first_operation.to_json(),
-            "diagnoses": [_strict(d.to_json()) for d in self.diagnoses],
-            "top_diagnosis": None if not self.diagnoses else self.diagnoses.index(top_diagnosis(self.diagnoses)),     # details may hold NaN (NaN traces)
+            **{k: findings[k] for k in ("first_bit_difference", "first_divergence", "first_operation",
+                                        "diagnoses", "top_diagnosis")},
             "chunks": [c.to_json() for c in self.chunks],
             "comparable_until": al.comparable_until,
             "first_input_difference": al.first_input_difference,

@@ -148,12 +148,27 @@
       JSON.stringify(String(f.reference_token)) + " → " + JSON.stringify(String(f.candidate_token)) +
       ", cold margin " + fmt(f.reference_margin) + ", logits max_abs there " + fmt(f.logit_max_abs)]));
     const ref = R.engine_vs_reference;
-    if (ref) rows.push(["vs kvdiff reference", ref.tokens_identical ? "tokens identical" : "tokens differ (" + fmt((ref.flip || {}).kind) + ")"]);
+    if (ref) rows.push(["vs kvdiff reference", (ref.tokens_identical ? "tokens identical" : "tokens differ (" +
+      fmt((ref.flip || {}).kind) + ")") + "; " + breaks(ref)]);
     table("engine", ["", "details"], rows);
+    if (ref && Array.isArray(ref.diagnoses) && ref.diagnoses.length) {
+      const box = document.getElementById("against");
+      box.parentNode.hidden = false;
+      diagnoses(box, ref.diagnoses);
+    }
   }
 
-  function diagnoses() {
-    const box = document.getElementById("diagnoses"), list = R.diagnoses || [];
+  function breaks(section) {     // where a section's runs first part beyond tolerance, and the operation
+    const op = section.first_operation, first = section.first_divergence;
+    if (op && op.tier === "divergent") return "first breaks: " + op.operation + " at layer " + fmt(op.layer) +
+      ", position " + fmt(op.position) + (op.proved ? " (inputs match)" : " (not proved)");
+    if (first) return "first beyond tolerance: " + first.tensor + " at layer " + fmt(first.layer) + ", position " +
+      fmt(first.position);
+    return "within tolerance everywhere";
+  }
+
+  function diagnoses(box, list) {
+    list = (list || []).filter((d) => d && typeof d === "object");
     if (!list.length) box.append(el("p", "none", "no diagnosis"));
     for (const d of list) {
       const card = el("div", "diag");
@@ -244,7 +259,7 @@
     generated();
     firsts();
     engine();
-    diagnoses();
+    diagnoses(document.getElementById("diagnoses"), R.diagnoses);
     timeline();
     blendErrors();
     metadata();

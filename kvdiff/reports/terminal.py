@@ -219,15 +219,31 @@ class _Report:
                               f"logits max_abs there {_fmt(flip.get('logit_max_abs'))}")))
         against = view.section("engine_vs_reference")
         if against:
-            table.add_row("vs kvdiff reference", "tokens identical" if against.get("tokens_identical") else Text(
-                printable(f"tokens differ; {_fmt((against.get('flip') or {}).get('kind'))}")))
+            flip = against.get("flip") if isinstance(against.get("flip"), dict) else {}
+            table.add_row("vs kvdiff reference", Text(printable(
+                ("tokens identical" if against.get("tokens_identical") else f"tokens differ; {_fmt(flip.get('kind'))}")
+                + "; " + self.breaks(against))))
         return table
 
-    def diagnoses(self) -> Table:
-        table = self.table("diagnosis", "evidence", title="diagnoses")
-        if not self.view.diagnoses:
+    def breaks(self, section: dict) -> str:
+        """Where a section's runs first part beyond tolerance, and the operation that breaks."""
+        operation = section.get("first_operation") if isinstance(section.get("first_operation"), dict) else None
+        first = section.get("first_divergence") if isinstance(section.get("first_divergence"), dict) else None
+        if operation is not None and operation.get("tier") == "divergent":
+            return (f"first breaks: {operation.get('operation')} at layer {operation.get('layer')}, position "
+                    f"{self.where(operation.get('position'))}" + (" (inputs match)" if operation.get("proved")
+                                                                   else " (not proved)"))
+        if first is not None:
+            return (f"first beyond tolerance: {first.get('tensor')} at layer {first.get('layer')}, position "
+                    f"{self.where(first.get('position'))}")
+        return "within tolerance everywhere"
+
+    def diagnoses(self, diagnoses: list | None = None, title: str = "diagnoses") -> Table:
+        table = self.table("diagnosis", "evidence", title=title)
+        diagnoses = self.view.diagnoses if diagnoses is None else [d for d in diagnoses if isinstance(d, dict)]
+        if not diagnoses:
             table.add_row("none", "")
-        for diagnosis in self.view.diagnoses:
+        for diagnosis in diagnoses:
             extras = {k: v for k, v in diagnosis.items()
                       if k not in ("kind", "chunk", "positions", "evidence")}
             evidence = printable(str(diagnosis.get("evidence", "")))
@@ -275,6 +291,9 @@ def render_terminal(view: Report, console: Console, point: str | None = None) ->
     if view.section("engine"):
         console.print(parts.engine())
     console.print(parts.diagnoses())
+    against = view.section("engine_vs_reference").get("diagnoses")
+    if isinstance(against, list) and against:
+        console.print(parts.diagnoses(against, "diagnoses: the engine's cold run against kvdiff's reference"))
     if view.chunks:
         console.print(parts.chunk_table())
     recomputed = view.section("recomputed")

@@ -9,9 +9,10 @@ from its own tensors, diffed against itself and against kvdiff's reference path.
 
 report.json is the diff of cold (reference side) against warm (candidate side), with `engine`,
 `noise_floor`, `flips` (each first token flip classified from the data) and
-`engine_vs_reference` added. In digest mode (the default) every run records digests, and
-cold and warm run a second time with the zoom window in full (kvdiff.run.zoom); the noise floor
-and the reference's comparison come from the digests (their logits gaps are lower bounds).
+`engine_vs_reference` (the reference against the cold run, diagnosed: kvdiff.run.engine_reference)
+added. In digest mode (the default) every run records digests, and cold and warm run a second
+time with the zoom window in full (kvdiff.run.zoom); the noise floor comes from the digests (its
+logits gap is a lower bound).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvdiff.conversation import Messages, render_prompt_ids, validate_messages
 from kvdiff.errors import KvdiffError
 from kvdiff.options import TraceMode
 from kvdiff.run.compare import CompareResult, write_reports
+from kvdiff.run.engine_reference import COLD_WINDOW, REFERENCE_FIRST, against_reference
 from kvdiff.run.folder import check_report_copies, claimed_out_dir, discarded_on_failure
 from kvdiff.run.options import RunOptions
 from kvdiff.run.zoom import (ZOOM_LAYERS, ZOOM_POSITIONS, ZoomWindow, checked_repeat, diagnoses_with,
@@ -38,7 +40,7 @@ from kvdiff.targets.registry import EngineName, open_target
 
 log = logging.getLogger(__name__)
 
-ARTEFACTS = ("cold.h5", "cold-again.h5", "warm.h5", "reference.h5", "report.json", "report.html")
+ARTEFACTS = ("cold.h5", "cold-again.h5", "warm.h5", "reference.h5", COLD_WINDOW, "report.json", "report.html")
 FIRST_PASS = ("cold.first.h5", "warm.first.h5")     # digest mode: kept when the zoom runs disagree with them
 
 
@@ -67,7 +69,7 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
                             zoom_positions=zoom_positions)
     mode = options.trace_mode.value
     check_report_copies(json_path, html, out, ARTEFACTS)
-    with claimed_out_dir(out, str(name)) as out_dir, discarded_on_failure(out_dir, ARTEFACTS + FIRST_PASS):
+    with claimed_out_dir(out, str(name)) as out_dir, discarded_on_failure(out_dir, ARTEFACTS + FIRST_PASS + (REFERENCE_FIRST,)):
         check_report_copies(json_path, html, out_dir, ARTEFACTS)
         step("loading model")
         loaded, tokenizer = cached_model(model_cache, ModelKey(model))
@@ -75,11 +77,20 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
         step(f"starting {name}")
         recorded = _Recorded(loaded, tokenizer, messages, ids, out_dir, options.max_new_tokens, mode)
         target = open_target(name, loaded, tokenizer)
+
+        def record_reference(path: Path, window: dict) -> None:
+            step("recording kvdiff's reference path")
+            record(loaded, tokenizer, messages, path, max_new_tokens=options.max_new_tokens, capture=target.points,
+                   trace_mode=mode, **window)
+
+        def record_cold(path: Path, window: dict) -> None:
+            target.reset_cache()
+            step(f"running {target.info.name} cold")
+            _recorded_run(target, recorded, "cold", path, window)
+
         try:
             runs = _cold_cold_warm(target, recorded, warm_messages, step)
-            step("recording kvdiff's reference path")
-            record(loaded, tokenizer, messages, out_dir / "reference.h5", max_new_tokens=options.max_new_tokens,
-                   capture=target.points, trace_mode=mode)
+            record_reference(out_dir / "reference.h5", {})
             step("diffing")
             main = diff(out_dir / "cold.h5", out_dir / "warm.h5", tokenizer=tokenizer)
             window = zoom_window(main, loaded.config.num_hidden_layers, options.zoom_layers, options.zoom_positions) \
@@ -87,10 +98,12 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
             findings = []
             if window is not None:
                 main, findings, runs = _zoom(target, recorded, warm_messages, window, main, step)
+            against = diff(out_dir / "reference.h5", out_dir / "cold.h5", tokenizer=tokenizer)
+            against, against_json = against_reference(out_dir, record_reference, record_cold, options,
+                                                      loaded.config.num_hidden_layers, tokenizer, step)
         finally:
             target.close()
         noise = diff(out_dir / "cold.h5", out_dir / "cold-again.h5", tokenizer=tokenizer)
-        against = diff(out_dir / "reference.h5", out_dir / "cold.h5", tokenizer=tokenizer)
         floor = noise_floor(noise)
         extra = {} if options.trace_mode is TraceMode.FULL else {
             "trace_mode": mode, "digest": digest_section(window, findings, {}, main.comparison.alignment.positions)}
@@ -100,9 +113,7 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
                     "checkpoint": str(target.info.checkpoint), "cache_hit_tokens": runs["warm"].cache_hit_tokens,
                     "prompt_tokens": len(ids)},
             noise_floor=floor, flips=[flip for flip in [classify_flip(main, floor)] if flip is not None],
-            engine_vs_reference={"tokens_identical": against.tokens_identical,
-                                 "first_divergence": _where(against),
-                                 "flip": classify_flip(against, floor)})
+            engine_vs_reference={**against_json, "flip": classify_flip(against, floor)})
         report_json, report_html = write_reports(report, out_dir, json_path, html)
         return CompareResult(main, report, out_dir, out_dir / "cold.h5", out_dir / "warm.h5", report_json,
                              report_html)
@@ -128,13 +139,10 @@ def _zoom(target: Target, recorded: _Recorded, warm_messages: Messages, window: 
     out_dir = recorded.out_dir
     for name, kept in zip(("cold.h5", "warm.h5"), FIRST_PASS):
         (out_dir / name).replace(out_dir / kept)
-    positions = window.position_range
     flip = first.first_token_divergence
-    if flip is not None and not window.positions[0] <= flip.position <= window.positions[1]:
-        positions += f",{flip.position}"
-    step(f"zooming in: layers {window.layer_range}, positions {positions} in full")
-    runs = _cold_cold_warm(target, recorded, warm_messages, step, ("cold", "warm"),
-                           dict(layers=window.layer_range, positions=positions, window_final=True))
+    args = window.recorder_args(None if flip is None else flip.position)
+    step(f"zooming in: layers {args['layers']}, positions {args['positions']} in full")
+    runs = _cold_cold_warm(target, recorded, warm_messages, step, ("cold", "warm"), args)
     findings = checked_repeat(tuple(out_dir / name for name in FIRST_PASS),
                               (out_dir / "cold.h5", out_dir / "warm.h5"), ("cold run", "warm run"))
     main = diff(out_dir / "cold.h5", out_dir / "warm.h5", tokenizer=recorded.tokenizer)
@@ -147,8 +155,6 @@ def _cold_cold_warm(target: Target, recorded: _Recorded, warm_messages: Messages
                     window: dict | None = None) -> dict[str, TargetRun]:
     """The recorded runs (of `labels`); a warm run the engine's counters show no hit for is an
     error. `window`: a digest trace's zoom window (TraceRecorder.for_model's arguments)."""
-    from kvdiff.probes.recorder import TraceRecorder
-
     files = {"cold": "cold.h5", "cold again": "cold-again.h5", "warm": "warm.h5"}
     runs: dict[str, TargetRun] = {}
     for label in labels:
@@ -158,25 +164,33 @@ def _cold_cold_warm(target: Target, recorded: _Recorded, warm_messages: Messages
         else:
             target.reset_cache()
         step(f"running {target.info.name} {label}")
-        recorder = TraceRecorder.for_model(recorded.model, recorded.tokenizer, recorded.messages,
-                                           recorded.out_dir / files[label], input_ids=recorded.ids,
-                                           strategy=f"{target.info.name} {label}", numerics="engine",
-                                           capture=target.points, max_new_tokens=recorded.max_new_tokens,
-                                           trace_mode=recorded.trace_mode, **(window or {}))
-        try:
-            run = target.generate(recorded.ids, recorded.max_new_tokens, sink=recorder)
-        except BaseException:
-            recorder.abort()
-            raise
-        recorder.finish(run.token_ids, run.text)
-        runs[label] = run
-        if label.startswith("cold") and run.cache_hit_tokens:
-            raise KvdiffError(f"{target.info.name} served {run.cache_hit_tokens} tokens from its cache on a cold run "
-                              "after its cache was dropped: its reset does not work, so cold and warm cannot be told apart")
+        runs[label] = _recorded_run(target, recorded, label, recorded.out_dir / files[label], window or {})
     if runs["warm"].cache_hit_tokens == 0:
         raise KvdiffError(f"the warm run of {target.info.name} had no cache hit (its counters show 0 cached tokens), "
                           "so it tested nothing: give a longer shared prefix (engines cache whole blocks only)")
     return runs
+
+
+def _recorded_run(target: Target, recorded: _Recorded, label: str, path: Path, window: dict) -> TargetRun:
+    """One request on the engine recorded into `path`; a cold run the engine served from its cache
+    is an error (its reset does not work)."""
+    from kvdiff.probes.recorder import TraceRecorder
+
+    recorder = TraceRecorder.for_model(recorded.model, recorded.tokenizer, recorded.messages, path,
+                                       input_ids=recorded.ids, strategy=f"{target.info.name} {label}",
+                                       numerics="engine", capture=target.points,
+                                       max_new_tokens=recorded.max_new_tokens, trace_mode=recorded.trace_mode,
+                                       **window)
+    try:
+        run = target.generate(recorded.ids, recorded.max_new_tokens, sink=recorder)
+    except BaseException:
+        recorder.abort()
+        raise
+    recorder.finish(run.token_ids, run.text)
+    if label.startswith("cold") and run.cache_hit_tokens:
+        raise KvdiffError(f"{target.info.name} served {run.cache_hit_tokens} tokens from its cache on a cold run "
+                          "after its cache was dropped: its reset does not work, so cold and warm cannot be told apart")
+    return run
 
 
 def noise_floor(noise: Divergence) -> dict:

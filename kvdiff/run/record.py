@@ -22,7 +22,7 @@ def record(model, tokenizer, messages: list[dict], path: str | os.PathLike, max_
            capture: str | Iterable[str] | None = None, layers: str | Iterable[int] | None = None,
            positions: str | Iterable[int] | None = None, spec: ProbeSpec | None = None,
            strategy: str = "reference", numerics: str = "fast", compression: str | None = None,
-           fingerprint: str | None = None, trace_mode: str = "full") -> str:
+           fingerprint: str | None = None, trace_mode: str = "full", window_final: bool | None = None) -> str:
     """Generate greedily with probes on and write the trace to `path`; returns the path.
 
     The model may be the user's own (changed weights or modules): `spec` maps its module names
@@ -33,7 +33,8 @@ def record(model, tokenizer, messages: list[dict], path: str | os.PathLike, max_
     numerics `kvdiff compare` uses by default, so a trace to diff against a compare run's
     candidate is recorded with numerics="exact").
     `trace_mode`: "full" (rows of everything selected) or "digest" (a hash and statistics of
-    every row; full rows only in the window `layers` x `positions`, none by default).
+    every row; full rows only in the window `layers` x `positions`, none by default, with the
+    final points when `window_final`; None: when the window holds the last layer).
     """
     messages = validate_messages(messages)
     mode = TraceMode.parse(trace_mode)
@@ -41,7 +42,8 @@ def record(model, tokenizer, messages: list[dict], path: str | os.PathLike, max_
     recorder = TraceRecorder.for_model(model, tokenizer, messages, path, strategy=strategy, numerics=numerics,
                                        capture=capture, layers=layers, positions=positions, spec=spec,
                                        compression=compression, fingerprint=fingerprint,
-                                       max_new_tokens=max_new_tokens, trace_mode=mode.value)
+                                       max_new_tokens=max_new_tokens, trace_mode=mode.value,
+                                       window_final=window_final)
     try:
         with exact_numerics(model) if exact else nullcontext(), attach_probes(model, recorder, spec) as probes:
             out = reference_generate(model, tokenizer, messages, max_new_tokens, sink=probes)

@@ -21,6 +21,7 @@ from kvdiff.analysis import Divergence
 from kvdiff.analysis.diagnosis import Diagnosis
 from kvdiff.analysis.digests import first_digest_mismatch
 from kvdiff.analysis.search import bits_differ
+from kvdiff.analysis.tolerance import Tier
 from kvdiff.trace import open_trace
 
 ZOOM_LAYERS = 2
@@ -47,11 +48,22 @@ class ZoomWindow:
     def to_json(self) -> dict:
         return {"layers": list(self.layers), "positions": list(self.positions)}
 
+    def recorder_args(self, flip_position: int | None) -> dict:
+        """`TraceRecorder.for_model`'s window arguments: this window, with the final points, and
+        the logits at the first token flip (`flip_position`) where it lies outside."""
+        positions = self.position_range
+        if flip_position is not None and not self.positions[0] <= flip_position <= self.positions[1]:
+            positions += f",{flip_position}"
+        return dict(layers=self.layer_range, positions=positions, window_final=True)
+
 
 def zoom_window(first_pass: Divergence, num_layers: int, layers: int = ZOOM_LAYERS,
-                positions: int = ZOOM_POSITIONS) -> ZoomWindow | None:
-    """The window around the first bit difference of a digest-only diff; None where none differs."""
-    first = first_pass.first_bit_difference
+                positions: int = ZOOM_POSITIONS, beyond_tolerance: bool = False) -> ZoomWindow | None:
+    """The window around the first bit difference of a digest-only diff; None where none differs.
+    `beyond_tolerance`: around the first row the statistics prove beyond tolerance instead, for
+    two runs whose bits differ everywhere (an engine against the reference)."""
+    first = first_pass.first_divergence if beyond_tolerance else first_pass.first_bit_difference
+    cells = (lambda pmap: pmap.tier == Tier.DIVERGENT) if beyond_tolerance else bits_differ
     if first is None:
         return None
     cmp = first_pass.comparison
@@ -60,7 +72,7 @@ def zoom_window(first_pass: Divergence, num_layers: int, layers: int = ZOOM_LAYE
     end = min(first.position + positions - 1, last_position)
     in_window = (cmp.alignment.positions >= first.position) & (cmp.alignment.positions <= end)
     differing = [layer for pmap in cmp.points.values() for row, layer in enumerate(pmap.layers)
-                 if (bits_differ(pmap)[row] & in_window).any()]
+                 if (cells(pmap)[row] & in_window).any()]
     low = min(differing, default=num_layers - 1)
     # and the layer before, where the rows still agree: the cached-context proofs read K/V there
     return ZoomWindow((max(low - 1, 0), min(low + layers - 1, num_layers - 1)), (start, end))
