@@ -312,3 +312,17 @@ def assert_reference_is_transformers_generation(model, tok, messages: list, new_
         logits = model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache()).logits[0]
     assert got == want[:len(got)] and len(got) == new_tokens
     assert torch.allclose(logits, plain, atol=1e-4)
+
+
+class LentTarget:
+    """A test module's engine under test lent to one `compare --engine` run, which closes the target
+    it opens: this one stays open for the module's other tests."""
+
+    def __init__(self, target):
+        self._target = target
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def close(self):
+        pass

@@ -264,3 +264,23 @@ def test_rows_whose_heads_come_in_another_order_are_named_by_that_order():
     broken[3, 1] += 1
     assert head_order(ref, broken) is None
     assert head_order(ref, gen.standard_normal(ref.shape).astype(np.float32)) is None
+
+
+@pytest.mark.parametrize("base", [10000.0, 20000.0])
+def test_rope_is_judged_on_the_candidates_own_keys_whatever_came_before_it(traces, tmp_path, base):
+    """Every k projection x1.01 (as a quantized engine's differ): k_pre_rope breaks tolerance, so the
+    reference's content says nothing of the rotation; the candidate's own k_pre_rope and k do. With
+    RoPE of base 20000: rope_mismatch fitting 20000, never a position_mismatch; with the right base,
+    no RoPE claim at all."""
+    changed = AttentionModel(layers=3, seed=1, rope_base=base)
+    for weights in changed.weights:
+        weights["wk"] = weights["wk"] * 1.01
+    cand = write_trace(changed, tmp_path / "cand.h5", PROMPT, STEPS, strategy="prefix", faults=Faults(), chunks=CHUNKS)
+    found = kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"]
+    rope = [d for d in found if d["kind"] in ("rope_mismatch", "position_mismatch")]
+    if base == 10000.0:
+        assert rope == []
+        return
+    assert rope and {d["kind"] for d in rope} == {"rope_mismatch"}
+    assert rope[0]["base"] == pytest.approx(20000.0, rel=1e-3)
+    assert [(d["chunk"], d["positions"]) for d in rope] == [("user", [16, 27])]   # the rows it computed (0-15: a hit)

@@ -7,10 +7,12 @@ import json
 import sys
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from kvdiff.cli import app
 from kvdiff.errors import InputError, KvdiffError
+from kvdiff.reports.terminal import render_terminal
 from kvdiff.run.compare import compare
 from kvdiff.run.engine_compare import classify_flip
 
@@ -100,6 +102,11 @@ def test_a_bug_in_every_run_of_the_engine_is_diagnosed_against_the_reference(tmp
     assert (against["zoom"], window) == (({"layers": [0, 2], "positions": [0, 39]}, True) if mode == "digest"
                                          else (None, False))
     assert against["repeated"] and not (tmp_path / "run" / "reference.first.h5").exists()
+    console = Console(width=200, record=True, no_color=True)
+    render_terminal(result.report, console)
+    text = console.export_text()
+    assert "vs kvdiff reference   tokens identical; first breaks: attention (softmax(q k^T) v, o_proj) at layer 1" in text
+    assert "diagnoses: the engine's cold run against kvdiff's reference" in text and "quantization" not in text
 
 
 def test_flip_classification_follows_the_data(tmp_path):

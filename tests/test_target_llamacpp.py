@@ -25,6 +25,7 @@ from kvdiff.errors import InputError, KvdiffError  # noqa: E402
 from kvdiff.probes.recorder import TraceRecorder  # noqa: E402
 from kvdiff.targets.llamacpp import LlamaCppTarget  # noqa: E402
 from kvdiff.trace import open_trace  # noqa: E402
+from conftest import LentTarget  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
@@ -190,9 +191,10 @@ def test_engine_tensors_line_up_with_the_reference(hf, ids, cold_trace, tmp_path
 # -- planted bugs: diff(cold, warm) must name them -------------------------------------------------
 
 
-def _rerotated(target, offset: int, applies):
-    """A tap re-rotating q and k (every layer) by `offset` more positions where `applies(positions)`."""
-    base = float(target.llm.metadata["llama.rope.freq_base"])
+def _rerotated(target, offset: int, applies, base: float | None = None):
+    """A tap re-rotating q and k (every layer) by `offset` more positions where `applies(positions)`,
+    with RoPE of `base` (default: the GGUF's)."""
+    base = float(target.llm.metadata["llama.rope.freq_base"]) if base is None else base
     d = target.head_dim
     inv = base ** (-np.arange(0, d, 2) / d)
     pre = {}
@@ -213,6 +215,46 @@ def _rerotated(target, offset: int, applies):
         rows[keep] = out.reshape(len(pos), -1)[keep]
         return rows
     return shift
+
+
+@pytest.mark.parametrize("base", [None, 20000.0])
+def test_rope_of_another_base_in_every_run_is_named_against_the_reference(target, hf, gguf, monkeypatch, tmp_path,
+                                                                          base):
+    """`kvdiff compare --engine llama.cpp` with RoPE of base 20000 in every run (the GGUF says 100000):
+    cold and warm agree, and against kvdiff's reference every projection differs by quantization
+    (Q4_1), yet the RoPE claim rests on each run's own k_pre_rope and k. Expected (written before the
+    first run): rope_mismatch at layer 0 fitting base 2e4 against the reference's 1e5, no
+    position_mismatch; with no bug, neither (quantization alone claims no RoPE fault)."""
+    from rich.console import Console
+
+    from kvdiff.reports.terminal import render_terminal
+    from kvdiff.run import engine_compare
+    from kvdiff.run.compare import compare
+    from kvdiff.run.model_cache import ModelKey
+
+    monkeypatch.setattr(engine_compare, "open_target", lambda name, model, tokenizer: LentTarget(target))
+    if base is not None:
+        target.taps.append(_rerotated(target, 0, lambda pos: pos >= 0, base))
+    try:
+        result = compare(PROMPT, engine="llama.cpp", model=str(gguf), warm=PRIMER, max_new_tokens=NEW,
+                         out=tmp_path / "run", model_cache={ModelKey(str(gguf)): hf})
+    finally:
+        target.taps.clear()
+        target.reset_cache()
+    report = result.report.to_json()
+    assert report["engine"]["quantized"] == "Q4_1" and report["engine"]["cache_hit_tokens"] > 0
+    against = report["engine_vs_reference"]
+    rope = [d for d in against["diagnoses"] if d["kind"] in ("rope_mismatch", "position_mismatch")]
+    if base is None:
+        assert rope == []
+        console = Console(width=200, record=True, no_color=True)
+        render_terminal(result.report, console)
+        assert "its matmuls run on Q4_1 weights: its projections differ from the reference's by quantization" \
+            in " ".join(console.export_text().split())
+        return
+    assert rope and {d["kind"] for d in rope} == {"rope_mismatch"} and all(d["layer"] == 0 for d in rope)
+    assert all(abs(d["base"] / 2e4 - 1) < 1e-3 and abs(d["reference_base"] / 1e5 - 1) < 1e-3 for d in rope)
+    assert rope[0]["positions"][0] == 0
 
 
 def test_position_shift_of_cached_tokens(target, hf, ids, cold_trace, tmp_path):

@@ -20,6 +20,7 @@ from kvdiff.conversation import render_prompt_ids  # noqa: E402
 from kvdiff.errors import InputError, KvdiffError  # noqa: E402
 from kvdiff.probes.recorder import TraceRecorder  # noqa: E402
 from kvdiff.trace import open_trace  # noqa: E402
+from conftest import LentTarget  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
@@ -255,19 +256,6 @@ def test_dropped_cached_row(target, hf, ids, cold_trace, tmp_path):
     assert found[0].details["source_positions"] == [None]
 
 
-class _Lent:
-    """The module's engine lent to one `kvdiff compare --engine vllm` run, which closes its target."""
-
-    def __init__(self, target):
-        self._target = target
-
-    def __getattr__(self, name):
-        return getattr(self._target, name)
-
-    def close(self):
-        pass
-
-
 def test_a_bug_in_every_run_is_diagnosed_against_the_reference(target, folder, hf, monkeypatch, tmp_path):
     """vLLM's RoPE table of base 20000 (the checkpoint says 10000) in every run: cold and warm agree,
     and `kvdiff compare --engine vllm` names RoPE at layer 0 from the cold run against the reference."""
@@ -280,7 +268,7 @@ def test_a_bug_in_every_run_is_diagnosed_against_the_reference(target, folder, h
     for rope, old in saved:
         freqs = torch.outer(torch.arange(old.shape[0], dtype=torch.float), rope._compute_inv_freq(20000.0))
         rope.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(old.dtype)
-    monkeypatch.setattr(engine_compare, "open_target", lambda name, model, tokenizer: _Lent(target))
+    monkeypatch.setattr(engine_compare, "open_target", lambda name, model, tokenizer: LentTarget(target))
     try:
         result = compare(PROMPT, engine="vllm", model=str(folder), warm=PRIMER, max_new_tokens=NEW,
                          out=tmp_path / "run", model_cache={ModelKey(str(folder)): hf})

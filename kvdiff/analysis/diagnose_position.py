@@ -1,6 +1,7 @@
-"""position_mismatch and rope_mismatch: the first layer's keys hold the reference's content, rotated.
+"""position_mismatch and rope_mismatch: the first layer's keys are their content rotated otherwise.
 
-Of the first-layer keys that differ while their content before RoPE matches (keys.py):
+Of the first-layer keys that differ, each against the content it rotates (keys.py: the candidate's
+own k_pre_rope where it computed the row, the reference's where it read it from a cache):
 - rotations that fit integer positions exactly, every one of them, at other positions than
   expected: position_mismatch, with the offset;
 - rotations that fit no integer position as well as rounding allows (some of them): RoPE's
@@ -31,7 +32,10 @@ def _same(inputs: DiagnosisInputs, keys: KeyRows, gcols: np.ndarray) -> str:
         return (f"read from the cache, v matches the reference (max_abs {fmt(v_abs)}) and k's rotate_half pairs have "
                 f"the reference's magnitudes, so the cache holds these tokens' keys,")
     kp_abs, _ = inputs.worst("k_pre_rope", 0, gcols)
-    return f"k_pre_rope matches the reference (max_abs {fmt(kp_abs)})"
+    if inputs.ok("k_pre_rope", 0)[gcols].all():
+        return f"k_pre_rope matches the reference (max_abs {fmt(kp_abs)})"
+    return (f"k_pre_rope differs from the reference's (max_abs {fmt(kp_abs)}), but k is the candidate's own "
+            f"k_pre_rope rotated (pair magnitudes equal)")
 
 
 def _positions(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
@@ -72,8 +76,8 @@ def _positions(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
 def _frequencies(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
     """The rotations fit no integer positions: RoPE's frequencies, measured at the expected positions."""
     positions, layer = inputs.comparison.alignment.positions, inputs.first_layer
-    ref_pre, cand_k = inputs.rows(layer, "k_pre_rope")[0], inputs.rows(layer, "k")[1]
-    freq = measure_frequencies(ref_pre[keys.cols], cand_k[keys.cols], positions[keys.cols], inputs.thetas)
+    content, cand_k = inputs.key_content(), inputs.rows(layer, "k")[1]
+    freq = measure_frequencies(content[keys.cols], cand_k[keys.cols], positions[keys.cols], inputs.thetas)
     inexact = int((~keys.exact).sum())
     found, details = "", {"layer": layer, "fit_quality": float(keys.quality.min())}
     if freq is not None:

@@ -94,22 +94,31 @@ class DiagnosisInputs:
         k_pre, k = self.rows(self.first_layer, "k_pre_rope")[0], self.rows(self.first_layer, "k")[0]
         return estimate_thetas(k_pre, k, self.comparison.alignment.positions)
 
+    def key_content(self) -> np.ndarray:
+        """The first layer's keys before RoPE that the candidate's k rotates, per aligned position:
+        its own k_pre_rope where it computed the row, the reference's where it read k from a cache
+        (no k_pre_rope recorded there)."""
+        k_pre_ref, k_pre_cand = self.rows(self.first_layer, "k_pre_rope")
+        computed = self.comparison.alignment.computed.reshape((-1,) + (1,) * (k_pre_ref.ndim - 1))
+        return np.where(computed, k_pre_cand, k_pre_ref)
+
     @functools.cached_property
     def keys(self) -> KeyRows | None:
-        """First-layer columns whose k breaks tolerance while the content before RoPE is the
-        reference's (k_pre_rope within tolerance) or, read from a cache, whose v matches (the
-        magnitudes then tell whether k holds the same content), classified (see keys.py)."""
+        """First-layer columns whose k breaks tolerance, computed by the candidate (its k against
+        its own k_pre_rope: a rotation is the candidate's own doing, whatever came before it) or,
+        read from a cache, whose v matches (the magnitudes then tell whether k holds the
+        reference's content), classified (see keys.py)."""
         layer, al = self.first_layer, self.comparison.alignment
         k_bad, v_ok, kp_ok = self.divergent("k", 0), self.ok("v", 0), self.ok("k_pre_rope", 0)
         if layer is None or k_bad is None or kp_ok is None or not al.positions.size:
             return None
         cached = al.kv_only & (v_ok if v_ok is not None else False)
-        cols = np.flatnonzero((kp_ok & al.computed | cached) & k_bad & al.comparable)
+        cols = np.flatnonzero((al.computed | cached) & k_bad & al.comparable)
         tol = self.comparison.tolerances.for_point("k")
         horizon = 2 * int(al.positions.max()) + 64
         (k_pre, _), (k_ref, k_cand) = self.rows(layer, "k_pre_rope"), self.rows(layer, "k")
         scale = rope_scale(k_pre[al.comparable], k_ref[al.comparable])
-        return key_rows(k_pre, k_cand, cols, al.kv_only[cols], self.thetas, horizon, tol.atol, tol.rtol,
+        return key_rows(self.key_content(), k_cand, cols, al.kv_only[cols], self.thetas, horizon, tol.atol, tol.rtol,
                         (self.reference.meta.dtype, self.candidate.meta.dtype), scale)
 
     def ok(self, point: str, row: int) -> np.ndarray | None:

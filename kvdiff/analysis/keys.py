@@ -6,9 +6,10 @@ stay, only their angles move. So where k differs, the magnitudes tell a rotation
 tolerance), a scaled rotation (all times one factor: RoPE's cos/sin scaled, or the keys themselves)
 and other content (anything else: not RoPE's doing). For a rotation, the angles are matched
 against every integer position with the reference's own frequencies: `exact` where one position
-fits as well as rounding allows. The content compared is the reference's k_pre_rope: at positions
-the candidate computed, its own k_pre_rope matches it (that is the precondition), and at positions
-it read from a cache (no k_pre_rope recorded) nothing is assumed: the magnitudes decide.
+fits as well as rounding allows. The content rotated is, at positions the candidate computed, its
+own k_pre_rope (so the rotation is judged whatever came before it: another projection, an
+engine's quantized matmuls), and at positions it read from a cache (no k_pre_rope recorded there)
+the reference's: nothing is assumed, the magnitudes decide.
 """
 
 from __future__ import annotations

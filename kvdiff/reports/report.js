@@ -149,7 +149,9 @@
       ", cold margin " + fmt(f.reference_margin) + ", logits max_abs there " + fmt(f.logit_max_abs)]));
     const ref = R.engine_vs_reference;
     if (ref) rows.push(["vs kvdiff reference", (ref.tokens_identical ? "tokens identical" : "tokens differ (" +
-      fmt((ref.flip || {}).kind) + ")") + "; " + breaks(ref)]);
+      fmt((ref.flip || {}).kind) + ")") + "; " + breaks(ref) + (e.quantized ? " (its matmuls run on " +
+      String(e.quantized) + " weights: its projections differ from the reference's by quantization; what a run's " +
+      "own tensors prove, norms recomputed and RoPE's rotation, is unaffected)" : "")]);
     table("engine", ["", "details"], rows);
     if (ref && Array.isArray(ref.diagnoses) && ref.diagnoses.length) {
       const box = document.getElementById("against");

@@ -18,6 +18,7 @@ from rich.text import Text
 from kvdiff.errors import InputError
 from kvdiff.reports.blend import blend_errors_text
 from kvdiff.reports.heatmap_text import heatmap_text
+from kvdiff.reports.lines import digest_line, fmt, quantized_note, recomputed_line
 from kvdiff.analysis.report import Report
 from kvdiff.reports.printable import printable
 
@@ -32,48 +33,6 @@ def _ids_only(section: dict, tokens: list[str]) -> bool:
     """Whether `tokens` are the section's token ids as strings (a diff without a tokenizer)."""
     ids = section.get("token_ids")
     return bool(tokens) and isinstance(ids, list) and [str(i) for i in ids] == tokens
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    if isinstance(value, (list, tuple)) and len(value) == 2:
-        return f"{value[0]}–{value[1]}"
-    return str(value)
-
-
-def recomputed_line(recomputed: dict[str, Any]) -> str:
-    """blend: which placed positions it computed again, and what its ratio counted."""
-    positions = recomputed.get("positions") if isinstance(recomputed.get("positions"), list) else []
-    ranges = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in _runs([int(p) for p in positions]))
-    return (f"blend recomputed {len(positions)} of {recomputed.get('placed')} placed positions "
-            f"({_fmt(recomputed.get('share'))}): {ranges or 'none'}; the ratio counts "
-            f"{recomputed.get('counted_over', '?')}")
-
-
-def digest_line(digest: dict[str, Any]) -> str:
-    """What a digest run recorded: every row hashed, the zoom window in full, and whether the zoom
-    run repeated the first."""
-    zoom = digest.get("zoom") if isinstance(digest.get("zoom"), dict) else None
-    window = "no zoom run: every digest equal" if zoom is None else (
-        f"layers {_span(zoom.get('layers'))}, positions {_span(zoom.get('positions'))} recorded in full")
-    repeated = "" if zoom is None else ("; the zoom run repeated the first" if digest.get("repeated") is True
-                                        else "; the zoom run did NOT repeat the first (nondeterministic)")
-    return f"digest capture: every row hashed; {window}{repeated}"
-
-
-def _span(value: Any) -> str:
-    return f"{value[0]}-{value[1]}" if isinstance(value, list) and len(value) == 2 else "?"
-
-
-def _runs(values: list[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for v in values:
-        if runs and v == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], v)
-        else:
-            runs.append((v, v))
-    return runs
 
 
 class _Report:
@@ -118,7 +77,7 @@ class _Report:
         if top is not None:
             body.append("diagnosis: ", style=self.attr("bold"))
             body.append(printable(", ".join(filter(None, [str(top.get("kind")), _chunk_label(top),
-                                                          f"positions {_fmt(top.get('positions', '?'))}"]))) + "\n")
+                                                          f"positions {fmt(top.get('positions', '?'))}"]))) + "\n")
         body.append(printable(f"candidate: strategy {candidate.get('strategy', '?')}, "
                               f"numerics {candidate.get('numerics', '?')}", keep=""))     # a trace's text
         model = view.section("metadata").get("reference", {}).get("model_name")
@@ -186,7 +145,7 @@ class _Report:
             table.add_row(label, Text(
                 f"{event.get('tensor')} at layer {event.get('layer')}, position "
                 f"{', '.join(filter(None, [self.where(event.get('position')), _chunk_label(event)]))}\n"
-                f"{tier}largest |difference| {_fmt(event.get('max_abs'))}, rel_diff {_fmt(event.get('rel'))} (squared scale)"))
+                f"{tier}largest |difference| {fmt(event.get('max_abs'))}, rel_diff {fmt(event.get('rel'))} (squared scale)"))
         flip = self.view.first("first_token_divergence")
         if flip is None:
             table.add_row("first token flip", "none")
@@ -194,8 +153,8 @@ class _Report:
             table.add_row("first token flip", Text(printable(
                 f"step {flip.get('step')}: {flip.get('reference_token')!r} -> "
                 f"{flip.get('candidate_token')!r}\n"
-                f"top-1 margins: reference {_fmt(flip.get('reference_margin'))}, "
-                f"candidate {_fmt(flip.get('candidate_margin'))}")))
+                f"top-1 margins: reference {fmt(flip.get('reference_margin'))}, "
+                f"candidate {fmt(flip.get('candidate_margin'))}")))
         return table
 
     def engine(self) -> Table:
@@ -208,21 +167,21 @@ class _Report:
             f"from its cache (the engine's counter)")))
         table.add_row("noise floor", Text(
             "two cold runs: " + ("bitwise equal" if floor.get("bitwise_equal") else
-                                 f"differ (logits max_abs {_fmt(floor.get('max_abs_logit'))})") +
+                                 f"differ (logits max_abs {fmt(floor.get('max_abs_logit'))})") +
             ("" if floor.get("tokens_identical", True) else ", tokens differ")))
         flips = view.raw.get("flips") if isinstance(view.raw.get("flips"), list) else []
         for flip in (f for f in flips if isinstance(f, dict)):
             table.add_row(Text(f"flip: {printable(str(flip.get('kind')))}", style=self.attr("bold") + " yellow"),
                           Text(printable(
                               f"step {flip.get('step')}: {flip.get('reference_token')!r} -> "
-                              f"{flip.get('candidate_token')!r}; cold margin {_fmt(flip.get('reference_margin'))}, "
-                              f"logits max_abs there {_fmt(flip.get('logit_max_abs'))}")))
+                              f"{flip.get('candidate_token')!r}; cold margin {fmt(flip.get('reference_margin'))}, "
+                              f"logits max_abs there {fmt(flip.get('logit_max_abs'))}")))
         against = view.section("engine_vs_reference")
         if against:
             flip = against.get("flip") if isinstance(against.get("flip"), dict) else {}
             table.add_row("vs kvdiff reference", Text(printable(
-                ("tokens identical" if against.get("tokens_identical") else f"tokens differ; {_fmt(flip.get('kind'))}")
-                + "; " + self.breaks(against))))
+                ("tokens identical" if against.get("tokens_identical") else f"tokens differ; {fmt(flip.get('kind'))}")
+                + "; " + self.breaks(against) + quantized_note(engine))))
         return table
 
     def breaks(self, section: dict) -> str:
@@ -248,10 +207,10 @@ class _Report:
                       if k not in ("kind", "chunk", "positions", "evidence")}
             evidence = printable(str(diagnosis.get("evidence", "")))
             if extras:
-                evidence += "\n" + ", ".join(f"{k}={_fmt(v)}" for k, v in extras.items())
+                evidence += "\n" + ", ".join(f"{k}={fmt(v)}" for k, v in extras.items())
             kind = Text(printable(str(diagnosis.get("kind"))), style=self.attr("bold") + " yellow")
             kind.append("\n" + ", ".join(filter(None, [_chunk_label(diagnosis),
-                                                      f"positions {_fmt(diagnosis.get('positions', '?'))}"])))
+                                                      f"positions {fmt(diagnosis.get('positions', '?'))}"])))
             table.add_row(kind, Text(evidence))
         return table
 
@@ -259,10 +218,10 @@ class _Report:
         table = self.table("chunk", "positions", "hash", "cache", "encoded at", title="chunks")
         for chunk in self.view.chunks:
             span = (chunk.first, chunk.last)
-            encoded = Text(_fmt(chunk.encoded) if chunk.encoded else "?")
+            encoded = Text(fmt(chunk.encoded) if chunk.encoded else "?")
             if chunk.encoded and chunk.encoded != span:
                 encoded.append(" ≠ positions", style="red")
-            table.add_row(Text(printable(chunk.name, keep="")), _fmt(span), Text(printable(chunk.hash[:8], keep="")),
+            table.add_row(Text(printable(chunk.name, keep="")), fmt(span), Text(printable(chunk.hash[:8], keep="")),
                           Text(printable(chunk.cache, keep=""), style="green" if chunk.cache == "hit" else "yellow"),
                           encoded)
         return table

@@ -110,7 +110,8 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
         report = main.report(
             **extra,
             engine={"name": target.info.name, "version": target.info.version,
-                    "checkpoint": str(target.info.checkpoint), "cache_hit_tokens": runs["warm"].cache_hit_tokens,
+                    "checkpoint": str(target.info.checkpoint), "quantized": target.info.quantized,
+                    "cache_hit_tokens": runs["warm"].cache_hit_tokens,
                     "prompt_tokens": len(ids)},
             noise_floor=floor, flips=[flip for flip in [classify_flip(main, floor)] if flip is not None],
             engine_vs_reference={**against_json, "flip": classify_flip(against, floor)})

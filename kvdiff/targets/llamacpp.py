@@ -117,7 +117,11 @@ class LlamaCppTarget:
         self._names.update({name: (name, None) for name in FINAL_NAMES})
         self.llm.eval = self._evaluate(self.llm.eval)
         self.llm._ctx.decode = self._decode(self.llm._ctx.decode)
-        self.info = TargetInfo("llama.cpp", llama_cpp.__version__, gguf)
+        desc = ctypes.create_string_buffer(128)
+        lib.llama_model_desc(model, desc, len(desc))         # "llama 135M Q4_1": the weights' type last
+        weights = desc.value.decode(errors="replace").split()[-1:] or ["?"]
+        self.info = TargetInfo("llama.cpp", llama_cpp.__version__, gguf,
+                               None if weights[0] == "F32" else weights[0])
         log.info("llama.cpp %s target on %s: %d layers", llama_cpp.__version__, gguf, self.num_layers)
 
     # -- the engine's hooks -----------------------------------------------------------------------

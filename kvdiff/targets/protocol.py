@@ -29,11 +29,14 @@ from kvdiff.trace.sink import ProbeSink
 
 @dataclass(frozen=True)
 class TargetInfo:
-    """Which engine ran: its name, its package version and the checkpoint folder it loaded."""
+    """Which engine ran: its name, its package version and the checkpoint folder it loaded;
+    `quantized`: the type of its weights where they are not the reference's (a GGUF's Q4_1), so
+    that its projections differ from the reference's by quantization, not by a bug."""
 
     name: str
     version: str
     checkpoint: Path
+    quantized: str | None = None
 
 
 @dataclass
