@@ -76,6 +76,9 @@
     head.append(el("p", "", bit ? "first bit difference: " + bit.tensor + " at layer " + bit.layer +
       ", position " + bit.position : "bitwise identical through every probe" +
       (inputs !== null ? " before position " + inputs : "")));
+    const against = R.engine_vs_reference;
+    if (against && against.first_divergence) head.append(el("p", "answer",
+      "the engine's cold run against kvdiff's reference: " + breaks(against)));
   }
 
   function pointSelector() {

@@ -92,6 +92,10 @@ class _Report:
         body.append(f"\nbitwise identical through every probe{'' if inputs is None else f' before position {inputs}'}"
                     if bit is None else
                     f"\nfirst bit difference: layer {bit.get('layer')}, position {bit.get('position')}")
+        against = view.section("engine_vs_reference")
+        if against.get("first_divergence") is not None:
+            body.append("\nthe engine's cold run against kvdiff's reference: ", style=self.attr("bold"))
+            body.append(printable(self.breaks(against) + quantized_note(view.section("engine"))))
         return Panel(Group(head, body), title="kvdiff", title_align="left",
                      border_style="green" if ok else "red")
 
