@@ -28,11 +28,14 @@ def test_a_clean_engine_gives_identical_tokens_with_the_hit_confirmed(tmp_path):
     assert report["engine"]["cache_hit_tokens"] == 32 and report["engine"]["prompt_tokens"] == 35   # two 16-token blocks
     assert report["noise_floor"] == {"tokens_identical": True, "bitwise_equal": True, "max_abs_logit": None}
     assert report["flips"] == [] and report["engine_vs_reference"]["tokens_identical"]
-    assert (report["engine_vs_reference"]["first_divergence"], report["engine_vs_reference"]["diagnoses"]) == (None, [])
+    against = report["engine_vs_reference"]
+    # its decode steps' attention differs in bits, within tolerance: the window is the first bit difference's
+    assert against["first_divergence"] is None and against["zoom"] == {"layers": [0, 1], "positions": [0, 39]}
+    assert {d["kind"] for d in against["diagnoses"]} <= {"numerical_noise"}
     assert report["first_divergence"] is None
     assert report["diagnoses"] == []          # its zoom window stops before the last layer: no final-norm claim
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
-        "cold-again.h5", "cold.h5", "reference.h5", "report.html", "report.json", "warm.h5"]
+        "cold-again.h5", "cold-vs-reference.h5", "cold.h5", "reference.h5", "report.html", "report.json", "warm.h5"]
 
 
 def test_a_warm_run_the_engine_served_nothing_for_fails_loudly(tmp_path):
@@ -107,6 +110,34 @@ def test_a_bug_in_every_run_of_the_engine_is_diagnosed_against_the_reference(tmp
     text = console.export_text()
     assert "vs kvdiff reference   tokens identical; first breaks: attention (softmax(q k^T) v, o_proj) at layer 1" in text
     assert "diagnoses: the engine's cold run against kvdiff's reference" in text and "quantization" not in text
+
+
+def test_a_bug_within_tolerance_in_every_run_is_found_in_the_first_bit_differences_window(tmp_path, monkeypatch):
+    """Layer 1's attention norm with eps 1e-4 (1e-6 declared) in every engine run: no row moves
+    beyond tolerance, so no statistic proves a breach; the window is the first bit difference's,
+    where the norm's recomputation from the engine's own input names it."""
+    from kvdiff.targets import transformers_cb
+
+    original = transformers_cb.TransformersTarget.generate
+
+    def other_eps(self, prompt_ids, max_new_tokens, sink=None):
+        norm = self.model.model.layers[1].input_layernorm
+        norm.variance_epsilon = 1e-4
+        try:
+            return original(self, prompt_ids, max_new_tokens, sink)
+        finally:
+            norm.variance_epsilon = self.model.config.rms_norm_eps
+
+    monkeypatch.setattr(transformers_cb.TransformersTarget, "generate", other_eps)
+    report = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=6,
+                     out=tmp_path / "run").report.to_json()
+    against = report["engine_vs_reference"]
+    assert against["first_divergence"] is None and against["zoom"]["layers"] == [0, 1]
+    operation = against["first_operation"]
+    assert (operation["operation"], operation["layer"], operation["position"], operation["proved"]) == (
+        "attention norm", 1, 0, True)
+    norms = [d for d in against["diagnoses"] if d["kind"] == "norm_consistency"]
+    assert norms and norms[0]["source"] == "norm" and norms[0]["candidate_inconsistent"]["layer"] == 1
 
 
 def test_flip_classification_follows_the_data(tmp_path):

@@ -3,12 +3,15 @@ path computes on the same checkpoint?
 
 Cold and warm agreeing says nothing of a bug that hits every run of the engine alike (a wrong
 RoPE base, a changed projection, a norm's epsilon). Those part the engine's cold run from the
-reference's trace. Both traces are diffed; in digest mode, where the statistics prove a row
-beyond tolerance, both run once more with a window around it in full (as the cold / warm zoom
-does) so that the diagnoses read tensors. The window is placed at the first breach of tolerance,
-not at the first bit difference: an engine's kernels are not the reference's, so their bits
-differ nearly everywhere. The reference's zoom run must repeat its first run, and the engine's
-its cold run, digest for digest; where one does not, a `nondeterministic` finding says so.
+reference's trace. Both traces are diffed; in digest mode both run once more with a window in
+full (as the cold / warm zoom does) so that the diagnoses read tensors. The window is placed at
+the first row the statistics prove beyond tolerance; an engine's kernels are not the reference's,
+so their bits differ nearly everywhere, and the first bit difference says little. Where no row
+is proved beyond tolerance but bits differ, the window is the first bit difference's: a bug that
+moves rows by less than the tolerance (a norm's epsilon) is still found by the rules that
+recompute a run's own operations there. The reference's zoom run must repeat its first run, and
+the engine's its cold run, digest for digest; where one does not, a `nondeterministic` finding
+says so.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ def against_reference(out_dir: Path, record_reference: Recorder, record_cold: Re
     `engine_vs_reference` findings (where they part, the operation, the diagnoses, the window)."""
     reference, cold = out_dir / "reference.h5", out_dir / "cold.h5"
     against = diff(reference, cold, tokenizer=tokenizer)
-    window = zoom_window(against, num_layers, options.zoom_layers, options.zoom_positions, beyond_tolerance=True) \
-        if options.trace_mode is TraceMode.DIGEST else None
+    window = None
+    if options.trace_mode is TraceMode.DIGEST:
+        window = zoom_window(against, num_layers, options.zoom_layers, options.zoom_positions, beyond_tolerance=True) \
+            or zoom_window(against, num_layers, options.zoom_layers, options.zoom_positions)
     findings = []
     if window is not None:
         step(f"engine vs reference: layers {window.layer_range}, positions {window.position_range} in full")
