@@ -140,6 +140,33 @@ def test_a_bug_within_tolerance_in_every_run_is_found_in_the_first_bit_differenc
     assert norms and norms[0]["source"] == "norm" and norms[0]["candidate_inconsistent"]["layer"] == 1
 
 
+def test_an_engine_that_does_not_repeat_itself_is_said_so_against_the_reference_too(tmp_path, monkeypatch):
+    """Every engine run's layer 1 o_proj output scaled by a factor of its own (1 + n * 1e-3 on the
+    n-th run): the zoom runs do not repeat the first, and both comparisons say so."""
+    from kvdiff.targets import transformers_cb
+
+    original, runs = transformers_cb.TransformersTarget.generate, []
+
+    def drifting(self, prompt_ids, max_new_tokens, sink=None):
+        runs.append(1)
+        factor = 1 + len(runs) * 1e-3
+        handle = self.model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda m, a, out: out * factor)
+        try:
+            return original(self, prompt_ids, max_new_tokens, sink)
+        finally:
+            handle.remove()
+
+    monkeypatch.setattr(transformers_cb.TransformersTarget, "generate", drifting)
+    report = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=6,
+                     out=tmp_path / "run").report.to_json()
+    assert not report["noise_floor"]["bitwise_equal"] and not report["digest"]["repeated"]
+    assert "nondeterministic" in {d["kind"] for d in report["diagnoses"]}
+    against = report["engine_vs_reference"]
+    found = [d for d in against["diagnoses"] if d["kind"] == "nondeterministic"]
+    assert not against["repeated"] and [d["side"] for d in found] == ["engine's cold run"]
+    assert not (tmp_path / "run" / "reference.first.h5").exists()       # the reference repeated itself
+
+
 def test_flip_classification_follows_the_data(tmp_path):
     """No flip, no classification; a flip with a clean upstream and a tiny margin is a near tie."""
     from types import SimpleNamespace
