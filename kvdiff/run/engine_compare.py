@@ -69,7 +69,8 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
                             zoom_positions=zoom_positions)
     mode = options.trace_mode.value
     check_report_copies(json_path, html, out, ARTEFACTS)
-    with claimed_out_dir(out, str(name)) as out_dir, discarded_on_failure(out_dir, ARTEFACTS + FIRST_PASS + (REFERENCE_FIRST,)):
+    written = ARTEFACTS + FIRST_PASS + (REFERENCE_FIRST,)
+    with claimed_out_dir(out, str(name)) as out_dir, discarded_on_failure(out_dir, written):
         check_report_copies(json_path, html, out_dir, ARTEFACTS)
         step("loading model")
         loaded, tokenizer = cached_model(model_cache, ModelKey(model))
@@ -98,7 +99,6 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
             findings = []
             if window is not None:
                 main, findings, runs = _zoom(target, recorded, warm_messages, window, main, step)
-            against = diff(out_dir / "reference.h5", out_dir / "cold.h5", tokenizer=tokenizer)
             against, against_json = against_reference(out_dir, record_reference, record_cold, options,
                                                       loaded.config.num_hidden_layers, tokenizer, step)
         finally:
