@@ -256,32 +256,69 @@ def test_dropped_cached_row(target, hf, ids, cold_trace, tmp_path):
     assert found[0].details["source_positions"] == [None]
 
 
-def test_a_bug_in_every_run_is_diagnosed_against_the_reference(target, folder, hf, monkeypatch, tmp_path):
-    """vLLM's RoPE table of base 20000 (the checkpoint says 10000) in every run: cold and warm agree,
-    and `kvdiff compare --engine vllm` names RoPE at layer 0 from the cold run against the reference."""
+def _rope_base(target, base):
+    ropes = {id(layer.self_attn.rotary_emb): layer.self_attn.rotary_emb for layer in target.model.model.layers}
+    saved = [(rope, rope.cos_sin_cache) for rope in ropes.values()]
+    for rope, old in saved:
+        freqs = torch.outer(torch.arange(old.shape[0], dtype=torch.float), rope._compute_inv_freq(base))
+        rope.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(old.dtype)
+    return lambda: [setattr(rope, "cos_sin_cache", old) for rope, old in saved]
+
+
+def _set(objects, name, value):
+    saved = [(o, getattr(o, name)) for o in objects]
+    for o in objects:
+        setattr(o, name, value(getattr(o, name)))
+    return lambda: [setattr(o, name, old) for o, old in saved]
+
+
+def _scaled_output(module, factor):
+    handle = module.register_forward_hook(lambda m, a, out: (out[0] * factor, *out[1:]))   # (output, bias)
+    return handle.remove
+
+
+EVERY_RUN = {   # bug in every vLLM run: (plant, first operation, its layer, a diagnosis kind, a check of it)
+    "rope base 20000 (10000 declared)": (
+        lambda t: _rope_base(t, 20000.0), "RoPE (on q and k)", 0, "rope_mismatch",
+        lambda d: abs(d["base"] / 2e4 - 1) < 1e-3 and abs(d["reference_base"] / 1e4 - 1) < 1e-3),
+    "softmax scale x1.25": (
+        lambda t: _set([layer.self_attn.attn.impl for layer in t.model.model.layers], "scale", lambda v: v * 1.25),
+        "attention (softmax(q k^T) v, o_proj)", 0, "attention_mismatch",
+        lambda d: d["explanation"] == "scale" and abs(d["scale_factor"] - 1.25) < 1e-3),
+    "layer 1 attention norm eps 1e-2": (
+        lambda t: _set([t.model.model.layers[1].input_layernorm], "variance_epsilon", lambda v: 1e-2),
+        "attention norm", 1, "norm_consistency", lambda d: d["candidate_inconsistent"]["layer"] == 1),
+    "layer 0 down_proj x1.01": (
+        lambda t: _scaled_output(t.model.model.layers[0].mlp.down_proj, 1.01), "MLP", 0, "operation_mismatch",
+        lambda d: d["layer"] == 0),
+}
+
+
+@pytest.mark.parametrize("bug", list(EVERY_RUN))
+def test_a_bug_in_every_run_is_diagnosed_against_the_reference(target, folder, hf, monkeypatch, tmp_path, bug):
+    """A bug planted in every vLLM run: cold and warm agree, and `kvdiff compare --engine vllm` (digest
+    mode) names it from the cold run against kvdiff's reference."""
     from kvdiff.run import engine_compare
     from kvdiff.run.compare import compare
     from kvdiff.run.model_cache import ModelKey
 
-    ropes = {id(layer.self_attn.rotary_emb): layer.self_attn.rotary_emb for layer in target.model.model.layers}
-    saved = [(rope, rope.cos_sin_cache) for rope in ropes.values()]
-    for rope, old in saved:
-        freqs = torch.outer(torch.arange(old.shape[0], dtype=torch.float), rope._compute_inv_freq(20000.0))
-        rope.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(old.dtype)
+    plant, operation, layer, kind, check = EVERY_RUN[bug]
     monkeypatch.setattr(engine_compare, "open_target", lambda name, model, tokenizer: LentTarget(target))
+    undo = plant(target)
     try:
         result = compare(PROMPT, engine="vllm", model=str(folder), warm=PRIMER, max_new_tokens=NEW,
                          out=tmp_path / "run", model_cache={ModelKey(str(folder)): hf})
     finally:
-        for rope, old in saved:
-            rope.cos_sin_cache = old
+        undo()
         target.reset_cache()
     report = result.report.to_json()
     assert report["engine"]["cache_hit_tokens"] > 0
     assert {d["kind"] for d in report["diagnoses"]} <= {"numerical_noise"}
     against = report["engine_vs_reference"]
-    operation = against["first_operation"]
-    assert (operation["operation"], operation["layer"], operation["tier"]) == ("RoPE (on q and k)", 0, "divergent")
+    first = against["first_operation"]
+    assert (first["operation"], first["layer"], first["tier"], first["proved"]) == (operation, layer, "divergent", True)
+    found = [d for d in against["diagnoses"] if d["kind"] == kind]
+    assert found and all(check(d) for d in found), against["diagnoses"]
     kinds = {d["kind"] for d in against["diagnoses"]}
     assert not kinds & {"position_mismatch", "missing_context", "cache_content_mismatch"}, kinds
     assert against["zoom"]["layers"] == [0, 1] and against["repeated"]
