@@ -34,7 +34,7 @@ Recorder = Callable[[Path, dict], None]
 def against_reference(out_dir: Path, record_reference: Recorder, record_cold: Recorder, options: RunOptions,
                       num_layers: int, tokenizer, step: Callable[[str], None]) -> tuple[Divergence, dict]:
     """The engine's cold run (cold.h5) diffed against the reference (reference.h5), zoomed in
-    digest mode where they part beyond tolerance; the divergence and report.json's
+    digest mode where they differ (see the module docstring); the divergence and report.json's
     `engine_vs_reference` findings (where they part, the operation, the diagnoses, the window)."""
     reference, cold = out_dir / "reference.h5", out_dir / "cold.h5"
     against = diff(reference, cold, tokenizer=tokenizer)
