@@ -76,7 +76,7 @@ def _positions(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
 def _frequencies(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
     """The rotations fit no integer positions: RoPE's frequencies, measured at the expected positions."""
     positions, layer = inputs.comparison.alignment.positions, inputs.first_layer
-    content, cand_k = inputs.key_content(), inputs.rows(layer, "k")[1]
+    content, cand_k = inputs.key_content, inputs.rows(layer, "k")[1]
     freq = measure_frequencies(content[keys.cols], cand_k[keys.cols], positions[keys.cols], inputs.thetas)
     inexact = int((~keys.exact).sum())
     found, details = "", {"layer": layer, "fit_quality": float(keys.quality.min())}

@@ -94,6 +94,7 @@ class DiagnosisInputs:
         k_pre, k = self.rows(self.first_layer, "k_pre_rope")[0], self.rows(self.first_layer, "k")[0]
         return estimate_thetas(k_pre, k, self.comparison.alignment.positions)
 
+    @functools.cached_property
     def key_content(self) -> np.ndarray:
         """The first layer's keys before RoPE that the candidate's k rotates, per aligned position:
         its own k_pre_rope where it computed the row, the reference's where it read k from a cache
@@ -109,8 +110,8 @@ class DiagnosisInputs:
         read from a cache, whose v matches (the magnitudes then tell whether k holds the
         reference's content), classified (see keys.py)."""
         layer, al = self.first_layer, self.comparison.alignment
-        k_bad, v_ok, kp_ok = self.divergent("k", 0), self.ok("v", 0), self.ok("k_pre_rope", 0)
-        if layer is None or k_bad is None or kp_ok is None or not al.positions.size:
+        k_bad, v_ok = self.divergent("k", 0), self.ok("v", 0)
+        if layer is None or k_bad is None or "k_pre_rope" not in self.comparison.points or not al.positions.size:
             return None
         cached = al.kv_only & (v_ok if v_ok is not None else False)
         cols = np.flatnonzero((al.computed | cached) & k_bad & al.comparable)
@@ -118,7 +119,7 @@ class DiagnosisInputs:
         horizon = 2 * int(al.positions.max()) + 64
         (k_pre, _), (k_ref, k_cand) = self.rows(layer, "k_pre_rope"), self.rows(layer, "k")
         scale = rope_scale(k_pre[al.comparable], k_ref[al.comparable])
-        return key_rows(self.key_content(), k_cand, cols, al.kv_only[cols], self.thetas, horizon, tol.atol, tol.rtol,
+        return key_rows(self.key_content, k_cand, cols, al.kv_only[cols], self.thetas, horizon, tol.atol, tol.rtol,
                         (self.reference.meta.dtype, self.candidate.meta.dtype), scale)
 
     def ok(self, point: str, row: int) -> np.ndarray | None:

@@ -82,8 +82,13 @@ def first_bit_difference(comparison: Comparison, chunks: ChunkLookup) -> Locatio
     return first_where(comparison, chunks, bits_differ)
 
 
+def breaches_tolerance(pmap: PointMap) -> np.ndarray:
+    """The cells that breach tolerance (divergent)."""
+    return pmap.tier == Tier.DIVERGENT
+
+
 def first_tolerance_breach(comparison: Comparison, chunks: ChunkLookup) -> Location | None:
-    return first_where(comparison, chunks, lambda m: m.tier == Tier.DIVERGENT)
+    return first_where(comparison, chunks, breaches_tolerance)
 
 
 def first_non_finite(comparison: Comparison, chunks: ChunkLookup) -> Location | None:

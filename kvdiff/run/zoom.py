@@ -20,8 +20,7 @@ import numpy as np
 from kvdiff.analysis import Divergence
 from kvdiff.analysis.diagnosis import Diagnosis
 from kvdiff.analysis.digests import first_digest_mismatch
-from kvdiff.analysis.search import bits_differ
-from kvdiff.analysis.tolerance import Tier
+from kvdiff.analysis.search import bits_differ, breaches_tolerance
 from kvdiff.trace import open_trace
 
 ZOOM_LAYERS = 2
@@ -63,7 +62,7 @@ def zoom_window(first_pass: Divergence, num_layers: int, layers: int = ZOOM_LAYE
     `beyond_tolerance`: around the first row the statistics prove beyond tolerance instead, for
     two runs whose bits differ everywhere (an engine against the reference)."""
     first = first_pass.first_divergence if beyond_tolerance else first_pass.first_bit_difference
-    cells = (lambda pmap: pmap.tier == Tier.DIVERGENT) if beyond_tolerance else bits_differ
+    cells = breaches_tolerance if beyond_tolerance else bits_differ
     if first is None:
         return None
     cmp = first_pass.comparison
