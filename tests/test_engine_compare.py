@@ -75,22 +75,39 @@ def test_a_stale_cached_block_is_a_flip_classified_as_a_divergence(tmp_path, mon
         assert flip["kind"] == "divergence" and "cache_content_mismatch" in flip["diagnoses"]
 
 
-@pytest.mark.parametrize("mode", ["digest", "full"])
-def test_a_bug_in_every_run_of_the_engine_is_diagnosed_against_the_reference(tmp_path, monkeypatch, mode):
-    """Layer 1's o_proj output x1.01 in every engine run: cold and warm agree, so only the engine's
-    cold run against kvdiff's reference shows it, and names attention at layer 1 from the tensors."""
+def _in_every_run(monkeypatch, plant):
+    """Every run of the transformers engine under test with `plant(target)` applied; it returns its undo."""
     from kvdiff.targets import transformers_cb
 
     original = transformers_cb.TransformersTarget.generate
 
-    def scaled(self, prompt_ids, max_new_tokens, sink=None):
-        handle = self.model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda m, a, out: out * 1.01)
+    def planted(self, prompt_ids, max_new_tokens, sink=None):
+        undo = plant(self)
         try:
             return original(self, prompt_ids, max_new_tokens, sink)
         finally:
-            handle.remove()
+            undo()
 
-    monkeypatch.setattr(transformers_cb.TransformersTarget, "generate", scaled)
+    monkeypatch.setattr(transformers_cb.TransformersTarget, "generate", planted)
+
+
+def _o_proj_scaled(target, factor: float):
+    """Layer 1's o_proj output x `factor`; the hook's remover."""
+    return target.model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda m, a, out: out * factor).remove
+
+
+def _attn_norm_eps(target, eps: float):
+    """Layer 1's attention norm with epsilon `eps`; what puts the declared one back."""
+    norm = target.model.model.layers[1].input_layernorm
+    norm.variance_epsilon = eps
+    return lambda: setattr(norm, "variance_epsilon", target.model.config.rms_norm_eps)
+
+
+@pytest.mark.parametrize("mode", ["digest", "full"])
+def test_a_bug_in_every_run_of_the_engine_is_diagnosed_against_the_reference(tmp_path, monkeypatch, mode):
+    """Layer 1's o_proj output x1.01 in every engine run: cold and warm agree, so only the engine's
+    cold run against kvdiff's reference shows it, and names attention at layer 1 from the tensors."""
+    _in_every_run(monkeypatch, lambda target: _o_proj_scaled(target, 1.01))
     result = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=6, out=tmp_path / "run",
                      trace_mode=mode)
     report = result.report.to_json()
@@ -118,19 +135,7 @@ def test_a_bug_within_tolerance_in_every_run_is_found_in_the_first_bit_differenc
     """Layer 1's attention norm with eps 1e-4 (1e-6 declared) in every engine run: no row moves
     beyond tolerance, so no statistic proves a breach; the window is the first bit difference's,
     where the norm's recomputation from the engine's own input names it."""
-    from kvdiff.targets import transformers_cb
-
-    original = transformers_cb.TransformersTarget.generate
-
-    def other_eps(self, prompt_ids, max_new_tokens, sink=None):
-        norm = self.model.model.layers[1].input_layernorm
-        norm.variance_epsilon = 1e-4
-        try:
-            return original(self, prompt_ids, max_new_tokens, sink)
-        finally:
-            norm.variance_epsilon = self.model.config.rms_norm_eps
-
-    monkeypatch.setattr(transformers_cb.TransformersTarget, "generate", other_eps)
+    _in_every_run(monkeypatch, lambda target: _attn_norm_eps(target, 1e-4))
     report = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=6,
                      out=tmp_path / "run").report.to_json()
     against = report["engine_vs_reference"]
@@ -146,20 +151,13 @@ def test_a_bug_within_tolerance_in_every_run_is_found_in_the_first_bit_differenc
 def test_an_engine_that_does_not_repeat_itself_is_said_so_against_the_reference_too(tmp_path, monkeypatch):
     """Every engine run's layer 1 o_proj output scaled by a factor of its own (1 + n * 1e-3 on the
     n-th run): the zoom runs do not repeat the first, and both comparisons say so."""
-    from kvdiff.targets import transformers_cb
+    runs = []
 
-    original, runs = transformers_cb.TransformersTarget.generate, []
+    def drifting(target):
+        runs.append(target)
+        return _o_proj_scaled(target, 1 + len(runs) * 1e-3)
 
-    def drifting(self, prompt_ids, max_new_tokens, sink=None):
-        runs.append(1)
-        factor = 1 + len(runs) * 1e-3
-        handle = self.model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda m, a, out: out * factor)
-        try:
-            return original(self, prompt_ids, max_new_tokens, sink)
-        finally:
-            handle.remove()
-
-    monkeypatch.setattr(transformers_cb.TransformersTarget, "generate", drifting)
+    _in_every_run(monkeypatch, drifting)
     report = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=6,
                      out=tmp_path / "run").report.to_json()
     assert not report["noise_floor"]["bitwise_equal"] and not report["digest"]["repeated"]
