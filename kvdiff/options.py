@@ -94,6 +94,19 @@ def check_recompute_ratio(ratio: float) -> float:
     return value
 
 
+class EngineWeights(_Choice):
+    """What an engine under test multiplies by. float32: the reference's own weights (llama.cpp runs
+    a float32 copy of the GGUF), so every rule can set its tensors against the reference's; native:
+    the checkpoint as it is (a quantized GGUF runs its quantized kernels)."""
+
+    FLOAT32 = "float32"
+    NATIVE = "native"
+
+    @classmethod
+    def _what(cls) -> str:
+        return "engine weights"
+
+
 class TraceMode(_Choice):
     """digest: a hash and statistics of every row, full rows only around the first divergence
     (a zoom run); full: every row of every selected point."""

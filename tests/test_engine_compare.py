@@ -192,6 +192,8 @@ def test_flip_classification_follows_the_data(tmp_path):
     (["--engine", "llamacpp", "--model", "tiny-llama"], "llama.cpp runs a GGUF file"),
     (["--engine", "transformers", "--strategy", "isolated-local"], "strategy apply to kvdiff's own engine"),
     (["--engine", "vllm", "--model", "tiny-llama"], "vLLM loads a checkpoint folder"),
+    (["--engine", "llama.cpp", "--engine-weights", "q4"], "unknown engine weights 'q4': use one of float32, native"),
+    (["--engine-weights", "native", "--model", "tiny-llama"], "--engine-weights applies to an engine under test"),
 ])
 def test_bad_engine_options_are_one_line_and_exit_2(tmp_path, args, message):
     result = CliRunner().invoke(app, ["compare", "--prompt", "Hi", "--out", str(tmp_path / "run"), *args])

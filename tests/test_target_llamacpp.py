@@ -1,16 +1,18 @@
 """The llama.cpp target (kvdiff.targets.llamacpp) on the bundled SmolLM2 GGUF, with real llama-cpp-python runs.
 
-One engine for the module (reset_cache between tests). Its reference is kvdiff's transformers model
-loaded from the same GGUF (dequantized): engine and reference differ by llama.cpp's quantized
-kernels, so they are compared loosely (layouts and correlation), cold and warm engine runs exactly.
-Planted bugs go through the engine's own extension points: a `cb_eval` tap that changes tensors while
-the primer runs, or the engine's sequence state (`llama_state_seq_get/set_data`) edited between the
-primer and the warm request. Expectations of the planted-bug tests were written before they were
-first run.
+One engine for the module (reset_cache between tests), on the float32 copy of the GGUF that
+`compare --engine llama.cpp` runs by default: its reference is kvdiff's transformers model loaded
+from the same GGUF (dequantized), so engine and reference hold the same values and differ by
+llama.cpp's summation order alone; cold and warm engine runs are compared exactly. The GGUF's own
+Q4_1 weights (`--engine-weights native`) are run by the tests that say so. Planted bugs go through
+the engine's own extension points: a `cb_eval` tap that changes tensors, the context's attention
+mask (`llama_set_causal_attn`), or the engine's sequence state (`llama_state_seq_get/set_data`)
+edited between the primer and the warm request.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import numpy as np
@@ -22,7 +24,9 @@ import kvdiff  # noqa: E402
 from kvdiff.conversation import render_prompt_ids  # noqa: E402
 from kvdiff.engine.loading import default_gguf_path  # noqa: E402
 from kvdiff.errors import InputError, KvdiffError  # noqa: E402
+from kvdiff.options import EngineWeights  # noqa: E402
 from kvdiff.probes.recorder import TraceRecorder  # noqa: E402
+from kvdiff.targets.gguf_float import float32_gguf  # noqa: E402
 from kvdiff.targets.llamacpp import LlamaCppTarget  # noqa: E402
 from kvdiff.trace import open_trace  # noqa: E402
 from conftest import LentTarget  # noqa: E402
@@ -49,6 +53,14 @@ def hf(gguf):
 
 @pytest.fixture(scope="module")
 def target(gguf):
+    t = LlamaCppTarget(float32_gguf(gguf), n_ctx=1024)
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def native(gguf):
+    """The GGUF as it is (Q4_1), for one test at a time."""
     t = LlamaCppTarget(gguf, n_ctx=1024)
     yield t
     t.close()
@@ -171,14 +183,29 @@ def test_the_same_prompt_again_is_served_whole_from_the_cache(target, hf, ids, c
     assert div.tokens_identical and div.first_divergence is None and not div.diagnoses, div.diagnoses
 
 
-def test_engine_tensors_line_up_with_the_reference(hf, ids, cold_trace, tmp_path):
-    """llama.cpp runs the quantized GGUF, the reference its dequantized weights: the rows differ by
-    quantization, but each point (q and k back in the checkpoint's head layout) must correlate with the
-    reference's at the same layer and position (measured: median cosine >= 0.998 everywhere); a wrong
-    layout or mapping would not."""
+def test_engine_tensors_line_up_with_the_reference(target, hf, ids, cold_trace, tmp_path):
+    """On the float32 copy llama.cpp holds the reference's values: every point of every layer (q and k
+    back in the checkpoint's head layout) within tolerance of the reference's, the tokens the same. A
+    wrong layout, mapping or position would break tolerance at layer 0."""
+    assert target.info.quantized is None and target.info.checkpoint.name.endswith(".F32.gguf")
     model, tokenizer = hf
     ref = kvdiff.record(model, tokenizer, PROMPT, tmp_path / "ref.h5", max_new_tokens=NEW)
-    with open_trace(ref) as r, open_trace(cold_trace) as c:
+    div = kvdiff.diff(ref, cold_trace)
+    assert div.tokens_identical and div.first_divergence is None, div.diagnoses
+    assert [d.kind for d in div.diagnoses] == ["numerical_noise"]
+    assert div.first_bit_difference is not None                 # other kernels: the bits do differ
+    assert {"q", "k", "v", "attn_out", "resid_post"} <= set(div.comparison.points)
+
+
+def test_native_tensors_line_up_with_the_reference(native, hf, ids, tmp_path):
+    """On the GGUF's own Q4_1 weights the rows differ by quantization, but each point must correlate
+    with the reference's at the same layer and position (measured: median cosine >= 0.998
+    everywhere); a wrong layout or mapping would not."""
+    assert native.info.quantized == "Q4_1"
+    model, tokenizer = hf
+    ref = kvdiff.record(model, tokenizer, PROMPT, tmp_path / "ref.h5", max_new_tokens=NEW)
+    cold, _ = _record(native, hf, tmp_path / "cold.h5", ids[0])
+    with open_trace(ref) as r, open_trace(cold) as c:
         n = len(ids[0])                     # the prompt's positions: the same tokens in both
         for layer in (0, model.config.num_hidden_layers - 1):
             for point in ("resid_pre", "attn_norm", "q", "k_pre_rope", "k", "v", "attn_out", "mlp_out", "resid_post"):
@@ -217,14 +244,23 @@ def _rerotated(target, offset: int, applies, base: float | None = None):
     return shift
 
 
+def _lent(targets: dict):
+    """open_target for one compare run: the module's engine for the weights the run asks for."""
+    def open_target(name, model, tokenizer, weights):
+        assert weights in targets, f"the run asked for {weights} weights"
+        return LentTarget(targets[weights])
+    return open_target
+
+
 @pytest.mark.parametrize("base", [None, 20000.0])
-def test_rope_of_another_base_in_every_run_is_named_against_the_reference(target, hf, gguf, monkeypatch, tmp_path,
+def test_rope_of_another_base_in_every_run_is_named_against_the_reference(native, hf, gguf, monkeypatch, tmp_path,
                                                                           base):
-    """`kvdiff compare --engine llama.cpp` with RoPE of base 20000 in every run (the GGUF says 100000):
-    cold and warm agree, and against kvdiff's reference every projection differs by quantization
-    (Q4_1), yet the RoPE claim rests on each run's own k_pre_rope and k. Expected (written before the
-    first run): rope_mismatch at layer 0 fitting base 2e4 against the reference's 1e5, no
-    position_mismatch; with no bug, neither (quantization alone claims no RoPE fault)."""
+    """`kvdiff compare --engine llama.cpp --engine-weights native` with RoPE of base 20000 in every run
+    (the GGUF says 100000): cold and warm agree, and against kvdiff's reference every projection
+    differs by quantization (Q4_1), yet the RoPE claim rests on each run's own k_pre_rope and k.
+    Expected (written before the first run): rope_mismatch at layer 0 fitting base 2e4 against the
+    reference's 1e5, no position_mismatch; with no bug, neither (quantization alone claims no RoPE
+    fault)."""
     from rich.console import Console
 
     from kvdiff.reports.terminal import render_terminal
@@ -232,17 +268,14 @@ def test_rope_of_another_base_in_every_run_is_named_against_the_reference(target
     from kvdiff.run.compare import compare
     from kvdiff.run.model_cache import ModelKey
 
-    monkeypatch.setattr(engine_compare, "open_target", lambda name, model, tokenizer: LentTarget(target))
+    monkeypatch.setattr(engine_compare, "open_target", _lent({EngineWeights.NATIVE: native}))
     if base is not None:
-        target.taps.append(_rerotated(target, 0, lambda pos: pos >= 0, base))
-    try:
-        result = compare(PROMPT, engine="llama.cpp", model=str(gguf), warm=PRIMER, max_new_tokens=NEW,
-                         out=tmp_path / "run", model_cache={ModelKey(str(gguf)): hf})
-    finally:
-        target.taps.clear()
-        target.reset_cache()
+        native.taps.append(_rerotated(native, 0, lambda pos: pos >= 0, base))
+    result = compare(PROMPT, engine="llama.cpp", model=str(gguf), warm=PRIMER, max_new_tokens=NEW,
+                     out=tmp_path / "run", model_cache={ModelKey(str(gguf)): hf}, engine_weights="native")
     report = result.report.to_json()
-    assert report["engine"]["quantized"] == "Q4_1" and report["engine"]["cache_hit_tokens"] > 0
+    assert report["engine"]["quantized"] == "Q4_1" and report["engine"]["weights"] == "native"
+    assert report["engine"]["cache_hit_tokens"] > 0
     against = report["engine_vs_reference"]
     rope = [d for d in against["diagnoses"] if d["kind"] in ("rope_mismatch", "position_mismatch")]
     if base is None:
@@ -255,6 +288,74 @@ def test_rope_of_another_base_in_every_run_is_named_against_the_reference(target
     assert rope and {d["kind"] for d in rope} == {"rope_mismatch"} and all(d["layer"] == 0 for d in rope)
     assert all(abs(d["base"] / 2e4 - 1) < 1e-3 and abs(d["reference_base"] / 1e5 - 1) < 1e-3 for d in rope)
     assert rope[0]["positions"][0] == 0
+
+
+def _scaled(name: str, factor: float, op: str | None = None):
+    """A tap scaling the named graph tensor (only its `op` node where given) in every forward."""
+    def scale(tensor, tensor_op, rows, positions):
+        return rows * factor if tensor == name and op in (None, tensor_op) else None
+    return scale
+
+
+class _NotCausal:
+    """llama.cpp's own switch: attention over every key of the batch, later ones too (embedding mode)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __enter__(self):
+        self.target.lib.llama_set_causal_attn(self.target.llm._ctx.ctx, False)
+
+    def __exit__(self, *exc):
+        self.target.lib.llama_set_causal_attn(self.target.llm._ctx.ctx, True)
+
+
+@pytest.mark.parametrize("bug", ["none", "not causal", "v scaled", "rope base"])
+def test_a_bug_in_every_float32_run_is_diagnosed_against_the_reference(target, hf, gguf, monkeypatch, tmp_path, bug):
+    """`kvdiff compare --engine llama.cpp` (float32 weights, the default) with a bug in every run of the
+    engine: cold and warm agree, so only the engine against kvdiff's reference can show it, and with
+    the reference's values in the engine every rule applies, attention's included (on Q4_1 weights
+    the q projection is the first operation whatever the bug). Expected: no bug, no diagnosis and the
+    tokens the same (through the registry's own open_target, which makes the float32 copy); the
+    context's attention made non-causal: attention_mismatch at layer 0 from position 0, attention
+    the first operation; layer 1's v x1.01: operation_mismatch, the v projection at layer 1 first
+    (both written after an exploratory run of the same plants); RoPE of base 20000 (written before
+    its first run): rope_mismatch at layer 0 fitting 2e4 against 1e5."""
+    from kvdiff.run import engine_compare
+    from kvdiff.run.compare import compare
+    from kvdiff.run.model_cache import ModelKey
+
+    if bug != "none":
+        monkeypatch.setattr(engine_compare, "open_target", _lent({EngineWeights.FLOAT32: target}))
+    plant = {"v scaled": _scaled("Vcur-1", 1.01), "rope base": _rerotated(target, 0, lambda pos: pos >= 0, 20000.0)}
+    if bug in plant:
+        target.taps.append(plant[bug])
+    try:
+        with _NotCausal(target) if bug == "not causal" else contextlib.nullcontext():
+            result = compare(PROMPT, engine="llama.cpp", model=str(gguf), warm=PRIMER, max_new_tokens=NEW,
+                             out=tmp_path / "run", model_cache={ModelKey(str(gguf)): hf})
+    finally:
+        target.taps.clear()
+        target.reset_cache()
+    report = result.report.to_json()
+    engine, against = report["engine"], report["engine_vs_reference"]
+    assert engine["weights"] == "float32" and engine["quantized"] is None and engine["cache_hit_tokens"] > 0
+    assert engine["checkpoint"].endswith(".F32.gguf") and report["diagnoses"] == []
+    kinds = [d["kind"] for d in against["diagnoses"] if d["kind"] != "norm_consistency"]
+    op = against["first_operation"]
+    if bug == "none":
+        assert against["tokens_identical"] and against["first_divergence"] is None and kinds == []
+        return
+    if bug == "rope base":
+        rope = [d for d in against["diagnoses"] if d["kind"] in ("rope_mismatch", "position_mismatch")]
+        assert rope and {d["kind"] for d in rope} == {"rope_mismatch"} and all(d["layer"] == 0 for d in rope)
+        assert all(abs(d["base"] / 2e4 - 1) < 1e-3 and abs(d["reference_base"] / 1e5 - 1) < 1e-3 for d in rope)
+        return
+    expected = {"not causal": ("attention_mismatch", "attention (softmax(q k^T) v, o_proj)", 0),
+                "v scaled": ("operation_mismatch", "v projection", 1)}[bug]
+    first = against["diagnoses"][0]
+    assert (first["kind"], first["layer"], first["positions"][0]) == (expected[0], expected[2], 0), against
+    assert (op["operation"], op["layer"], op["position"], op["proved"]) == (expected[1], expected[2], 0, True), op
 
 
 def test_position_shift_of_cached_tokens(target, hf, ids, cold_trace, tmp_path):

@@ -303,7 +303,7 @@ def test_a_bug_in_every_run_is_diagnosed_against_the_reference(target, folder, h
     from kvdiff.run.model_cache import ModelKey
 
     plant, operation, layer, kind, check = EVERY_RUN[bug]
-    monkeypatch.setattr(engine_compare, "open_target", lambda name, model, tokenizer: LentTarget(target))
+    monkeypatch.setattr(engine_compare, "open_target", lambda name, model, tokenizer, weights: LentTarget(target))
     undo = plant(target)
     try:
         result = compare(PROMPT, engine="vllm", model=str(folder), warm=PRIMER, max_new_tokens=NEW,

@@ -30,6 +30,7 @@ _OPTION_TYPES: dict[str, type | tuple[type, ...]] = {
     "zoom_positions": int,
     "warm": bool,
     "engine": str,
+    "engine_weights": str,
 }
 _CONVERSATION_KEYS = {"name", "system", "prompt", "messages"}
 

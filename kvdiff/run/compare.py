@@ -10,7 +10,8 @@ from typing import Callable
 from kvdiff.analysis import Divergence, diff
 from kvdiff.analysis.report import Report
 from kvdiff.conversation import Messages, validate_messages
-from kvdiff.options import DEFAULT_RECOMPUTE_RATIO, Numerics, Strategy, TraceMode
+from kvdiff.errors import InputError
+from kvdiff.options import DEFAULT_RECOMPUTE_RATIO, EngineWeights, Numerics, Strategy, TraceMode
 from kvdiff.run.folder import ARTEFACTS, check_report_copies, claimed_out_dir, discarded_on_failure
 from kvdiff.run.options import RunOptions
 from kvdiff.run.zoom import (FIRST_PASS, ZOOM_LAYERS, ZOOM_POSITIONS, checked_repeat, diagnoses_with,
@@ -76,6 +77,7 @@ def compare(
     model_cache: dict | None = None,
     progress: Callable[[str], None] | None = None,
     engine: str = "kvdiff",
+    engine_weights: str | EngineWeights = EngineWeights.FLOAT32,
     trace_mode: str | TraceMode = TraceMode.DIGEST,
     zoom_layers: int = ZOOM_LAYERS,
     zoom_positions: int = ZOOM_POSITIONS,
@@ -98,7 +100,10 @@ def compare(
     `engine`: "kvdiff" (its own chunked engine, as above), or an engine under test
     ("transformers", "vllm", "llama.cpp"), which runs cold, cold again and warm instead
     (`kvdiff.run.engine_compare`); strategy, numerics, chunking and capture options are kvdiff's
-    engine's and are refused with another engine.
+    engine's and are refused with another engine. `engine_weights` (an engine under test only):
+    "float32" runs it on the reference's own values (llama.cpp on a float32 copy of the GGUF, so
+    that every rule can set its tensors against the reference's), "native" on the checkpoint as
+    it is (a quantized GGUF runs quantized).
     """
     from kvdiff.engine import Engine
     from kvdiff.engine.chunks import split_conversation
@@ -110,11 +115,14 @@ def compare(
 
     if engine != "kvdiff":
         return _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, html, json_path,
-                                     model_cache, progress, strategy=strategy, numerics=numerics,
+                                     model_cache, progress, engine_weights, strategy=strategy, numerics=numerics,
                                      recompute_ratio=recompute_ratio, chunk_size=chunk_size, dtype=dtype,
                                      device=device, device_map=device_map, gpu_memory=gpu_memory, capture=capture,
                                      layers=layers, trace_mode=trace_mode, zoom_layers=zoom_layers,
                                      zoom_positions=zoom_positions)
+    if EngineWeights.parse(engine_weights) is not EngineWeights.FLOAT32:
+        raise InputError("--engine-weights applies to an engine under test (--engine transformers, vllm or "
+                         "llama.cpp): kvdiff's engine runs the reference's weights")
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
     warm_messages = None if isinstance(warm, bool) else validate_messages(warm)
@@ -223,9 +231,8 @@ def write_reports(report: Report, out_dir: Path, json_path: Path | str | None,
 
 
 def _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, html, json_path, model_cache,
-                          progress, **kvdiff_only) -> CompareResult:
+                          progress, engine_weights, **kvdiff_only) -> CompareResult:
     """An engine under test: refuse the options only kvdiff's engine has, then run cold/cold/warm."""
-    from kvdiff.errors import InputError
     from kvdiff.run.engine_compare import compare_engine
     from kvdiff.targets.registry import EngineName
 
@@ -239,4 +246,4 @@ def _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, ht
         raise InputError(f"{', '.join(given)} apply to kvdiff's own engine, not to --engine {name}: leave them out")
     return compare_engine(messages, engine=name, model=model, max_new_tokens=max_new_tokens,
                           warm=True if warm is False else warm, out=out, html=html, json_path=json_path,
-                          model_cache=model_cache, progress=progress, **digest)
+                          model_cache=model_cache, progress=progress, weights=engine_weights, **digest)

@@ -28,7 +28,7 @@ import numpy as np
 from kvdiff.analysis import Divergence, diff
 from kvdiff.conversation import Messages, render_prompt_ids, validate_messages
 from kvdiff.errors import KvdiffError
-from kvdiff.options import TraceMode
+from kvdiff.options import EngineWeights, TraceMode
 from kvdiff.run.compare import CompareResult, write_reports
 from kvdiff.run.engine_reference import COLD_WINDOW, REFERENCE_FIRST, against_reference
 from kvdiff.run.folder import check_report_copies, claimed_out_dir, discarded_on_failure
@@ -49,19 +49,20 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
                    html: Path | str | None = None, json_path: Path | str | None = None,
                    model_cache: dict | None = None, progress: Callable[[str], None] | None = None,
                    trace_mode: str | TraceMode = TraceMode.DIGEST, zoom_layers: int = ZOOM_LAYERS,
-                   zoom_positions: int = ZOOM_POSITIONS) -> CompareResult:
+                   zoom_positions: int = ZOOM_POSITIONS,
+                   weights: str | EngineWeights = EngineWeights.FLOAT32) -> CompareResult:
     """Run engine `engine` cold, cold again and warm on `messages`, record each, diff, report.
 
     `warm`: True fills the cache with the conversation itself; a conversation instead fills it
     with that one (a request sharing a prefix). Exit code of the result: 0 when the warm tokens
     equal the cold ones, 1 otherwise. `trace_mode` "digest": every run records digests, then
     cold and warm run again with a zoom window in full (as `kvdiff.compare`), which also holds
-    the logits at the first token flip.
+    the logits at the first token flip. `weights`: `kvdiff.targets.registry.open_target`'s.
     """
     from kvdiff.run.model_cache import ModelKey, cached_model
     from kvdiff.run.record import record
 
-    name = EngineName.parse(engine)
+    name, weights = EngineName.parse(engine), EngineWeights.parse(weights)
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
     warm_messages = messages if isinstance(warm, bool) else validate_messages(warm)
@@ -77,7 +78,7 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
         ids = render_prompt_ids(tokenizer, messages)
         step(f"starting {name}")
         recorded = _Recorded(loaded, tokenizer, messages, ids, out_dir, options.max_new_tokens, mode)
-        target = open_target(name, loaded, tokenizer)
+        target = open_target(name, loaded, tokenizer, weights)
 
         def record_reference(path: Path, window: dict) -> None:
             step("recording kvdiff's reference path")
@@ -110,7 +111,8 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
         report = main.report(
             **extra,
             engine={"name": target.info.name, "version": target.info.version,
-                    "checkpoint": str(target.info.checkpoint), "quantized": target.info.quantized,
+                    "checkpoint": str(target.info.checkpoint), "weights": str(weights),
+                    "quantized": target.info.quantized,
                     "cache_hit_tokens": runs["warm"].cache_hit_tokens,
                     "prompt_tokens": len(ids)},
             noise_floor=floor, flips=[flip for flip in [classify_flip(main, floor)] if flip is not None],

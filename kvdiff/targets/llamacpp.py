@@ -1,7 +1,9 @@
 """llama.cpp (llama-cpp-python, in this process) as an engine under test, for Llama-architecture GGUFs.
 
-The engine runs the GGUF itself (quantized weights and kernels): its numbers differ from kvdiff's
-reference (the same GGUF dequantized into transformers) by quantization, not by a bug. Requests go
+The engine runs the GGUF it is handed: by default (`open_target`) a float32 copy of the model's GGUF
+(`kvdiff.targets.gguf_float`) holding the reference's own values, so that its tensors differ from
+the reference's by llama.cpp's summation order alone; with native weights a quantized GGUF, whose
+kernels move every projection from the reference's by quantization, not by a bug. Requests go
 through `Llama.generate`, whose prompt cache keeps the longest common prefix of the previous
 sequence (`Llama.n_tokens` when it first evaluates: the hit count) and evaluates the rest.
 

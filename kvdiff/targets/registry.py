@@ -6,6 +6,7 @@ from enum import Enum
 from pathlib import Path
 
 from kvdiff.errors import InputError
+from kvdiff.options import EngineWeights
 from kvdiff.targets.protocol import Target
 
 
@@ -33,9 +34,11 @@ class EngineName(str, Enum):
 _ALIASES = {"llamacpp": "llama.cpp", "llama-cpp": "llama.cpp"}
 
 
-def open_target(name: EngineName, model, tokenizer) -> Target:
+def open_target(name: EngineName, model, tokenizer, weights: EngineWeights = EngineWeights.FLOAT32) -> Target:
     """Start engine `name` on the checkpoint `model` was loaded from (the same files, so the same
-    weights and tokenizer as kvdiff's reference path)."""
+    weights and tokenizer as kvdiff's reference path). `weights` NATIVE runs a GGUF as it is
+    (quantized); FLOAT32 runs llama.cpp on a float32 copy, the reference's values. vLLM and
+    transformers load the reference's float32 checkpoint either way."""
     folder: Path | None = getattr(model, "kvdiff_folder", None)
     if name is EngineName.TRANSFORMERS:
         from kvdiff.targets.transformers_cb import TransformersTarget
@@ -53,7 +56,8 @@ def open_target(name: EngineName, model, tokenizer) -> Target:
         if gguf is None:
             raise InputError("llama.cpp runs a GGUF file: give --model smollm2-135m or a .gguf file, "
                              "not a transformers folder or a built-in tiny-* model")
+        from kvdiff.targets.gguf_float import float32_gguf
         from kvdiff.targets.llamacpp import LlamaCppTarget
 
-        return LlamaCppTarget(Path(gguf))
+        return LlamaCppTarget(float32_gguf(Path(gguf)) if weights is EngineWeights.FLOAT32 else Path(gguf))
     raise InputError(f"engine {name} is kvdiff's own: run it without --engine")

@@ -1,0 +1,63 @@
+"""A float32 copy of a GGUF, so that llama.cpp runs the weights kvdiff's reference runs.
+
+kvdiff's reference loads a GGUF dequantized into transformers (gguf's own dequantizer). llama.cpp
+on the quantized file multiplies by the quantized weights, with its activations quantized too, so
+every projection differs from the reference's by quantization, and a rule that needs the engine's
+q, k and v to equal the reference's (attention's scale, mask, hidden keys) can prove nothing. The
+copy holds the very values the reference holds, every metadata field of the source but the file
+type; llama.cpp's float32 kernels then differ from the reference by summation order alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from kvdiff.engine.loading import cache_dir, file_sha256, fill_cache_atomically
+from kvdiff.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+
+def float32_gguf(gguf: Path) -> Path:
+    """The cached float32 copy of `gguf` (written on first use, keyed by the source's content)."""
+    name = f"{gguf.stem}.F32.gguf"
+    folder = cache_dir() / "gguf-f32" / file_sha256(gguf)[:24]
+    return fill_cache_atomically(folder, lambda out: _write_float32(gguf, out / name)) / name
+
+
+def _write_float32(source: Path, dest: Path) -> None:
+    import gguf
+
+    log.info("writing a float32 copy of %s for llama.cpp (one-off); cached for later runs", source.name)
+    if not log.isEnabledFor(logging.DEBUG):                  # gguf's writer logs each file it writes
+        logging.getLogger("gguf").setLevel(logging.WARNING)
+    try:
+        reader = gguf.GGUFReader(source)
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"{source} is not a readable GGUF file: {exc}") from exc
+    keys = gguf.Keys.General
+    arch = reader.get_field(keys.ARCHITECTURE)
+    if arch is None:
+        raise ModelLoadError(f"{source} names no architecture ({keys.ARCHITECTURE})")
+    writer = gguf.GGUFWriter(dest, arch.contents(), endianess=reader.endianess)
+    for field in reader.fields.values():
+        if field.name == keys.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue                                   # the writer writes these itself
+        if field.name == keys.ALIGNMENT:
+            writer.add_custom_alignment(field.contents())
+        elif field.name == keys.FILE_TYPE:
+            writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        else:
+            kind = field.types[0]
+            writer.add_key_value(field.name, field.contents(), kind,
+                                 sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        weights = gguf.dequantize(tensor.data, tensor.tensor_type)
+        writer.add_tensor(tensor.name, np.ascontiguousarray(weights, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
