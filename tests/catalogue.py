@@ -256,6 +256,10 @@ CASES: list[Case] = [
     Case("kvdiff-llama-causal-future", "tiny-llama", KVDIFF,
          "causal mask broken: each query also sees the next token", "runner mask: key q+1 visible",
          (p("mask", rule="future"),), "cold", ATTENTION, 0, "0", (), NONE3),
+    Case("kvdiff-llama-not-causal", "tiny-llama", KVDIFF,
+         "causal mask off: each query sees every key of its forward", "runner mask: every key of the row group visible",
+         (p("mask", rule="all"),), "cold", ATTENTION, 0, "0",
+         (want("attention_mismatch", first="0", explanation="not causal", layer=0),), NONE3),
     Case("kvdiff-mistral-attn-scale", "tiny-mistral", KVDIFF,
          "attention scale wrong (softmax temperature 0.8)", "engine.adapter.scaling x 1.25",
          (p("adapter_scale", name="scaling", factor=1.25),), "cold", ATTENTION, 0, "1", (), NONE3),
@@ -362,6 +366,10 @@ CASES: list[Case] = [
     Case("cb-llama-causal-future", "tiny-llama", CB,
          "causal mask broken: each query also sees the next token", "self_attn pre-hook: mask opens key q+1",
          (p("mask", rule="future"),), "cold", ATTENTION, 0, "0", (), NONE3),
+    Case("cb-qwen2-not-causal", "tiny-qwen2", CB,
+         "causal mask off: each query sees every key of its forward", "self_attn pre-hook: mask opens every key",
+         (p("mask", rule="all"),), "cold", ATTENTION, 0, "0",
+         (want("attention_mismatch", first="0", explanation="not causal", layer=0),), NONE3),
     Case("cb-qwen3-missing-cross-chunk", "tiny-qwen3", CB,
          "rows computed after a cache hit do not attend to the cached blocks",
          "self_attn pre-hook: keys 0..H-1 hidden in the warm run",
@@ -862,6 +870,8 @@ def _mask_rule(ctx: Ctx, rule: str, keys: tuple[str, str] | None = None,
     """allowed (T, L) bool for query positions (T,) and key positions (L,) -> the planted mask."""
     if rule == "future":
         return lambda q, k, allowed: allowed | (k[None, :] == q[:, None] + 1)
+    if rule == "all":
+        return lambda q, k, allowed: torch.ones_like(allowed)
     lo, hi = (ev(x, ctx.names) for x in keys)
     start = ev(queries_from, ctx.names)
     return lambda q, k, allowed: allowed & ~(((k >= lo) & (k <= hi))[None, :] & (q >= start)[:, None])

@@ -310,15 +310,18 @@ class _NotCausal:
         self.target.lib.llama_set_causal_attn(self.target.llm._ctx.ctx, True)
 
 
-@pytest.mark.parametrize("bug", ["none", "not causal", "v scaled", "rope base"])
+@pytest.mark.parametrize("bug", ["none", "not causal", "not causal, cut window", "v scaled", "rope base"])
 def test_a_bug_in_every_float32_run_is_diagnosed_against_the_reference(target, hf, gguf, monkeypatch, tmp_path, bug):
     """`kvdiff compare --engine llama.cpp` (float32 weights, the default) with a bug in every run of the
     engine: cold and warm agree, so only the engine against kvdiff's reference can show it, and with
     the reference's values in the engine every rule applies, attention's included (on Q4_1 weights
     the q projection is the first operation whatever the bug). Expected: no bug, no diagnosis and the
     tokens the same (through the registry's own open_target, which makes the float32 copy); the
-    context's attention made non-causal: attention_mismatch at layer 0 from position 0, attention
-    the first operation; layer 1's v x1.01: operation_mismatch, the v projection at layer 1 first
+    context's attention made non-causal: attention_mismatch at layer 0 from position 0, explained
+    as a mask that is not causal (the explanation added after its first run said "no tested
+    explanation"), attention the first operation; where the zoom window (64 positions) ends before
+    the prompt's forward does, that explanation cannot be tested (keys past the window are not
+    recorded) and is not claimed, the attention_mismatch still is; layer 1's v x1.01: operation_mismatch, the v projection at layer 1 first
     (both written after an exploratory run of the same plants); RoPE of base 20000 (written before
     its first run): rope_mismatch at layer 0 fitting 2e4 against 1e5."""
     from kvdiff.run import engine_compare
@@ -331,9 +334,10 @@ def test_a_bug_in_every_float32_run_is_diagnosed_against_the_reference(target, h
     if bug in plant:
         target.taps.append(plant[bug])
     try:
-        with _NotCausal(target) if bug == "not causal" else contextlib.nullcontext():
+        with _NotCausal(target) if bug.startswith("not causal") else contextlib.nullcontext():
             result = compare(PROMPT, engine="llama.cpp", model=str(gguf), warm=PRIMER, max_new_tokens=NEW,
-                             out=tmp_path / "run", model_cache={ModelKey(str(gguf)): hf})
+                             out=tmp_path / "run", model_cache={ModelKey(str(gguf)): hf},
+                             zoom_positions=64 if bug.endswith("cut window") else 128)
     finally:
         target.taps.clear()
         target.reset_cache()
@@ -351,10 +355,15 @@ def test_a_bug_in_every_float32_run_is_diagnosed_against_the_reference(target, h
         assert rope and {d["kind"] for d in rope} == {"rope_mismatch"} and all(d["layer"] == 0 for d in rope)
         assert all(abs(d["base"] / 2e4 - 1) < 1e-3 and abs(d["reference_base"] / 1e5 - 1) < 1e-3 for d in rope)
         return
-    expected = {"not causal": ("attention_mismatch", "attention (softmax(q k^T) v, o_proj)", 0),
+    attention = ("attention_mismatch", "attention (softmax(q k^T) v, o_proj)", 0)
+    expected = {"not causal": attention, "not causal, cut window": attention,
                 "v scaled": ("operation_mismatch", "v projection", 1)}[bug]
     first = against["diagnoses"][0]
     assert (first["kind"], first["layer"], first["positions"][0]) == (expected[0], expected[2], 0), against
+    if bug == "not causal":
+        assert first["explanation"] == "not causal" and first["fit_residual"] < 0.1, first
+    if bug.endswith("cut window"):
+        assert first["explanation"] is None and first["positions"][1] == 63, first
     assert (op["operation"], op["layer"], op["position"], op["proved"]) == (expected[1], expected[2], 0, True), op
 
 

@@ -28,18 +28,22 @@ EXTRA_FIT_ROWS = 16
 ALL_KEYS_UP_TO = 96
 # Rows a first pass ranks every hypothesis on; the best few are then scored on all tested rows.
 QUICK_ROWS = 8
+# A hypothesis's reach past the keys a trace recorded: it cannot be tested (it scores no fit).
+UNRECORDED = 1 << 62
 
 
 @dataclass(frozen=True)
 class Hypothesis:
     """One way the candidate may have attended: `visible(test_row, n_keys) -> bool (n_keys,)` over
-    key rows 0..n_keys-1 (n_keys = its own row + 2 where a next key exists), and a scale factor."""
+    key rows 0..n_keys-1 (n_keys = its own row + 2 where a next key exists, or `reach(test_row)`
+    where the hypothesis reads further), and a scale factor."""
 
-    name: str                                  # "standard", "hidden", "scale", "next key", "chunk alone"
+    name: str                                  # "standard", "hidden", "scale", "next key", "chunk alone", "not causal"
     text: str                                  # in words, for the evidence
     visible: Callable[[int, int], np.ndarray]
     scale: float = 1.0
     hidden: tuple[int, int] | None = None      # the hidden key span, where one span for every row
+    reach: Callable[[int], int] | None = None  # key rows read at a row, where more than the test's n_keys
 
 
 @dataclass
@@ -143,18 +147,23 @@ class AttentionTest:
         """The same test (o_proj fit, q k^T computed so far) on other candidate rows (at most `most`)."""
         return AttentionTest(self.ref, self.cand, cap_rows(rows, most), self.fit, self.raw)
 
-    def scores(self, row: int) -> np.ndarray:
-        if row not in self.raw:
-            self.raw[row] = self.cand.raw_scores(row, self.n_keys(row)).astype(np.float32)
-        return self.raw[row].astype(np.float64)
+    def scores(self, row: int, n_keys: int) -> np.ndarray:
+        if (row, n_keys) not in self.raw:
+            self.raw[row, n_keys] = self.cand.raw_scores(row, n_keys).astype(np.float32)
+        return self.raw[row, n_keys].astype(np.float64)
 
-    def n_keys(self, row: int) -> int:
-        return min(row + 2, self.cand.k.shape[0])
+    def n_keys(self, row: int, h: Hypothesis | None = None) -> int:
+        """Key rows `h` reads at `row`: up to the next recorded one, or its own reach."""
+        return min(row + 2, self.cand.k.shape[0]) if h is None or h.reach is None else h.reach(row)
 
     def predict(self, h: Hypothesis) -> np.ndarray:
-        """The hypothesis's attention output before o_proj at every tested row."""
-        return np.stack([self.cand.attend(r, self.scores(r), h.visible(r, self.n_keys(r)), h.scale)
-                         for r in self.rows])
+        """The hypothesis's attention output before o_proj at every tested row (NaN where it reads
+        keys the trace did not record)."""
+        keys = [self.n_keys(r, h) for r in self.rows]
+        if max(keys) > self.cand.k.shape[0]:
+            return np.full((self.rows.size, self.cand.q.shape[1] * self.cand.v.shape[2]), np.nan)
+        return np.stack([self.cand.attend(r, self.scores(r, n), h.visible(r, n), h.scale)
+                         for r, n in zip(self.rows, keys)])
 
     def score(self, h: Hypothesis) -> Score:
         z = self.predict(h)
@@ -198,9 +207,10 @@ def key_candidates(first: int, extra: list[int]) -> list[int]:
 
 
 def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], int | None],
-               same_forward: Callable[[int, int], bool]) -> list[Hypothesis]:
+               same_forward: Callable[[int, int], bool], forward_end: Callable[[int], int]) -> list[Hypothesis]:
     """Every hypothesis but the scale family: the reference's attention, hidden keys (one key, spans
-    ending before the first tested row, spans from 0), each row's chunk alone, the next key visible."""
+    ending before the first tested row, spans from 0), each row's chunk alone, the next key visible,
+    every later key of the row's forward visible (`forward_end(row)`: one past its forward's last row)."""
     out = [Hypothesis("standard", "every earlier position attended, as the reference does", causal)]
     keys = key_candidates(first, boundaries)
     spans = {(j, j) for j in keys} | {(a, first - 1) for a in keys} | {(0, b) for b in keys}
@@ -222,6 +232,8 @@ def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], i
 
     out.append(Hypothesis("next key", "each row also attending the next position (computed in the same forward)",
                           next_key))
+    out.append(Hypothesis("not causal", "each row also attending every later position of its forward (the mask is "
+                          "not causal)", lambda row, n: np.ones(n, bool), reach=forward_end))
     return out
 
 

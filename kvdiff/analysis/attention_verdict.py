@@ -14,14 +14,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvdiff.analysis.attention_fit import AttentionTest, Score, finalists, fit_scale, hypotheses
+from kvdiff.analysis.attention_fit import UNRECORDED, AttentionTest, Score, finalists, fit_scale, hypotheses
 from kvdiff.analysis.contradictions import EXPLAINS
 from kvdiff.analysis.diagnosis import DiagnosisInputs, fmt
 
 # an explanation leaves at most EXPLAINS of the change in attn_out unexplained (contradictions.py refutes more)
 MARGIN = 0.5        # and at most this share of what the next-best explanation leaves,
 NESTED_MARGIN = 0.8  # or, where that one hides an overlapping span (one key more or less at an end), this
-_PREFER = ("standard", "hidden", "scale", "next key", "chunk alone")
+_PREFER = ("standard", "hidden", "scale", "next key", "chunk alone", "not causal")
 
 
 def _nested(a: Score, b: Score) -> bool:
@@ -97,15 +97,31 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
         span = inputs.chunks.span(int(positions[col]))
         return None if span is None else int(np.searchsorted(positions, span[0]))
 
-    def same_forward(a: int, b: int) -> bool:
-        pa, pb = int(positions[a]), int(positions[b])
+    def same_forward_at(pa: int, pb: int) -> bool:
+        """Positions `pa` and `pb` computed in one forward of the candidate (its provenance, else one chunk)."""
         if prov is not None:
             ia, ib = np.searchsorted(cand_pos, pa), np.searchsorted(cand_pos, pb)
             if ib < cand_pos.size and prov.prefill_id[ia] >= 0 and prov.prefill_id[ib] >= 0:
                 return bool(prov.prefill_id[ia] == prov.prefill_id[ib])
         return inputs.chunks.chunk_of(pa) == inputs.chunks.chunk_of(pb)
 
-    family = hypotheses(first, starts + [s - 1 for s in starts], chunk_start, same_forward)
+    def same_forward(a: int, b: int) -> bool:
+        return same_forward_at(int(positions[a]), int(positions[b]))
+
+    ends: list[int] = []                   # one past the last column of a forward already walked
+
+    def forward_end(col: int) -> int:
+        """One past the last column of `col`'s forward, over consecutive positions (at least col + 1);
+        UNRECORDED where the forward goes on past the recorded columns (a zoom window's end)."""
+        end = next((e for e in ends if e > col and same_forward(col, e - 1)), col + 1)
+        while end < positions.size and positions[end] == positions[end - 1] + 1 and same_forward(col, end):
+            end += 1
+        ends.append(end)
+        after = int(positions[end - 1]) + 1
+        recorded = end < positions.size and positions[end] == after
+        return UNRECORDED if not recorded and same_forward_at(int(positions[col]), after) else end
+
+    family = hypotheses(first, starts + [s - 1 for s in starts], chunk_start, same_forward, forward_end)
     scores, owner = [], {}
     for test, note in tests:
         found = [test.score(replace(h, text=h.text + note)) for h in finalists(test, family)]

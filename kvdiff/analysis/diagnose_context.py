@@ -168,7 +168,8 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
             details["scale_factor"] = h.scale
         found = f": {h.text} explains it (leaves {fmt(verdict.best.residual)} of the change unexplained)"
     else:
-        found = ("; no tested explanation (hidden keys, another scale, the next key visible) accounts for it"
+        found = ("; no tested explanation (hidden keys, another scale, the next key or every later key of the forward "
+                 "visible) accounts for it"
                  if verdict is not None else "")
     evidence = (f"{where}: {same}, but attn_out differs (rel {fmt(attn_rel)}): the attention itself (mask, scale, "
                 f"softmax or o_proj) differs{found}")
