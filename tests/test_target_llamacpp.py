@@ -316,8 +316,7 @@ def test_a_bug_in_every_float32_run_is_diagnosed_against_the_reference(target, h
     engine: cold and warm agree, so only the engine against kvdiff's reference can show it, and with
     the reference's values in the engine every rule applies, attention's included (on Q4_1 weights
     the q projection is the first operation whatever the bug). Expected: no bug, no diagnosis and the
-    tokens the same (through the registry's own open_target, which makes the float32 copy); the
-    context's attention made non-causal: attention_mismatch at layer 0 from position 0, explained
+    tokens the same; the context's attention made non-causal: attention_mismatch at layer 0 from position 0, explained
     as a mask that is not causal (the explanation added after its first run said "no tested
     explanation"), attention the first operation; where the zoom window (64 positions) ends before
     the prompt's forward does, that explanation cannot be tested (keys past the window are not
@@ -328,8 +327,7 @@ def test_a_bug_in_every_float32_run_is_diagnosed_against_the_reference(target, h
     from kvdiff.run.compare import compare
     from kvdiff.run.model_cache import ModelKey
 
-    if bug != "none":
-        monkeypatch.setattr(engine_compare, "open_target", _lent({EngineWeights.FLOAT32: target}))
+    monkeypatch.setattr(engine_compare, "open_target", _lent({EngineWeights.FLOAT32: target}))
     plant = {"v scaled": _scaled("Vcur-1", 1.01), "rope base": _rerotated(target, 0, lambda pos: pos >= 0, 20000.0)}
     if bug in plant:
         target.taps.append(plant[bug])

@@ -1,0 +1,66 @@
+"""`kvdiff compare --engine llama.cpp` through the registry's own open_target, with real llama-cpp-python
+runs: the float32 copy of the GGUF made and run by default, and a setting of the GGUF overridden in
+the engine. Apart from tests/test_target_llamacpp.py, whose engine stays open for its module: each
+test here starts its own (~540 MB of float32 weights mapped)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+import kvdiff  # noqa: E402
+from kvdiff.engine.loading import default_gguf_path  # noqa: E402
+from kvdiff.run.compare import compare  # noqa: E402
+from kvdiff.run.model_cache import ModelKey  # noqa: E402
+from conftest import SEED_MESSAGES, SHARING_SYSTEM  # noqa: E402
+
+pytestmark = pytest.mark.real_model
+
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def gguf():
+    return default_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def models(gguf):
+    return {ModelKey(str(gguf)): kvdiff.load_model(str(gguf))}     # the reference: the same GGUF, dequantized
+
+
+def test_the_engine_runs_a_float32_copy_and_matches_the_reference(gguf, models, tmp_path):
+    """No bug: llama.cpp on the float32 copy (made by the registry) is within tolerance of kvdiff's
+    reference at every point, the tokens the same, no diagnosis either way."""
+    result = compare(SEED_MESSAGES, engine="llama.cpp", model=str(gguf), warm=SHARING_SYSTEM, max_new_tokens=NEW,
+                     out=tmp_path / "run", model_cache=models)
+    report = result.report.to_json()
+    engine, against = report["engine"], report["engine_vs_reference"]
+    assert engine["weights"] == "float32" and engine["quantized"] is None and engine["cache_hit_tokens"] > 0
+    assert engine["checkpoint"].endswith(".F32.gguf")
+    assert against["tokens_identical"] and against["first_divergence"] is None, against
+    assert [d["kind"] for d in against["diagnoses"]] == [] and report["diagnoses"] == []
+    assert result.exit_code == 0
+
+
+def test_a_setting_of_the_gguf_overridden_in_the_engine_is_named(gguf, models, monkeypatch, tmp_path):
+    """The engine started with its RMSNorm epsilon overridden (llama.cpp's own `kv_overrides`: 1e-2 for
+    the GGUF's 1e-5). Expected (written after an exploratory run of the same override): the attention
+    norm at layer 0, position 0 the first operation against the reference, proved from its own
+    input, and norm_consistency saying the norm itself is wrong there."""
+    import llama_cpp
+
+    start = llama_cpp.Llama.__init__
+
+    def overridden(self, *args, **kwargs):
+        start(self, *args, **{**kwargs, "kv_overrides": {"llama.attention.layer_norm_rms_epsilon": 1e-2}})
+
+    monkeypatch.setattr(llama_cpp.Llama, "__init__", overridden)
+    result = compare(SEED_MESSAGES, engine="llama.cpp", model=str(gguf), warm=SHARING_SYSTEM, max_new_tokens=NEW,
+                     out=tmp_path / "run", model_cache=models)
+    against = result.report.to_json()["engine_vs_reference"]
+    op = against["first_operation"]
+    assert (op["operation"], op["layer"], op["position"], op["proved"]) == ("attention norm", 0, 0, True), op
+    norm = [d for d in against["diagnoses"] if d["kind"] == "norm_consistency"]
+    assert norm and "the norm itself (weight, eps or kernel) is wrong" in norm[0]["evidence"], against["diagnoses"]
