@@ -120,8 +120,8 @@ def hostile_report(payload: str) -> dict[str, Any]:
     report["diagnoses"][0]["chunk"] = payload
     report["metadata"]["reference"]["model_name"] = payload
     report["first_token_divergence"]["candidate_token"] = payload
-    report["engine"] = {"name": payload, "version": payload, "checkpoint": payload, "quantized": payload,
-                        "cache_hit_tokens": 16, "prompt_tokens": 28}
+    report["engine"] = {"name": payload, "version": payload, "checkpoint": payload, "weights": payload,
+                        "quantized": payload, "cache_hit_tokens": 16, "prompt_tokens": 28}
     report["engine_vs_reference"] = {
         "tokens_identical": False, "flip": {"kind": payload},
         "first_divergence": {"layer": 0, "position": 3, "tensor": payload, "tier": "divergent"},

@@ -201,6 +201,40 @@ def test_bad_engine_options_are_one_line_and_exit_2(tmp_path, args, message):
     assert message in result.stderr and result.stderr.count("\n") == 1
 
 
+def test_a_gate_case_against_the_reference_fails_on_a_bug_in_every_engine_run(tmp_path, monkeypatch):
+    """Layer 1's o_proj output x4 in every run of the engine: cold and warm agree, so the plain case
+    passes (the gate is about the cache path), and the case with `against_reference` fails, saying
+    where the engine parts from kvdiff's reference."""
+    _in_every_run(monkeypatch, lambda target: _o_proj_scaled(target, 4.0))
+    case = ('engine = "transformers"\nmodel = "tiny-llama"\nmax_new_tokens = 6\n'
+            'system = "You are a helpful assistant. Always answer in French."\n'
+            'prompt = "What is the capital of France?"\n')
+    cases = tmp_path / "cases.toml"
+    cases.write_text(f'[[case]]\nname = "cache path"\n{case}\n'
+                     f'[[case]]\nname = "strict"\nagainst_reference = true\n{case}')
+    junit = tmp_path / "gate.xml"
+    result = CliRunner().invoke(app, ["gate", str(cases), "--junit", str(junit), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1, result.output
+    xml = junit.read_text()
+    assert 'tests="2"' in xml and 'failures="1"' in xml
+    failure = xml[xml.index('name="strict"'):]
+    assert "tokens differ from kvdiff" in failure, failure
+    assert "at layer 1" in failure and "<failure" in failure
+
+
+@pytest.mark.parametrize("table, message", [
+    ('against_reference = true\nmodel = "tiny-llama"', "`against_reference` needs an engine under test"),
+    ('against_reference = "yes"\nengine = "vllm"', "`against_reference` has the wrong type (str)"),
+])
+def test_against_reference_is_checked_before_any_case_runs(tmp_path, table, message):
+    from kvdiff.gate.cases import load_cases
+
+    cases = tmp_path / "cases.toml"
+    cases.write_text(f'[[case]]\nname = "c"\nprompt = "Hi"\n{table}\n')
+    with pytest.raises(InputError, match=message):
+        load_cases(cases)
+
+
 def test_an_engine_that_is_not_installed_names_its_install_command(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)          # import vllm raises ImportError
     from kvdiff.targets.vllm import VllmTarget

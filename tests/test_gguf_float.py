@@ -72,3 +72,17 @@ def test_a_file_that_is_not_a_gguf_is_refused_with_its_name(tmp_path, monkeypatc
     with pytest.raises(ModelLoadError, match="model.gguf is not a readable GGUF file"):
         float32_gguf(bad)
     assert not any((tmp_path / "cache").rglob("*.gguf"))
+
+
+def test_a_copy_the_disk_cannot_hold_is_refused_before_writing(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    monkeypatch.setenv("KVDIFF_CACHE", str(tmp_path / "cache"))
+    source = _source(tmp_path / "tiny.gguf")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 1 << 20))
+    with pytest.raises(ModelLoadError, match=r"needs 0\.0 GB in .*cache.* which has 0\.0 GB free: .*"
+                                             r"--engine-weights native"):
+        float32_gguf(source)
+    assert not any((tmp_path / "cache").rglob("*.gguf"))

@@ -47,13 +47,13 @@ def gguf():
 
 
 @pytest.fixture(scope="module")
-def hf(gguf):
-    return kvdiff.load_model(str(gguf))           # the reference: the same GGUF, dequantized
+def hf(default_model):
+    return default_model            # the reference: the same GGUF, dequantized (the session's copy)
 
 
 @pytest.fixture(scope="module")
 def target(gguf):
-    t = LlamaCppTarget(float32_gguf(gguf), n_ctx=1024)
+    t = LlamaCppTarget(float32_gguf(gguf), n_ctx=256)
     yield t
     t.close()
 
@@ -61,7 +61,7 @@ def target(gguf):
 @pytest.fixture
 def native(gguf):
     """The GGUF as it is (Q4_1), for one test at a time."""
-    t = LlamaCppTarget(gguf, n_ctx=1024)
+    t = LlamaCppTarget(gguf, n_ctx=256)
     yield t
     t.close()
 

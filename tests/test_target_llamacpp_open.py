@@ -9,7 +9,6 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-import kvdiff  # noqa: E402
 from kvdiff.engine.loading import default_gguf_path  # noqa: E402
 from kvdiff.run.compare import compare  # noqa: E402
 from kvdiff.run.model_cache import ModelKey  # noqa: E402
@@ -26,8 +25,8 @@ def gguf():
 
 
 @pytest.fixture(scope="module")
-def models(gguf):
-    return {ModelKey(str(gguf)): kvdiff.load_model(str(gguf))}     # the reference: the same GGUF, dequantized
+def models(gguf, default_model):
+    return {ModelKey(str(gguf)): default_model}     # the reference: the same GGUF, dequantized (the session's copy)
 
 
 def test_the_engine_runs_a_float32_copy_and_matches_the_reference(gguf, models, tmp_path):

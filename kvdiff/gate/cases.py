@@ -33,30 +33,34 @@ _OPTION_TYPES: dict[str, type | tuple[type, ...]] = {
     "engine_weights": str,
 }
 _CONVERSATION_KEYS = {"name", "system", "prompt", "messages"}
+# the gate's own keys: `against_reference` also fails an engine case whose tokens differ from kvdiff's reference
+_GATE_TYPES: dict[str, type] = {"against_reference": bool}
 
 
 @dataclass
 class GateCase:
-    """One gate case: a conversation and the compare options it runs with."""
+    """One gate case: a conversation and the compare options it runs with; `against_reference`: an
+    engine under test must also generate kvdiff's reference tokens, not only its own cold ones."""
 
     name: str
     messages: Messages
     options: dict = field(default_factory=dict)
+    against_reference: bool = False
 
 
 def _case_from_table(index: int, table: dict) -> GateCase:
     where = f"case {index + 1}"
     if not isinstance(table, dict):
         raise InputError(f"{where} is not a table: write it as [[case]]")
-    unknown = set(table) - _CONVERSATION_KEYS - set(_OPTION_TYPES)
+    unknown = set(table) - _CONVERSATION_KEYS - set(_OPTION_TYPES) - set(_GATE_TYPES)
     if unknown:
-        known = ", ".join(sorted(_CONVERSATION_KEYS | set(_OPTION_TYPES)))
+        known = ", ".join(sorted(_CONVERSATION_KEYS | set(_OPTION_TYPES) | set(_GATE_TYPES)))
         raise InputError(f"{where} has unknown key(s) {', '.join(sorted(unknown))}: known keys are {known}")
     name = table.get("name")
     if not isinstance(name, str) or not name.strip():
         raise InputError(f"{where} needs a non-empty string `name`")
     where = f"case {name!r}"
-    for key, kind in _OPTION_TYPES.items():
+    for key, kind in {**_OPTION_TYPES, **_GATE_TYPES}.items():
         if key in table and (not isinstance(table[key], kind) or (isinstance(table[key], bool) and kind is not bool)):
             raise InputError(f"{where}: `{key}` has the wrong type ({type(table[key]).__name__})")
     try:
@@ -72,7 +76,11 @@ def _case_from_table(index: int, table: dict) -> GateCase:
     except InputError as exc:
         raise InputError(f"{where}: {exc}") from None
     options = {key: table[key] for key in _OPTION_TYPES if key in table}
-    return GateCase(name=name, messages=messages, options=options)
+    against = table.get("against_reference", False)
+    if against and options.get("engine", "kvdiff") == "kvdiff":
+        raise InputError(f"{where}: `against_reference` needs an engine under test (engine = \"transformers\", "
+                         "\"vllm\" or \"llama.cpp\"); kvdiff's own engine is always compared with the reference")
+    return GateCase(name=name, messages=messages, options=options, against_reference=against)
 
 
 def load_cases(path: Path) -> list[GateCase]:

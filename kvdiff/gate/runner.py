@@ -66,15 +66,36 @@ def run_cases(cases: list[GateCase], out_dir: Path, compare_fn: Callable | None 
             outcome = CaseOutcome(case.name, "error", time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
         else:
             elapsed = time.perf_counter() - start
-            if result.divergence.tokens_identical:
+            failure = _failure(case, result)
+            if failure is None:
                 outcome = CaseOutcome(case.name, "passed", elapsed, "tokens identical")
                 remove_tree(case_dir)
             else:
-                outcome = CaseOutcome(case.name, "failed", elapsed, result.summary, case_dir)
+                outcome = CaseOutcome(case.name, "failed", elapsed, failure, case_dir)
         outcomes.append(outcome)
         if on_case is not None:
             on_case(outcome)
     return outcomes
+
+
+def _failure(case: GateCase, result) -> str | None:
+    """Why a case that ran fails: its tokens differ (cold and warm, for an engine under test), or, with
+    `against_reference`, the engine's cold tokens differ from kvdiff's reference; None when it passes."""
+    if not result.divergence.tokens_identical:
+        return result.summary
+    against = (result.report.to_json().get("engine_vs_reference") or {}) if case.against_reference else {}
+    if against.get("tokens_identical", True):
+        return None
+    parts = ["the engine's tokens differ from kvdiff's reference"]
+    first, op = against.get("first_divergence"), against.get("first_operation")
+    if first:
+        parts.append(f"first divergence at layer {first['layer']} position {first['position']} {first['tensor']}")
+    if op:
+        parts.append(f"first operation {op['operation']} at layer {op['layer']}")
+    kinds = sorted({str(d.get("kind")) for d in against.get("diagnoses", [])})
+    if kinds:
+        parts.append("diagnoses: " + ", ".join(kinds))
+    return "; ".join(parts)
 
 
 def remove_tree(path: Path) -> None:

@@ -35,6 +35,13 @@ def digest_line(digest: dict[str, Any]) -> str:
     return f"digest capture: every row hashed; {window}{repeated}"
 
 
+def engine_line(engine: dict[str, Any]) -> str:
+    """The engine under test, its version and the weights it ran (`--engine-weights`)."""
+    weights, quantized = engine.get("weights"), engine.get("quantized")
+    ran = "" if not weights else f" on {weights} weights" + (f" ({quantized})" if quantized else "")
+    return f"{engine.get('name')} {engine.get('version')}{ran}"
+
+
 def quantized_note(engine: dict[str, Any]) -> str:
     """What an engine with quantized weights means for its comparison with the reference."""
     quantized = engine.get("quantized")

@@ -18,7 +18,7 @@ from rich.text import Text
 from kvdiff.errors import InputError
 from kvdiff.reports.blend import blend_errors_text
 from kvdiff.reports.heatmap_text import heatmap_text
-from kvdiff.reports.lines import digest_line, fmt, quantized_note, recomputed_line
+from kvdiff.reports.lines import digest_line, engine_line, fmt, quantized_note, recomputed_line
 from kvdiff.analysis.report import Report
 from kvdiff.reports.printable import printable
 
@@ -166,7 +166,7 @@ class _Report:
         view = self.view
         engine, floor = view.section("engine"), view.section("noise_floor")
         table = self.table("engine under test", "details", title="engine (cold vs warm)")
-        table.add_row(Text(printable(f"{engine.get('name')} {engine.get('version')}")), Text(printable(
+        table.add_row(Text(printable(engine_line(engine))), Text(printable(
             f"warm run served {engine.get('cache_hit_tokens')} of {engine.get('prompt_tokens')} prompt tokens "
             f"from its cache (the engine's counter)")))
         table.add_row("noise floor", Text(

@@ -11,6 +11,7 @@ type; llama.cpp's float32 kernels then differ from the reference by summation or
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,7 @@ def _write_float32(source: Path, dest: Path) -> None:
         reader = gguf.GGUFReader(source)
     except (ValueError, OSError) as exc:
         raise ModelLoadError(f"{source} is not a readable GGUF file: {exc}") from exc
+    _check_room(source, dest.parent, 4 * sum(int(t.n_elements) for t in reader.tensors))
     keys = gguf.Keys.General
     arch = reader.get_field(keys.ARCHITECTURE)
     if arch is None:
@@ -61,3 +63,15 @@ def _write_float32(source: Path, dest: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _check_room(source: Path, folder: Path, needed: int) -> None:
+    """Refuse before writing a float32 copy the cache's disk cannot hold (an 8B model's is ~32 GB)."""
+    free = shutil.disk_usage(folder).free
+    if free < needed * 1.02 + (64 << 20):
+        raise ModelLoadError(
+            f"the float32 copy of {source.name} that llama.cpp runs needs {needed / 1e9:.1f} GB in {folder.parent}, "
+            f"which has {free / 1e9:.1f} GB free: free some space, set KVDIFF_CACHE to a larger disk, or run "
+            "--engine-weights native (the GGUF's own weights, whose projections differ from the reference by "
+            "quantization)")
+    log.info("the float32 copy of %s takes %.1f GB", source.name, needed / 1e9)
