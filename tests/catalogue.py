@@ -260,6 +260,10 @@ CASES: list[Case] = [
          "causal mask off: each query sees every key of its forward", "runner mask: every key of the row group visible",
          (p("mask", rule="all"),), "cold", ATTENTION, 0, "0",
          (want("attention_mismatch", first="0", explanation="not causal", layer=0),), NONE3),
+    Case("kvdiff-mistral-sliding-window", "tiny-mistral", KVDIFF,
+         "a sliding window of 8 positions where the model has none", "runner mask: keys before q-7 hidden",
+         (p("mask", rule="window", size=8),), "cold", ATTENTION, 0, "8",
+         (want("attention_mismatch", first="8", explanation="window", window=8, layer=0),), NONE3),
     Case("kvdiff-mistral-attn-scale", "tiny-mistral", KVDIFF,
          "attention scale wrong (softmax temperature 0.8)", "engine.adapter.scaling x 1.25",
          (p("adapter_scale", name="scaling", factor=1.25),), "cold", ATTENTION, 0, "1", (), NONE3),
@@ -370,6 +374,10 @@ CASES: list[Case] = [
          "causal mask off: each query sees every key of its forward", "self_attn pre-hook: mask opens every key",
          (p("mask", rule="all"),), "cold", ATTENTION, 0, "0",
          (want("attention_mismatch", first="0", explanation="not causal", layer=0),), NONE3),
+    Case("cb-llama-sliding-window", "tiny-llama", CB,
+         "a sliding window of 8 positions where the model has none", "self_attn pre-hook: keys before q-7 hidden",
+         (p("mask", rule="window", size=8),), "cold", ATTENTION, 0, "8",
+         (want("attention_mismatch", first="8", explanation="window", window=8, layer=0),), NONE3),
     Case("cb-qwen3-missing-cross-chunk", "tiny-qwen3", CB,
          "rows computed after a cache hit do not attend to the cached blocks",
          "self_attn pre-hook: keys 0..H-1 hidden in the warm run",
@@ -865,13 +873,15 @@ def plant_drop_residual(ctx: Ctx, layer: int, where: str) -> Undo:
     return _hooks(handles)
 
 
-def _mask_rule(ctx: Ctx, rule: str, keys: tuple[str, str] | None = None,
-               queries_from: str | None = None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def _mask_rule(ctx: Ctx, rule: str, keys: tuple[str, str] | None = None, queries_from: str | None = None,
+               size: int | None = None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """allowed (T, L) bool for query positions (T,) and key positions (L,) -> the planted mask."""
     if rule == "future":
         return lambda q, k, allowed: allowed | (k[None, :] == q[:, None] + 1)
     if rule == "all":
         return lambda q, k, allowed: torch.ones_like(allowed)
+    if rule == "window":
+        return lambda q, k, allowed: allowed & (k[None, :] > q[:, None] - size)
     lo, hi = (ev(x, ctx.names) for x in keys)
     start = ev(queries_from, ctx.names)
     return lambda q, k, allowed: allowed & ~(((k >= lo) & (k <= hi))[None, :] & (q >= start)[:, None])

@@ -38,12 +38,14 @@ class Hypothesis:
     key rows 0..n_keys-1 (n_keys = its own row + 2 where a next key exists, or `reach(test_row)`
     where the hypothesis reads further), and a scale factor."""
 
-    name: str                                  # "standard", "hidden", "scale", "next key", "chunk alone", "not causal"
+    name: str                                  # "standard", "hidden", "scale", "next key", "chunk alone",
+                                               # "not causal", "window"
     text: str                                  # in words, for the evidence
     visible: Callable[[int, int], np.ndarray]
     scale: float = 1.0
     hidden: tuple[int, int] | None = None      # the hidden key span, where one span for every row
     reach: Callable[[int], int] | None = None  # key rows read at a row, where more than the test's n_keys
+    window: int | None = None                  # a sliding window: the keys a row sees, its own included
 
 
 @dataclass
@@ -234,7 +236,21 @@ def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], i
                           next_key))
     out.append(Hypothesis("not causal", "each row also attending every later position of its forward (the mask is "
                           "not causal)", lambda row, n: np.ones(n, bool), reach=forward_end))
+    for w in window_candidates(first):
+        out.append(Hypothesis("window", f"each row attending only its own and the {w - 1} positions before it (a "
+                              f"sliding window of {w})", sliding_window(w), window=w))
     return out
+
+
+def sliding_window(w: int) -> Callable[[int, int], np.ndarray]:
+    return lambda row, n: causal(row, n) & (np.arange(n) > row - w)
+
+
+def window_candidates(first: int) -> list[int]:
+    """Sliding windows that hide a key from the first tested row: the one whose first such row it is
+    (a cold run's first divergent row), its neighbours, and the powers of two below it."""
+    powers = [1 << k for k in range(1, max(first, 2).bit_length()) if 1 << k < first]
+    return sorted({w for w in (first - 1, first, first + 1, *powers) if 1 <= w <= first})
 
 
 def fit_scale(test: AttentionTest, lo: float = 0.25, hi: float = 4.0) -> Score:

@@ -21,7 +21,7 @@ from kvdiff.analysis.diagnosis import DiagnosisInputs, fmt
 # an explanation leaves at most EXPLAINS of the change in attn_out unexplained (contradictions.py refutes more)
 MARGIN = 0.5        # and at most this share of what the next-best explanation leaves,
 NESTED_MARGIN = 0.8  # or, where that one hides an overlapping span (one key more or less at an end), this
-_PREFER = ("standard", "hidden", "scale", "next key", "chunk alone", "not causal")
+_PREFER = ("standard", "hidden", "scale", "next key", "chunk alone", "not causal", "window")
 
 
 def _nested(a: Score, b: Score) -> bool:

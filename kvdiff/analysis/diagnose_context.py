@@ -166,10 +166,12 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
         details["explanation"] = h.name
         if h.name == "scale":
             details["scale_factor"] = h.scale
+        if h.name == "window":
+            details["window"] = h.window
         found = f": {h.text} explains it (leaves {fmt(verdict.best.residual)} of the change unexplained)"
     else:
-        found = ("; no tested explanation (hidden keys, another scale, the next key or every later key of the forward "
-                 "visible) accounts for it"
+        found = ("; no tested explanation (hidden keys, another scale, a sliding window, the next key or every later key "
+                 "of the forward visible) accounts for it"
                  if verdict is not None else "")
     evidence = (f"{where}: {same}, but attn_out differs (rel {fmt(attn_rel)}): the attention itself (mask, scale, "
                 f"softmax or o_proj) differs{found}")
