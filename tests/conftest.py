@@ -314,6 +314,24 @@ def assert_reference_is_transformers_generation(model, tok, messages: list, new_
     assert torch.allclose(logits, plain, atol=1e-4)
 
 
+def vllm_tiny_llama(out, default_model, **config):
+    """A random Llama checkpoint in `out` that vLLM's CPU build runs (head_dim 64, 2 layers, one KV
+    head) with the default model's vocabulary and tokenizer; `config` overrides its config."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model, tokenizer = default_model
+    c = model.config
+    settings = dict(vocab_size=c.vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
+                    rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=True, bos_token_id=c.bos_token_id,
+                    eos_token_id=c.eos_token_id)     # no pad id: its embedding row would be zeros
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**settings, **config})).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 class LentTarget:
     """A test module's engine under test lent to one `compare --engine` run, which closes the target
     it opens: this one stays open for the module's other tests."""

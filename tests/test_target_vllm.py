@@ -20,7 +20,7 @@ from kvdiff.conversation import render_prompt_ids  # noqa: E402
 from kvdiff.errors import InputError, KvdiffError  # noqa: E402
 from kvdiff.probes.recorder import TraceRecorder  # noqa: E402
 from kvdiff.trace import open_trace  # noqa: E402
-from conftest import LentTarget  # noqa: E402
+from conftest import LentTarget, vllm_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
@@ -36,19 +36,7 @@ BLOCK = 32
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory, default_model):
     """A random Llama checkpoint (head_dim 64, 2 layers) with the default model's vocabulary and tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    model, tokenizer = default_model
-    c = model.config
-    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
-                         rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=True, bos_token_id=c.bos_token_id,
-                         eos_token_id=c.eos_token_id)   # no pad id: its embedding row would be zeros
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("vllm-tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return vllm_tiny_llama(tmp_path_factory.mktemp("vllm-tiny-llama"), default_model)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,46 @@
+"""`kvdiff compare --engine vllm` through the registry's own open_target, with a setting of the engine
+that the checkpoint does not hold: vLLM's `hf_overrides` giving the model a sliding window in every
+run. Apart from tests/test_target_vllm.py, whose engine stays open for its module: this one starts
+its own."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvdiff.run.compare import compare  # noqa: E402
+from conftest import vllm_tiny_llama  # noqa: E402
+
+pytestmark = pytest.mark.real_model
+
+SYSTEM = ("You are a careful assistant. Answer briefly and precisely. When you are unsure, say so, and never "
+          "invent facts. Prefer plain words over jargon.")
+PROMPT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_a_sliding_window_set_in_the_engine_is_named_with_its_size(tmp_path, monkeypatch, default_model):
+    """vLLM started with `hf_overrides={"sliding_window": 16}` (the checkpoint has none, and kvdiff's
+    reference attends to every earlier position): cold and warm agree; against the reference,
+    expected (written after an exploratory run of the same setting on the default model):
+    attention the first operation at layer 0, position 16 (the first row with a key outside the
+    window), and attention_mismatch from there explained as a sliding window of 16."""
+    import vllm
+
+    folder = vllm_tiny_llama(tmp_path / "model", default_model)
+    start = vllm.LLM.__init__
+
+    def windowed(self, *args, **kwargs):
+        start(self, *args, **{**kwargs, "hf_overrides": {"sliding_window": 16}})
+
+    monkeypatch.setattr(vllm.LLM, "__init__", windowed)
+    result = compare(PROMPT, engine="vllm", model=str(folder), max_new_tokens=6, out=tmp_path / "run")
+    report = result.report.to_json()
+    assert report["engine"]["cache_hit_tokens"] > 0 and report["diagnoses"] == []
+    against = report["engine_vs_reference"]
+    op = against["first_operation"]
+    assert (op["operation"], op["layer"], op["position"], op["proved"]) == \
+        ("attention (softmax(q k^T) v, o_proj)", 0, 16, True), op
+    first = against["diagnoses"][0]
+    assert (first["kind"], first["layer"], first["positions"][0]) == ("attention_mismatch", 0, 16), against
+    assert (first["explanation"], first["window"]) == ("window", 16), first
