@@ -1,7 +1,6 @@
 """`kvdiff compare --engine vllm` through the registry's own open_target, with a setting of the engine
-that the checkpoint does not hold: vLLM's `hf_overrides` giving the model a sliding window in every
-run. Apart from tests/test_target_vllm.py, whose engine stays open for its module: this one starts
-its own."""
+that the checkpoint does not hold (vLLM's own `hf_overrides`, in every run). Apart from
+tests/test_target_vllm.py, whose engine stays open for its module: each test here starts its own."""
 
 from __future__ import annotations
 
@@ -44,3 +43,27 @@ def test_a_sliding_window_set_in_the_engine_is_named_with_its_size(tmp_path, mon
     first = against["diagnoses"][0]
     assert (first["kind"], first["layer"], first["positions"][0]) == ("attention_mismatch", 0, 16), against
     assert (first["explanation"], first["window"]) == ("window", 16), first
+
+
+def test_rope_scaling_set_in_the_engine_that_drops_the_base_is_named_with_both(tmp_path, monkeypatch, default_model):
+    """vLLM started with `hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2}}` on a
+    checkpoint of RoPE base 100000: the override replaces the model's RoPE parameters, base included,
+    so the engine rotates with base 10000 (the default) and positions halved. Expected (written before
+    this test first ran, after an exploratory run on the default model): rope_mismatch at layer 0
+    from position 1 fitting base 1e4 with linear scaling 2 against the reference's base 1e5."""
+    import vllm
+
+    folder = vllm_tiny_llama(tmp_path / "model", default_model, rope_theta=100000.0)
+    start = vllm.LLM.__init__
+
+    def scaled(self, *args, **kwargs):
+        start(self, *args, **{**kwargs, "hf_overrides": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}})
+
+    monkeypatch.setattr(vllm.LLM, "__init__", scaled)
+    result = compare(PROMPT, engine="vllm", model=str(folder), max_new_tokens=6, out=tmp_path / "run")
+    against = result.report.to_json()["engine_vs_reference"]
+    rope = [d for d in against["diagnoses"] if d["kind"] in ("rope_mismatch", "position_mismatch")]
+    assert rope and {d["kind"] for d in rope} == {"rope_mismatch"} and rope[0]["positions"][0] == 1, against
+    for d in rope:
+        assert d["layer"] == 0 and abs(d["base"] / 1e4 - 1) < 1e-3 and abs(d["reference_base"] / 1e5 - 1) < 1e-3, d
+        assert abs(d["scaling_factor"] - 2) < 1e-3, d

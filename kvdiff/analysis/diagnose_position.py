@@ -83,7 +83,12 @@ def _frequencies(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
     if freq is not None:
         ratio = freq.candidate / freq.reference
         details.update(frequency_ratio=[float(ratio.min()), float(ratio.max())], frequency_fit=freq.quality)
-        if freq.scaling is not None:
+        if freq.scaling is not None and freq.candidate_base is not None:
+            details.update(base=freq.candidate_base, reference_base=freq.reference_base, scaling_factor=freq.scaling)
+            found = (f"; the candidate's rotation rates, measured at the expected positions, fit RoPE base "
+                     f"{fmt(freq.candidate_base)} with positions scaled by 1/{fmt(freq.scaling)} (linear RoPE scaling "
+                     f"{fmt(freq.scaling)}; the reference's: base {fmt(freq.reference_base)}, unscaled)")
+        elif freq.scaling is not None:
             details["scaling_factor"] = freq.scaling
             found = (f"; the candidate's rotation rates, measured at the expected positions, are the reference's "
                      f"divided by {fmt(freq.scaling)} at every frequency: positions scaled by 1/{fmt(freq.scaling)} "

@@ -98,20 +98,24 @@ class Frequencies:
     candidate: np.ndarray
     reference: np.ndarray
     scaling: float | None        # positions scaled by this factor (all frequencies divided by it), if that fits
-    candidate_base: float | None  # theta_i = base^(-2i/d), if that fits
+    candidate_base: float | None  # theta_i = base^(-2i/d) (divided by `scaling` where both are set), if that fits
     reference_base: float | None
     quality: float                # how well the candidate's frequencies explain its rotations (1: exactly)
 
 
-def _base(thetas: np.ndarray) -> tuple[float | None, float]:
-    """The base b with theta_i = b^(-2i/d), and the largest relative deviation of the thetas from it."""
+def _base(thetas: np.ndarray, scaled: bool = False) -> tuple[float | None, float, float]:
+    """The base b (and, where `scaled`, the factor s) with theta_i = b^(-2i/d) / s, and the largest
+    relative deviation of the thetas from it (s is 1 unless `scaled`)."""
     i = np.arange(thetas.size, dtype=np.float64)
     if thetas.size < 2 or (thetas <= 0).any():
-        return None, np.inf
-    x = 2 * i / (2 * thetas.size)
-    slope = float((x * -np.log(thetas)).sum() / max(float((x * x).sum()), 1e-300))
-    fitted = np.exp(-slope * x)
-    return float(np.exp(slope)), float(np.abs(fitted / thetas - 1).max())
+        return None, 1.0, np.inf
+    x, y = 2 * i / (2 * thetas.size), -np.log(thetas)
+    if scaled:
+        slope, log_s = (float(v) for v in np.polyfit(x, y, 1))
+    else:
+        slope, log_s = float((x * y).sum() / max(float((x * x).sum()), 1e-300)), 0.0
+    fitted = np.exp(-slope * x - log_s)
+    return float(np.exp(slope)), float(np.exp(log_s)), float(np.abs(fitted / thetas - 1).max())
 
 
 def measure_frequencies(k_pre: np.ndarray, k: np.ndarray, positions: np.ndarray,
@@ -123,8 +127,12 @@ def measure_frequencies(k_pre: np.ndarray, k: np.ndarray, positions: np.ndarray,
     _, quality = estimate_positions(k_pre, k, thetas, int(positions.max()) + 1, int(positions.min()))
     ratio = thetas / reference
     scaling = float(1 / np.median(ratio)) if np.abs(ratio / np.median(ratio) - 1).max() <= 0.01 else None
-    cand_base, cand_dev = _base(thetas)
-    ref_base, ref_dev = _base(reference)
+    cand_base, _, cand_dev = _base(thetas)
+    ref_base, _, ref_dev = _base(reference)
     fits = cand_dev <= 0.01 and ref_dev <= 0.01
+    if scaling is None and not fits and ref_dev <= 0.01:      # another base and positions scaled, both at once
+        base, factor, dev = _base(thetas, scaled=True)
+        if dev <= 0.01:
+            cand_base, scaling, fits = base, factor, True
     return Frequencies(thetas, reference, scaling if scaling is None or abs(scaling - 1) > 1e-3 else None,
                        cand_base if fits else None, ref_base if fits else None, float(quality.min()))
