@@ -67,3 +67,26 @@ def test_rope_scaling_set_in_the_engine_that_drops_the_base_is_named_with_both(t
     for d in rope:
         assert d["layer"] == 0 and abs(d["base"] / 1e4 - 1) < 1e-3 and abs(d["reference_base"] / 1e5 - 1) < 1e-3, d
         assert abs(d["scaling_factor"] - 2) < 1e-3, d
+
+
+def test_an_engine_that_runs_other_shapes_than_the_checkpoint_is_one_clear_error(tmp_path, monkeypatch,
+                                                                                   default_model):
+    """vLLM started with `hf_overrides={"num_key_value_heads": 1}` on a checkpoint of two KV heads (it
+    loads the first head's projection rows): its keys are not the model's shape, so no trace of the model can hold them; the run stops with an
+    error that says so, and the CLI prints it as one line (exit 3)."""
+    import vllm
+    from typer.testing import CliRunner
+
+    from kvdiff.cli import app
+
+    folder = vllm_tiny_llama(tmp_path / "model", default_model, num_key_value_heads=2)
+    start = vllm.LLM.__init__
+
+    def reshaped(self, *args, **kwargs):
+        start(self, *args, **{**kwargs, "hf_overrides": {"num_key_value_heads": 1}})
+
+    monkeypatch.setattr(vllm.LLM, "__init__", reshaped)
+    result = CliRunner().invoke(app, ["compare", "--engine", "vllm", "--model", str(folder), "--prompt", "Hi there",
+                                      "--max-new-tokens", "2", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 3, result.output
+    assert "what runs is not the model the trace describes" in result.stderr and result.stderr.count("\n") == 1

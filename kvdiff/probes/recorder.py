@@ -311,7 +311,9 @@ class TraceRecorder:
         self._fired.append(target.key)
         if rows.numel() != len(positions) * target.size:
             raise ProbeIntegrityError(f"probe {point!r} of layer {layer}: rows of shape {tuple(rows.shape)} "
-                                      f"do not hold {len(positions)} positions of shape {target.shape}")
+                                      f"do not hold {len(positions)} positions of shape {target.shape} (the model's, "
+                                      "from its config): what runs is not the model the trace describes (another "
+                                      "checkpoint, or settings that change its shapes, such as its KV heads)")
         if target.digest:
             self._digests.take(point, layer, rows, self._all_positions(positions))
             if target.name is None:
