@@ -63,3 +63,24 @@ def test_a_setting_of_the_gguf_overridden_in_the_engine_is_named(gguf, models, m
     assert (op["operation"], op["layer"], op["position"], op["proved"]) == ("attention norm", 0, 0, True), op
     norm = [d for d in against["diagnoses"] if d["kind"] == "norm_consistency"]
     assert norm and "the norm itself (weight, eps or kernel) is wrong" in norm[0]["evidence"], against["diagnoses"]
+
+
+def test_flash_attention_is_told_apart_by_the_size_of_its_difference(gguf, models, monkeypatch, tmp_path):
+    """llama.cpp started with flash attention (`flash_attn=True`, which computes attention on float16
+    copies of K and V): against the reference its attn_out moves by about float16's rounding while q,
+    k and v match. Expected (written after an exploratory run): the same tokens, attention at layer 0
+    the first operation, an attention_mismatch with no explanation whose evidence says the difference
+    is the size of float16 rounding; without flash attention nothing (the first test)."""
+    import llama_cpp
+
+    start = llama_cpp.Llama.__init__
+    monkeypatch.setattr(llama_cpp.Llama, "__init__", lambda self, *a, **kw: start(self, *a, **{**kw, "flash_attn": True}))
+    result = compare(SEED_MESSAGES, engine="llama.cpp", model=str(gguf), warm=SHARING_SYSTEM, max_new_tokens=NEW,
+                     out=tmp_path / "run", model_cache=models)
+    against = result.report.to_json()["engine_vs_reference"]
+    assert against["tokens_identical"]
+    assert (against["first_operation"]["operation"], against["first_operation"]["layer"]) == \
+        ("attention (softmax(q k^T) v, o_proj)", 0)
+    first = against["diagnoses"][0]
+    assert (first["kind"], first["explanation"], first["rounding_size"]) == ("attention_mismatch", None, "float16")
+    assert "as large as rounding to float16 makes it" in first["evidence"]

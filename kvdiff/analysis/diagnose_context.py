@@ -172,7 +172,7 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
     else:
         found = ("; no tested explanation (hidden keys, another scale, a sliding window, the next key or every later key "
                  "of the forward visible) accounts for it"
-                 if verdict is not None else "")
+                 if verdict is not None else "") + _rounding_note(inputs, attn_rel, details)
     evidence = (f"{where}: {same}, but attn_out differs (rel {fmt(attn_rel)}): the attention itself (mask, scale, "
                 f"softmax or o_proj) differs{found}")
     if h is not None:
@@ -181,6 +181,26 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
     proof = (f"q at {cols.size} rows and k, v at every earlier position within tolerance, attn_out divergent there "
              f"(rel up to {fmt(attn_rel)})") + ("" if verdict is None else f"; {verdict.proof()}")
     return Diagnosis("attention_mismatch", chunk, (lo, hi), evidence, details, confidence=1.0, proof=proof)
+
+
+# unit roundoff of the formats an attention kernel may compute in, narrowest first
+_ROUNDOFF = (("float16", 2.0 ** -11), ("bfloat16", 2.0 ** -8))
+
+
+def _rounding_note(inputs: DiagnosisInputs, attn_rel: float, details: dict) -> str:
+    """Where float32 traces' attn_out differ by about what rounding to a narrower format moves a row:
+    say so (a kernel computing in it, such as a flash-attention kernel, would). `rel` is the squared
+    norm of the difference over the rows' (twice the relative norm difference squared)."""
+    if {inputs.reference.meta.dtype, inputs.candidate.meta.dtype} != {"float32"} or not np.isfinite(attn_rel):
+        return ""
+    size = float(np.sqrt(2 * attn_rel))
+    for name, roundoff in _ROUNDOFF:
+        if size <= 4 * roundoff:
+            details["rounding_size"] = name
+            return (f"; the difference is as large as rounding to {name} makes it (relative {fmt(size)}, {name}'s unit "
+                    f"roundoff {fmt(roundoff)}): attention computed in {name} (a flash-attention kernel, a {name} "
+                    f"cache) gives as much")
+    return ""
 
 
 def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
