@@ -86,3 +86,17 @@ def test_a_copy_the_disk_cannot_hold_is_refused_before_writing(tmp_path, monkeyp
                                              r"--engine-weights native"):
         float32_gguf(source)
     assert not any((tmp_path / "cache").rglob("*.gguf"))
+
+
+def test_a_tensor_that_does_not_dequantize_is_refused_with_its_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVDIFF_CACHE", str(tmp_path / "cache"))
+    source = _source(tmp_path / "tiny.gguf")
+
+    def unsupported(data, kind):
+        raise NotImplementedError(f"Dequantization for {kind.name} is not yet implemented")
+
+    monkeypatch.setattr(gguf, "dequantize", unsupported)
+    with pytest.raises(ModelLoadError, match="its tensor blk.0.attn_q.weight of type Q4_1 does not dequantize .*"
+                                             "--engine-weights native"):
+        float32_gguf(source)
+    assert not any((tmp_path / "cache").rglob("*.gguf"))

@@ -57,7 +57,12 @@ def _write_float32(source: Path, dest: Path) -> None:
             writer.add_key_value(field.name, field.contents(), kind,
                                  sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
     for tensor in reader.tensors:
-        weights = gguf.dequantize(tensor.data, tensor.tensor_type)
+        try:
+            weights = gguf.dequantize(tensor.data, tensor.tensor_type)
+        except (NotImplementedError, ValueError) as exc:
+            raise ModelLoadError(f"cannot make a float32 copy of {source.name}: its tensor {tensor.name} of type "
+                                 f"{tensor.tensor_type.name} does not dequantize ({exc}); run --engine-weights native "
+                                 "to test the GGUF as it is") from exc
         writer.add_tensor(tensor.name, np.ascontiguousarray(weights, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
