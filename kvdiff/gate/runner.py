@@ -81,21 +81,15 @@ def run_cases(cases: list[GateCase], out_dir: Path, compare_fn: Callable | None 
 def _failure(case: GateCase, result) -> str | None:
     """Why a case that ran fails: its tokens differ (cold and warm, for an engine under test), or, with
     `against_reference`, the engine's cold tokens differ from kvdiff's reference; None when it passes."""
+    from kvdiff.run.compare import parting_summary
+
     if not result.divergence.tokens_identical:
         return result.summary
     against = (result.report.to_json().get("engine_vs_reference") or {}) if case.against_reference else {}
     if against.get("tokens_identical", True):
         return None
-    parts = ["the engine's tokens differ from kvdiff's reference"]
-    first, op = against.get("first_divergence"), against.get("first_operation")
-    if first:
-        parts.append(f"first divergence at layer {first['layer']} position {first['position']} {first['tensor']}")
-    if op:
-        parts.append(f"first operation {op['operation']} at layer {op['layer']}")
-    kinds = sorted({str(d.get("kind")) for d in against.get("diagnoses", [])})
-    if kinds:
-        parts.append("diagnoses: " + ", ".join(kinds))
-    return "; ".join(parts)
+    return "; ".join(["the engine's tokens differ from kvdiff's reference",
+                      *parting_summary(against.get("first_divergence"), against.get("diagnoses") or [])])
 
 
 def remove_tree(path: Path) -> None:

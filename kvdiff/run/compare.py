@@ -46,13 +46,20 @@ class CompareResult:
         flip = r.first("first_token_divergence")
         if flip:
             parts.append(f"tokens differ at step {flip['step']} ({flip['reference_token']!r} vs {flip['candidate_token']!r})")
-        first = r.first("first_divergence")
-        if first:
-            parts.append(f"first divergence at layer {first['layer']} position {first['position']} {first['tensor']}")
-        kinds = sorted({str(d.get("kind")) for d in r.diagnoses})
-        if kinds:
-            parts.append("diagnoses: " + ", ".join(kinds))
+        parts += parting_summary(r.first("first_divergence"), r.diagnoses)
         return "; ".join(parts) or "tokens differ"
+
+
+def parting_summary(first_divergence: dict | None, diagnoses: list) -> list[str]:
+    """Where two runs part beyond tolerance and what was diagnosed there, as parts of a summary line."""
+    parts = []
+    if first_divergence:
+        parts.append(f"first divergence at layer {first_divergence['layer']} position {first_divergence['position']} "
+                     f"{first_divergence['tensor']}")
+    kinds = sorted({str(d.get("kind")) for d in diagnoses if isinstance(d, dict)})
+    if kinds:
+        parts.append("diagnoses: " + ", ".join(kinds))
+    return parts
 
 
 def compare(
