@@ -210,7 +210,7 @@ def test_a_gate_case_against_the_reference_fails_on_a_bug_in_every_engine_run(tm
     passes (the gate is about the cache path), and the case with `against_reference` fails, saying
     where the engine parts from kvdiff's reference."""
     _in_every_run(monkeypatch, lambda target: _o_proj_scaled(target, 4.0))
-    case = ('engine = "transformers"\nmodel = "tiny-llama"\nmax_new_tokens = 6\n'
+    case = ('engine = "transformers"\nmodel = "tiny-llama"\nmax_new_tokens = 4\ntrace_mode = "full"\n'
             'system = "You are a helpful assistant. Always answer in French."\n'
             'prompt = "What is the capital of France?"\n')
     cases = tmp_path / "cases.toml"
