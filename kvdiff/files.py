@@ -3,12 +3,13 @@ rename), and to stdout, pipes and terminals as they are."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from kvdiff.errors import InputError, KvdiffError
 
@@ -19,6 +20,30 @@ def stdout_gone() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
+
+
+@contextlib.contextmanager
+def stderr_silenced(silence: bool = True) -> Iterator[None]:
+    """While the block runs (where `silence`), what native code writes to stderr (file descriptor 2)
+    goes to /dev/null: an engine's C++ extension warns there, past Python's logging and warnings.
+    Exceptions still carry their messages. Where fd 2 cannot be duplicated, nothing changes."""
+    try:
+        saved = os.dup(2) if silence else None
+    except OSError:
+        saved = None
+    if saved is None:
+        yield
+        return
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def is_stdout(path: str | os.PathLike[str]) -> bool:

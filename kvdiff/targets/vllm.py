@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from kvdiff.errors import InputError, KvdiffError
+from kvdiff.files import stderr_silenced
 from kvdiff.targets.protocol import TargetInfo, TargetRun
 from kvdiff.trace.points import ALL_POINTS, LAYER_POINTS
 from kvdiff.trace.sink import ProbeSink, Provenance
@@ -231,11 +232,12 @@ class VllmTarget:
             except ImportError as exc:
                 raise InputError(f"vLLM is not installed: {INSTALL_HINT}") from exc
             try:
-                self.llm = vllm.LLM(model=str(folder), dtype="float32", enforce_eager=True,
-                                    enable_prefix_caching=True, block_size=block_size,
-                                    kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len,
-                                    max_num_batched_tokens=max_model_len, max_num_seqs=4, async_scheduling=False,
-                                    use_tqdm_on_load=chatty)
+                with stderr_silenced(not chatty):        # its CPU worker's C++ warnings (NUMA binding)
+                    self.llm = vllm.LLM(model=str(folder), dtype="float32", enforce_eager=True,
+                                        enable_prefix_caching=True, block_size=block_size,
+                                        kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len,
+                                        max_num_batched_tokens=max_model_len, max_num_seqs=4,
+                                        async_scheduling=False, use_tqdm_on_load=chatty)
                 self.runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
             except Exception as exc:
                 raise KvdiffError(f"vLLM failed: {exc}") from exc
