@@ -56,17 +56,21 @@ def _write_float32(source: Path, dest: Path) -> None:
             kind = field.types[0]
             writer.add_key_value(field.name, field.contents(), kind,
                                  sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-    for tensor in reader.tensors:
+    float32 = np.dtype(np.float32)
+    for tensor in reader.tensors:           # ggml's dimensions are numpy's reversed
+        writer.add_tensor_info(tensor.name, [int(n) for n in reversed(tensor.shape)], float32,
+                               4 * int(tensor.n_elements))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in reader.tensors:           # one tensor in memory at a time (an 8B model's are ~32 GB)
         try:
             weights = gguf.dequantize(tensor.data, tensor.tensor_type)
         except (NotImplementedError, ValueError) as exc:
             raise ModelLoadError(f"cannot make a float32 copy of {source.name}: its tensor {tensor.name} of type "
                                  f"{tensor.tensor_type.name} does not dequantize ({exc}); run --engine-weights native "
                                  "to test the GGUF as it is") from exc
-        writer.add_tensor(tensor.name, np.ascontiguousarray(weights, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+        writer.write_tensor_data(np.ascontiguousarray(weights, dtype=float32))
     writer.close()
 
 
