@@ -108,18 +108,22 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
     def same_forward(a: int, b: int) -> bool:
         return same_forward_at(int(positions[a]), int(positions[b]))
 
-    ends: list[int] = []                   # one past the last column of a forward already walked
+    ends: set[int] = set()                 # one past the last column of a forward already walked
+    reach: dict[int, int] = {}             # column -> forward_end(column): each row's hypothesis asks again
 
     def forward_end(col: int) -> int:
         """One past the last column of `col`'s forward, over consecutive positions (at least col + 1);
         UNRECORDED where the forward goes on past the recorded columns (a zoom window's end)."""
+        if col in reach:
+            return reach[col]
         end = next((e for e in ends if e > col and same_forward(col, e - 1)), col + 1)
         while end < positions.size and positions[end] == positions[end - 1] + 1 and same_forward(col, end):
             end += 1
-        ends.append(end)
+        ends.add(end)
         after = int(positions[end - 1]) + 1
         recorded = end < positions.size and positions[end] == after
-        return UNRECORDED if not recorded and same_forward_at(int(positions[col]), after) else end
+        reach[col] = UNRECORDED if not recorded and same_forward_at(int(positions[col]), after) else end
+        return reach[col]
 
     family = hypotheses(first, starts + [s - 1 for s in starts], chunk_start, same_forward, forward_end)
     scores, owner = [], {}
