@@ -344,3 +344,12 @@ class LentTarget:
 
     def close(self):
         pass
+
+
+def lent_open_target(target, weights: str = "float32"):
+    """A stand-in for `open_target` that lends `target` to one `compare --engine` run, and checks that
+    the run asked for the weights it runs."""
+    def open_target(name, model, tokenizer, asked):
+        assert str(asked) == weights, f"the run asked for {asked} weights, the lent engine runs {weights}"
+        return LentTarget(target)
+    return open_target

@@ -24,12 +24,11 @@ import kvdiff  # noqa: E402
 from kvdiff.conversation import render_prompt_ids  # noqa: E402
 from kvdiff.engine.loading import default_gguf_path  # noqa: E402
 from kvdiff.errors import InputError, KvdiffError  # noqa: E402
-from kvdiff.options import EngineWeights  # noqa: E402
 from kvdiff.probes.recorder import TraceRecorder  # noqa: E402
 from kvdiff.targets.gguf_float import float32_gguf  # noqa: E402
 from kvdiff.targets.llamacpp import LlamaCppTarget  # noqa: E402
 from kvdiff.trace import open_trace  # noqa: E402
-from conftest import LentTarget  # noqa: E402
+from conftest import lent_open_target  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
@@ -244,14 +243,6 @@ def _rerotated(target, offset: int, applies, base: float | None = None):
     return shift
 
 
-def _lent(targets: dict):
-    """open_target for one compare run: the module's engine for the weights the run asks for."""
-    def open_target(name, model, tokenizer, weights):
-        assert weights in targets, f"the run asked for {weights} weights"
-        return LentTarget(targets[weights])
-    return open_target
-
-
 @pytest.mark.parametrize("base", [None, 20000.0])
 def test_rope_of_another_base_in_every_run_is_named_against_the_reference(native, hf, gguf, monkeypatch, tmp_path,
                                                                           base):
@@ -268,7 +259,7 @@ def test_rope_of_another_base_in_every_run_is_named_against_the_reference(native
     from kvdiff.run.compare import compare
     from kvdiff.run.model_cache import ModelKey
 
-    monkeypatch.setattr(engine_compare, "open_target", _lent({EngineWeights.NATIVE: native}))
+    monkeypatch.setattr(engine_compare, "open_target", lent_open_target(native, "native"))
     if base is not None:
         native.taps.append(_rerotated(native, 0, lambda pos: pos >= 0, base))
     result = compare(PROMPT, engine="llama.cpp", model=str(gguf), warm=PRIMER, max_new_tokens=NEW,
@@ -327,7 +318,7 @@ def test_a_bug_in_every_float32_run_is_diagnosed_against_the_reference(target, h
     from kvdiff.run.compare import compare
     from kvdiff.run.model_cache import ModelKey
 
-    monkeypatch.setattr(engine_compare, "open_target", _lent({EngineWeights.FLOAT32: target}))
+    monkeypatch.setattr(engine_compare, "open_target", lent_open_target(target))
     plant = {"v scaled": _scaled("Vcur-1", 1.01), "rope base": _rerotated(target, 0, lambda pos: pos >= 0, 20000.0)}
     if bug in plant:
         target.taps.append(plant[bug])

@@ -20,7 +20,7 @@ from kvdiff.conversation import render_prompt_ids  # noqa: E402
 from kvdiff.errors import InputError, KvdiffError  # noqa: E402
 from kvdiff.probes.recorder import TraceRecorder  # noqa: E402
 from kvdiff.trace import open_trace  # noqa: E402
-from conftest import LentTarget, vllm_tiny_llama  # noqa: E402
+from conftest import lent_open_target, vllm_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
@@ -291,7 +291,7 @@ def test_a_bug_in_every_run_is_diagnosed_against_the_reference(target, folder, h
     from kvdiff.run.model_cache import ModelKey
 
     plant, operation, layer, kind, check = EVERY_RUN[bug]
-    monkeypatch.setattr(engine_compare, "open_target", lambda name, model, tokenizer, weights: LentTarget(target))
+    monkeypatch.setattr(engine_compare, "open_target", lent_open_target(target))
     undo = plant(target)
     try:
         result = compare(PROMPT, engine="vllm", model=str(folder), warm=PRIMER, max_new_tokens=NEW,
