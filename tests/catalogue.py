@@ -345,6 +345,16 @@ CASES: list[Case] = [
          "RoPE scaling changed: attention_scaling 1.1 on cos/sin", "rotary_emb.attention_scaling = 1.1",
          (p("set_attr", module="model.rotary_emb", name="attention_scaling", value=1.1),), "cold",
          ROPE_QK, 0, "0", (), NONE3),
+    Case("cb-llama-rope-interleaved", "tiny-llama", CB,
+         "RoPE in the interleaved convention (dims 2i, 2i+1 paired) where the model pairs i with i + d/2",
+         "apply_rotary_pos_emb: GPT-J's interleaved pairs", (p("rope_interleaved"),), "cold", ROPE_QK, 0, "1",
+         (want("rope_mismatch", first="1", convention="interleaved", layer=0),), NONE3),
+    Case("cb-qwen2-kv-heads-tiled", "tiny-qwen2", CB,
+         "query head h reads KV head h mod 2 (KV heads tiled) where the model groups them (h // 2)",
+         "sdpa repeat_kv: hidden.repeat instead of repeat_interleave", (p("kv_heads_tiled"),), "cold",
+         ATTENTION, 0, "0",
+         (want("attention_mismatch", first="0", explanation="kv heads", kv_head_of_query_head=[0, 1, 0, 1],
+               layer=0),), NONE3),
     Case("cb-qwen2-attn-scaling", "tiny-qwen2", CB,
          "attention scale wrong (x1.25)", "self_attn.scaling x 1.25 at every layer",
          (p("set_attr", module="model.layers.{i}.self_attn", name="scaling", factor=1.25),), "cold",
@@ -438,6 +448,11 @@ CASES: list[Case] = [
     Case("vllm-llama64-rope-linear-scaling", VLLM_ARCH, VLLM,
          "RoPE linear scaling factor 2 added", "rotary_emb cos_sin_cache of positions p/2 during the run",
          (p("vllm_rope_freq", factor=2.0),), "cold", ROPE_QK, 0, "1", (), (MC, CC), (HALVED,)),
+    Case("vllm-llama64-rope-interleaved", VLLM_ARCH, VLLM,
+         "RoPE in the interleaved convention (dims 2i, 2i+1 paired) where the model pairs i with i + d/2",
+         "rotary_emb.is_neox_style = False", (p("vllm_set_attr", module="model.layers.{i}.self_attn.rotary_emb",
+                                                name="is_neox_style", value=False),), "cold", ROPE_QK, 0, "1",
+         (want("rope_mismatch", first="1", convention="interleaved", layer=0),), NONE3),
     Case("vllm-llama64-decode-off-by-one", VLLM_ARCH, VLLM,
          "decode positions off by one", "rotary_emb pre-hook: positions >= P + 1",
          (p("vllm_rope_shift", offset=1, lo="P"),), "cold", ROPE_QK, 0, "P",
@@ -811,13 +826,46 @@ def plant_rope_freq(ctx: Ctx, base: float | None = None, factor: float | None = 
     return lambda: buf.copy_(old)
 
 
+def _interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated with dims 2i and 2i+1 as a pair (GPT-J's convention) by the angles transformers'
+    cos/sin (rotate_half's layout: each angle twice) give pair i."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
+
+
+def plant_rope_interleaved(ctx: Ctx) -> Undo:
+    """The transformers model's RoPE in the interleaved convention (dims 2i, 2i+1 rotated together)
+    where the model pairs dim i with i + d/2 (rotate_half)."""
+    module = sys.modules[type(ctx.model.model.layers[0].self_attn).__module__]
+    old = module.apply_rotary_pos_emb
+
+    def interleaved(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return _interleaved_rope(q, cos, sin).to(q.dtype), _interleaved_rope(k, cos, sin).to(k.dtype)
+
+    module.apply_rotary_pos_emb = interleaved
+    return lambda: setattr(module, "apply_rotary_pos_emb", old)
+
+
+def plant_kv_heads_tiled(ctx: Ctx) -> Undo:
+    """transformers' SDPA attention with query head h reading KV head h mod KV heads (the KV heads
+    tiled) where the model gives each KV head a run of consecutive query heads (h // group)."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    old = sdpa.repeat_kv
+    sdpa.repeat_kv = lambda hidden, n_rep: hidden if n_rep == 1 else hidden.repeat(1, n_rep, 1, 1)
+    return lambda: setattr(sdpa, "repeat_kv", old)
+
+
 def plant_set_attr(ctx: Ctx, module: str, name: str, value: Any = None, factor: float | None = None) -> Undo:
     undos = []
     for m in ctx.modules(module):
         old = getattr(m, name)
         undos.append(lambda m=m, old=old: setattr(m, name, old))
         setattr(m, name, old * factor if factor is not None else value)
-    return lambda: [u() for u in undos]
+    return lambda: [u() for u in reversed(undos)]     # a module shared by layers gets its first value back
 
 
 def plant_adapter_scale(ctx: Ctx, name: str, factor: float) -> Undo:
@@ -1017,7 +1065,7 @@ def plant_vllm_set_attr(ctx: Ctx, module: str, name: str, value: Any) -> Undo:
     for m in ctx.vllm_modules(module):
         undos.append(lambda m=m, old=getattr(m, name): setattr(m, name, old))
         setattr(m, name, value)
-    return lambda: [u() for u in undos]
+    return lambda: [u() for u in reversed(undos)]     # a module shared by layers gets its first value back
 
 
 def plant_vllm_rope_freq(ctx: Ctx, base: float | None = None, factor: float | None = None) -> Undo:
@@ -1055,7 +1103,8 @@ PLANTS: dict[str, Callable[..., Undo]] = {
     "scale_output": plant_scale_output, "drop_residual": plant_drop_residual, "mask": plant_mask,
     "cache_copy": plant_cache_copy, "cache_layer_copy": plant_cache_layer_copy, "cache_zero": plant_cache_zero,
     "cache_unrotate_k": plant_cache_unrotate_k, "cache_swap_heads": plant_cache_swap_heads,
-    "cache_round_v": plant_cache_round_v,
+    "cache_round_v": plant_cache_round_v, "rope_interleaved": plant_rope_interleaved,
+    "kv_heads_tiled": plant_kv_heads_tiled,
 }
 
 

@@ -39,13 +39,14 @@ class Hypothesis:
     where the hypothesis reads further), and a scale factor."""
 
     name: str                                  # "standard", "hidden", "scale", "next key", "chunk alone",
-                                               # "not causal", "window"
+                                               # "not causal", "window", "kv heads"
     text: str                                  # in words, for the evidence
     visible: Callable[[int, int], np.ndarray]
     scale: float = 1.0
     hidden: tuple[int, int] | None = None      # the hidden key span, where one span for every row
     reach: Callable[[int], int] | None = None  # key rows read at a row, where more than the test's n_keys
     window: int | None = None                  # a sliding window: the keys a row sees, its own included
+    kv_heads: tuple[int, ...] | None = None    # the KV head each query head reads, where not the model's groups
 
 
 @dataclass
@@ -69,29 +70,35 @@ class AttentionRows:
     def dims(self) -> tuple[int, int, int]:
         return self.q.shape[1], self.k.shape[1], self.q.shape[2]
 
-    def raw_scores(self, row: int, n_keys: int) -> np.ndarray:
+    def groups(self, kv_heads: tuple[int, ...] | None = None) -> list[tuple[int, np.ndarray]]:
+        """(KV head, the query heads reading it): the model's consecutive groups, or `kv_heads`' map."""
+        heads, kv, _ = self.dims
+        per = heads // kv
+        if kv_heads is None:
+            return [(g, np.arange(g * per, (g + 1) * per)) for g in range(kv)]
+        return [(g, np.flatnonzero(np.asarray(kv_heads) == g)) for g in range(kv)]
+
+    def raw_scores(self, row: int, n_keys: int, kv_heads: tuple[int, ...] | None = None) -> np.ndarray:
         """q k^T of `row` against key rows 0..n_keys-1, per head, unscaled, float64 (heads, n_keys).
         One kv group at a time, from the float32 rows: no copy of the keys (memory stays flat)."""
-        heads, kv, d = self.dims
-        per = heads // kv
-        out = np.empty((heads, n_keys))
-        for g in range(kv):
-            q = self.q[row, g * per:(g + 1) * per].astype(np.float64)
-            out[g * per:(g + 1) * per] = q @ self.k[:n_keys, g, :].T.astype(np.float64, copy=False)
+        out = np.empty((self.dims[0], n_keys))
+        for g, heads in self.groups(kv_heads):
+            q = self.q[row, heads].astype(np.float64)
+            out[heads] = q @ self.k[:n_keys, g, :].T.astype(np.float64, copy=False)
         return out
 
-    def attend(self, row: int, raw: np.ndarray, visible: np.ndarray, scale: float) -> np.ndarray:
+    def attend(self, row: int, raw: np.ndarray, visible: np.ndarray, scale: float,
+               kv_heads: tuple[int, ...] | None = None) -> np.ndarray:
         """Softmax over the visible keys, times v: the attention output before o_proj, (heads * dv,)."""
-        heads, kv, d = self.q.shape[1], self.k.shape[1], self.v.shape[2]
-        per, n = heads // kv, raw.shape[1]
+        heads, d, n = self.q.shape[1], self.v.shape[2], raw.shape[1]
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             s = np.where(visible[None, :], raw * (self.scale * scale), -np.inf)
             s -= s.max(axis=1, keepdims=True)
             w = np.exp(s)
             w /= w.sum(axis=1, keepdims=True)
             z = np.empty((heads, d))
-            for g in range(kv):
-                z[g * per:(g + 1) * per] = w[g * per:(g + 1) * per] @ self.v[:n, g, :].astype(np.float64, copy=False)
+            for g, group in self.groups(kv_heads):
+                z[group] = w[group] @ self.v[:n, g, :].astype(np.float64, copy=False)
         return z.reshape(heads * d)
 
 
@@ -149,10 +156,10 @@ class AttentionTest:
         """The same test (o_proj fit, q k^T computed so far) on other candidate rows (at most `most`)."""
         return AttentionTest(self.ref, self.cand, cap_rows(rows, most), self.fit, self.raw)
 
-    def scores(self, row: int, n_keys: int) -> np.ndarray:
-        if (row, n_keys) not in self.raw:
-            self.raw[row, n_keys] = self.cand.raw_scores(row, n_keys).astype(np.float32)
-        return self.raw[row, n_keys].astype(np.float64)
+    def scores(self, row: int, n_keys: int, kv_heads: tuple[int, ...] | None = None) -> np.ndarray:
+        if (row, n_keys, kv_heads) not in self.raw:
+            self.raw[row, n_keys, kv_heads] = self.cand.raw_scores(row, n_keys, kv_heads).astype(np.float32)
+        return self.raw[row, n_keys, kv_heads].astype(np.float64)
 
     def n_keys(self, row: int, h: Hypothesis | None = None) -> int:
         """Key rows `h` reads at `row`: up to the next recorded one, or its own reach."""
@@ -164,7 +171,7 @@ class AttentionTest:
         keys = [self.n_keys(r, h) for r in self.rows]
         if max(keys) > self.cand.k.shape[0]:
             return np.full((self.rows.size, self.cand.q.shape[1] * self.cand.v.shape[2]), np.nan)
-        return np.stack([self.cand.attend(r, self.scores(r, n), h.visible(r, n), h.scale)
+        return np.stack([self.cand.attend(r, self.scores(r, n, h.kv_heads), h.visible(r, n), h.scale, h.kv_heads)
                          for r, n in zip(self.rows, keys)])
 
     def score(self, h: Hypothesis) -> Score:
@@ -209,10 +216,12 @@ def key_candidates(first: int, extra: list[int]) -> list[int]:
 
 
 def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], int | None],
-               same_forward: Callable[[int, int], bool], forward_end: Callable[[int], int]) -> list[Hypothesis]:
+               same_forward: Callable[[int, int], bool], forward_end: Callable[[int], int],
+               heads: tuple[int, int] = (1, 1)) -> list[Hypothesis]:
     """Every hypothesis but the scale family: the reference's attention, hidden keys (one key, spans
     ending before the first tested row, spans from 0), each row's chunk alone, the next key visible,
-    every later key of the row's forward visible (`forward_end(row)`: one past its forward's last row)."""
+    every later key of the row's forward visible (`forward_end(row)`: one past its forward's last row),
+    sliding windows, and (`heads`: query and KV heads) the KV heads tiled over the query heads."""
     out = [Hypothesis("standard", "every earlier position attended, as the reference does", causal)]
     keys = key_candidates(first, boundaries)
     spans = {(j, j) for j in keys} | {(a, first - 1) for a in keys} | {(0, b) for b in keys}
@@ -239,6 +248,11 @@ def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], i
     for w in window_candidates(first):
         out.append(Hypothesis("window", f"each row attending only its own and the {w - 1} positions before it (a "
                               f"sliding window of {w})", sliding_window(w), window=w))
+    query, kv = heads
+    if 1 < kv < query:
+        out.append(Hypothesis("kv heads", f"query head h reading KV head h mod {kv} (the KV heads tiled) where the "
+                              f"model gives each KV head {query // kv} consecutive query heads", causal,
+                              kv_heads=tuple(h % kv for h in range(query))))
     return out
 
 

@@ -21,7 +21,7 @@ from kvdiff.analysis.diagnosis import DiagnosisInputs, fmt
 # an explanation leaves at most EXPLAINS of the change in attn_out unexplained (contradictions.py refutes more)
 MARGIN = 0.5        # and at most this share of what the next-best explanation leaves,
 NESTED_MARGIN = 0.8  # or, where that one hides an overlapping span (one key more or less at an end), this
-_PREFER = ("standard", "hidden", "scale", "next key", "chunk alone", "not causal", "window")
+_PREFER = ("standard", "hidden", "scale", "next key", "chunk alone", "not causal", "window", "kv heads")
 
 
 def _nested(a: Score, b: Score) -> bool:
@@ -125,7 +125,8 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
         reach[col] = UNRECORDED if not recorded and same_forward_at(int(positions[col]), after) else end
         return reach[col]
 
-    family = hypotheses(first, starts + [s - 1 for s in starts], chunk_start, same_forward, forward_end)
+    family = hypotheses(first, starts + [s - 1 for s in starts], chunk_start, same_forward, forward_end,
+                        tests[0][0].cand.dims[:2])
     scores, owner = [], {}
     for test, note in tests:
         found = [test.score(replace(h, text=h.text + note)) for h in finalists(test, family)]

@@ -11,7 +11,10 @@ own k_pre_rope where it computed the row, the reference's where it read it from 
   even positions p exactly as p/2);
 - rotations with every pair magnitude times one factor, at positions the candidate computed:
   rope_mismatch (RoPE's cos/sin scaled). Read from a cache, scaled or other content is
-  cache_content_mismatch's (diagnose_cache).
+  cache_content_mismatch's (diagnose_cache);
+- computed rows that are no rotation of the reference's pairs (i, i + d/2) but, every one of them,
+  an exact rotation of the interleaved pairs (2i, 2i+1) to the expected position with the
+  reference's frequencies: rope_mismatch, RoPE's pairing convention (`convention`).
 """
 
 from __future__ import annotations
@@ -158,5 +161,36 @@ def diagnose_position_mismatch(inputs: DiagnosisInputs) -> list[Diagnosis]:
         out += _scaled(inputs, scaled)
     other = keys.where((keys.kind == CONTENT) & ~keys.cached)
     if other.cols.size:
-        log.debug("k differs from a rotation of k_pre_rope at %d computed rows", other.cols.size)
+        out += _convention(inputs, other)
+    return out
+
+
+def _convention(inputs: DiagnosisInputs, other: KeyRows) -> list[Diagnosis]:
+    """Computed rows whose k is no rotate_half rotation of k_pre_rope: where every one of them is
+    k_pre_rope rotated with interleaved pairs (2i, 2i+1) to its expected position, with the
+    reference's frequencies, RoPE ran in the other pairing convention."""
+    positions, layer = inputs.comparison.alignment.positions, inputs.first_layer
+    alt = inputs.interleaved_keys(other.cols)
+    expected = positions[alt.cols]
+    if not ((alt.kind == ROTATION) & alt.exact & (alt.encoded == expected)).all():
+        log.debug("k differs from a rotation of k_pre_rope at %d computed rows, in either pairing", other.cols.size)
+        return []
+    quality = float(alt.quality.min())
+    proof = (f"k = k_pre_rope rotated with pairs (2i, 2i+1) at all {alt.cols.size} rows that are no rotation of "
+             f"pairs (i, i + d/2) (largest pair magnitude change there {fmt(float(other.magnitude_rel.max()))} of the "
+             f"row's largest): magnitudes equal, angles fitting the expected positions with the reference's "
+             f"frequencies (fit quality >= {fmt(quality)}; exact from {fmt(alt.threshold)})")
+    out = []
+    for chunk, group in group_by_chunk(inputs, expected):
+        gcols = alt.cols[np.isin(expected, group)]
+        lo, hi = int(group[0]), int(group[-1])
+        _, k_rel = inputs.worst("k", 0, gcols)
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)}: {_same(inputs, alt, gcols)} while k after RoPE "
+                    f"differs (rel {fmt(k_rel)}): k is k_pre_rope rotated to the expected positions with the "
+                    f"reference's frequencies, but with dims 2i and 2i+1 as a pair (the interleaved, GPT-J "
+                    f"convention) where the reference pairs dim i with i + d/2 (rotate_half, the NeoX convention): "
+                    f"RoPE's pairing convention differs")
+        out.append(Diagnosis("rope_mismatch", chunk, (lo, hi), evidence, {
+            "layer": layer, "convention": "interleaved", "reference_convention": "rotate_half",
+            "expected_positions": [lo, hi], "fit_quality": quality}, confidence=quality, proof=proof))
     return out

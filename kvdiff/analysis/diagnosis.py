@@ -10,7 +10,7 @@ import numpy as np
 
 from kvdiff.analysis.chunks import ChunkLookup
 from kvdiff.analysis.compare import Comparison, PointMap
-from kvdiff.analysis.keys import KeyRows, key_rows, rope_scale
+from kvdiff.analysis.keys import KeyRows, interleaved, key_rows, rope_scale
 from kvdiff.analysis.rope import estimate_thetas
 from kvdiff.analysis.tolerance import Tier
 from kvdiff.trace import TraceReader
@@ -115,12 +115,25 @@ class DiagnosisInputs:
             return None
         cached = al.kv_only & (v_ok if v_ok is not None else False)
         cols = np.flatnonzero((al.computed | cached) & k_bad & al.comparable)
+        return self._key_rows(cols, al.kv_only[cols])
+
+    def interleaved_keys(self, cols: np.ndarray) -> KeyRows:
+        """`keys`' columns `cols` classified again with RoPE's pairs taken as interleaved, (2i, 2i+1)
+        (GPT-J's convention), where the reference pairs (i, i + d/2); the same frequencies."""
+        return self._key_rows(cols, self.keys.cached[np.isin(self.keys.cols, cols)], interleaved)
+
+    def _key_rows(self, cols: np.ndarray, cached: np.ndarray, pairing=None) -> KeyRows:
+        """The first layer's k at `cols` against the content it rotates (keys.key_rows), the last
+        dimension reordered by `pairing` first where given."""
+        layer, al = self.first_layer, self.comparison.alignment
         tol = self.comparison.tolerances.for_point("k")
-        horizon = 2 * int(al.positions.max()) + 64
         (k_pre, _), (k_ref, k_cand) = self.rows(layer, "k_pre_rope"), self.rows(layer, "k")
         scale = rope_scale(k_pre[al.comparable], k_ref[al.comparable])
-        return key_rows(self.key_content, k_cand, cols, al.kv_only[cols], self.thetas, horizon, tol.atol, tol.rtol,
-                        (self.reference.meta.dtype, self.candidate.meta.dtype), scale)
+        content = self.key_content
+        if pairing is not None:
+            content, k_cand = pairing(content), pairing(k_cand)
+        return key_rows(content, k_cand, cols, cached, self.thetas, 2 * int(al.positions.max()) + 64, tol.atol,
+                        tol.rtol, (self.reference.meta.dtype, self.candidate.meta.dtype), scale)
 
     def ok(self, point: str, row: int) -> np.ndarray | None:
         """Bool per aligned position: `point` at layer row `row` is bitwise or noise (None if not recorded)."""

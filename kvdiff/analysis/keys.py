@@ -80,6 +80,12 @@ def rope_scale(k_pre: np.ndarray, k: np.ndarray) -> float:
     return float(np.median(factor)) if factor.size else 1.0
 
 
+def interleaved(x: np.ndarray) -> np.ndarray:
+    """(..., d) with the interleaved pairs (2i, 2i+1) moved to (i, i + d/2): the rotate_half analysis
+    of the result is the analysis of RoPE in the interleaved (GPT-J) convention."""
+    return np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
 def key_rows(k_pre_ref: np.ndarray, k_cand: np.ndarray, cols: np.ndarray, cached: np.ndarray, thetas: np.ndarray | None,
              horizon: int, atol: float, rtol: float, dtypes: tuple[str, ...], scale: float = 1.0) -> KeyRows:
     kind, factor, rel = classify(k_pre_ref[cols], k_cand[cols], atol, rtol, scale)
