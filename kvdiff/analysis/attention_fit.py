@@ -73,9 +73,8 @@ class AttentionRows:
     def groups(self, kv_heads: tuple[int, ...] | None = None) -> list[tuple[int, np.ndarray]]:
         """(KV head, the query heads reading it): the model's consecutive groups, or `kv_heads`' map."""
         heads, kv, _ = self.dims
-        per = heads // kv
         if kv_heads is None:
-            return [(g, np.arange(g * per, (g + 1) * per)) for g in range(kv)]
+            return [(g, np.arange(g * (heads // kv), (g + 1) * (heads // kv))) for g in range(kv)]
         return [(g, np.flatnonzero(np.asarray(kv_heads) == g)) for g in range(kv)]
 
     def raw_scores(self, row: int, n_keys: int, kv_heads: tuple[int, ...] | None = None) -> np.ndarray:
