@@ -355,6 +355,14 @@ CASES: list[Case] = [
          ATTENTION, 0, "0",
          (want("attention_mismatch", first="0", explanation="kv heads", kv_head_of_query_head=[0, 1, 0, 1],
                layer=0),), NONE3),
+    Case("cb-llama-norm-one-plus-weight", "tiny-llama", CB,
+         "attention norm at layer 0 scales by (1 + weight), Gemma's form (weight and eps as declared)",
+         "input_layernorm.forward: (1 + w) * x / rms", (p("norm_one_plus_weight", module="model.layers.0.input_layernorm"),),
+         "cold", "attention norm", 0, "0",
+         (want(NC, source="norm", candidate_form={"form": "one plus weight", "value": None}),), NONE3),
+    Case("cb-qwen3-final-norm-skipped", "tiny-qwen3", CB,
+         "the final norm skipped", "model.norm returns its input", (p("skip", module="model.norm"),), "cold",
+         "final norm", None, "0", (want(NC, source="norm", candidate_form={"form": "skipped", "value": None}),), NONE3),
     Case("cb-qwen2-attn-scaling", "tiny-qwen2", CB,
          "attention scale wrong (x1.25)", "self_attn.scaling x 1.25 at every layer",
          (p("set_attr", module="model.layers.{i}.self_attn", name="scaling", factor=1.25),), "cold",
@@ -898,6 +906,22 @@ def plant_skip(ctx: Ctx, module: str) -> Undo:
     return _hooks([m.register_forward_hook(lambda mod, args, out: args[0]) for m in ctx.modules(module)])
 
 
+def plant_norm_one_plus_weight(ctx: Ctx, module: str) -> Undo:
+    """The RMSNorm scales by (1 + weight), Gemma's form, with its weight and eps as declared."""
+    def forward(norm):
+        def run(x):
+            xf = x.float()
+            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+            return ((1.0 + norm.weight.float()) * normed).to(x.dtype)
+        return run
+
+    undos = []
+    for m in ctx.modules(module):
+        undos.append(_restore_attr(m, "forward"))
+        m.forward = forward(m)
+    return lambda: [u() for u in undos]
+
+
 def plant_scale_output(ctx: Ctx, module: str, factor: float) -> Undo:
     return _hooks([m.register_forward_hook(lambda mod, args, out: out * factor) for m in ctx.modules(module)])
 
@@ -1104,7 +1128,7 @@ PLANTS: dict[str, Callable[..., Undo]] = {
     "cache_copy": plant_cache_copy, "cache_layer_copy": plant_cache_layer_copy, "cache_zero": plant_cache_zero,
     "cache_unrotate_k": plant_cache_unrotate_k, "cache_swap_heads": plant_cache_swap_heads,
     "cache_round_v": plant_cache_round_v, "rope_interleaved": plant_rope_interleaved,
-    "kv_heads_tiled": plant_kv_heads_tiled,
+    "kv_heads_tiled": plant_kv_heads_tiled, "norm_one_plus_weight": plant_norm_one_plus_weight,
 }
 
 

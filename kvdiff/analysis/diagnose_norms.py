@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, span_text
+from kvdiff.analysis.norm_fit import candidate_form, declared_difference
 from kvdiff.analysis.norms import NormCheck
 from kvdiff.analysis.tolerance import Tier
+from kvdiff.errors import TraceError
 
 
 def _where(check: NormCheck) -> str:
@@ -57,6 +59,18 @@ def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
             c, col = bad
             parts.append(f"the {name}'s {_where(c)} does NOT match its recomputation at position {int(positions[col])}: "
                          f"the norm itself (weight, eps or kernel) is wrong there")
+    form = None
+    if bad_cand is not None:
+        c = bad_cand[0]
+        form = candidate_form(inputs.candidate, cmp.alignment, c, np.flatnonzero(~c.cand_consistent & comparable),
+                              cmp.tolerances)
+        if form is not None:
+            parts.append(f"its rows there are {form.text} (every tested row within the recomputation's tolerance, "
+                         f"rel up to {fmt(form.rel)})")
+    declared = _declared(inputs, checks)
+    if declared is not None:
+        parts.append(f"the candidate's trace declares another {_where(declared[0])} than the reference's: "
+                     f"{declared[1]}")
     if n_differ:
         first_c, first_d = next((c, d) for c, d in differ if d.any())
         cols = np.flatnonzero(first_d)
@@ -92,4 +106,21 @@ def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
         "source": source, "stat_differences": n_differ, "explained_by_inputs": from_inputs,
         "explained_by_input_rounding": from_rounding,
         "candidate_inconsistent": None if bad_cand is None else {"layer": bad_cand[0].layer, "norm": bad_cand[0].norm,
-                                                                 "position": int(positions[bad_cand[1]])}})]
+                                                                 "position": int(positions[bad_cand[1]])},
+        "candidate_form": None if form is None else {"form": form.form, "value": form.value},
+        "declared_difference": None if declared is None else {"layer": declared[0].layer, "norm": declared[0].norm,
+                                                              "difference": declared[1]}})]
+
+
+def _declared(inputs: DiagnosisInputs, checks: list[NormCheck]) -> tuple[NormCheck, str] | None:
+    """The first norm whose weight or eps the two traces declare differently, and how."""
+    for c in checks:
+        if c.same_norm is False:
+            try:
+                text = declared_difference(inputs.reference.norm_weight(c.layer, c.norm),
+                                           inputs.candidate.norm_weight(c.layer, c.norm))
+            except TraceError:
+                continue
+            if text:
+                return c, text
+    return None
