@@ -175,6 +175,16 @@ def _positions_halved(report: dict, names: dict) -> str | None:
 NOT_FROM_NORMS = Check("any norm_consistency says source inputs", _norm_from_inputs)
 NO_STALE = Check("no evidence names a wrong slot or stale entry", _no_stale_words)
 HALVED = Check("a position_mismatch, if any, gives encoded positions p/2", _positions_halved)
+
+
+def output_factor(value: float) -> Check:
+    """The operation_mismatch's `output_factor` is `value` (to 1e-4 of it)."""
+    def check(report: dict, names: dict) -> str | None:
+        found = [d.get("output_factor") for d in report["diagnoses"] if d["kind"] == "operation_mismatch"]
+        if any(f is not None and abs(f - value) <= 1e-4 * abs(value) for f in found):
+            return None
+        return f"no operation_mismatch with output_factor {value} (found {found})"
+    return Check(f"the operation_mismatch gives output_factor {value}", check)
 NONE3 = (PM, MC, CC)
 
 
@@ -363,6 +373,10 @@ CASES: list[Case] = [
     Case("cb-qwen3-final-norm-skipped", "tiny-qwen3", CB,
          "the final norm skipped", "model.norm returns its input", (p("skip", module="model.norm"),), "cold",
          "final norm", None, "0", (want(NC, source="norm", candidate_form={"form": "skipped", "value": None}),), NONE3),
+    Case("cb-llama-embed-scaled", "tiny-llama", CB,
+         "token embeddings scaled by 1.5 (a normalizer the model does not have)", "embed_tokens output x 1.5",
+         (p("scale_output", module="model.embed_tokens", factor=1.5),), "cold", "embedding", 0, "0",
+         (want("operation_mismatch", first="0"),), NONE3, (output_factor(1.5),)),
     Case("cb-qwen2-attn-scaling", "tiny-qwen2", CB,
          "attention scale wrong (x1.25)", "self_attn.scaling x 1.25 at every layer",
          (p("set_attr", module="model.layers.{i}.self_attn", name="scaling", factor=1.25),), "cold",
@@ -377,10 +391,12 @@ CASES: list[Case] = [
          (), NONE3),
     Case("cb-llama-resid-attn-dropped", "tiny-llama", CB,
          "residual add after attention dropped at layer 1", "hooks: layer 1 self_attn output minus the layer input",
-         (p("drop_residual", layer=1, where="attn"),), "cold", "residual add after attention", 1, "0", (), NONE3),
+         (p("drop_residual", layer=1, where="attn"),), "cold", "residual add after attention", 1, "0",
+         (want("operation_mismatch", first="0", output_is_input="attn_out"),), NONE3),
     Case("cb-mistral-resid-mlp-dropped", "tiny-mistral", CB,
          "residual add after the MLP dropped at layer 0", "hooks: layer 0 output minus resid_mid",
-         (p("drop_residual", layer=0, where="mlp"),), "cold", "residual add after the MLP", 0, "0", (), NONE3),
+         (p("drop_residual", layer=0, where="mlp"),), "cold", "residual add after the MLP", 0, "0",
+         (want("operation_mismatch", first="0", output_is_input="mlp_out"),), NONE3),
     Case("cb-qwen2-mlp-changed", "tiny-qwen2", CB,
          "MLP changed at layer 2", "layer 2 mlp.up_proj.weight x 1.01 during the run",
          (p("scale_weight", module="model.layers.2.mlp.up_proj", factor=1.01),), "cold", "MLP", 2, "0",

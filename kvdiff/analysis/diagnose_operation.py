@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, runs, span_text
+from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.operation import first_operation
 from kvdiff.analysis.search import Location
 from kvdiff.analysis.tolerance import Tier
@@ -38,6 +39,10 @@ def _finite(inputs: DiagnosisInputs, point: str, layer: int | None) -> np.ndarra
     pmap = cmp.final[point] if layer is None else cmp.points[point]
     row = pmap.layers.index(layer)
     return pmap.ref_finite[row] & pmap.cand_finite[row]
+
+
+FACTOR_ROWS = 64     # rows an output factor is fitted on
+FACTOR_LEFT = 0.01   # the share of the change a factor may leave unexplained
 
 
 def diagnose_operation(inputs: DiagnosisInputs, where: Location | None) -> list[Diagnosis]:
@@ -75,7 +80,49 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None) -> list[
                 f"to {fmt(rel)}): the operation itself differs"
                 + ("" if n == m else ", not at every position"))
     proof = (f"{op.tensor} divergent at {n} of {m} positions where {ins} are within tolerance")
-    return [Diagnosis("operation_mismatch", inputs.chunks.chunk_of(lo), (lo, hi), evidence, {
-        "operation": op.name, "layer": op.layer, "tensor": op.tensor, "positions_broken": n,
-        "positions_inputs_match": m}, confidence=n / m, proof=proof)]
+    details = {"operation": op.name, "layer": op.layer, "tensor": op.tensor, "positions_broken": n,
+               "positions_inputs_match": m, "output_factor": None}
+    factor = _output_factor(inputs, op.layer, op.tensor, cols)
+    passed = _passed_input(inputs, op, cols) if len(op.inputs) > 1 else None
+    details["output_is_input"] = passed
+    if passed is not None:
+        others = ", ".join(c.point for c in op.inputs if c.point != passed)
+        evidence += (f"; its output is its input {passed} alone, within tolerance at every one of them: the other "
+                     f"input ({others}) was not combined in")
+        proof += f"; {op.tensor} within tolerance of the candidate's own {passed} at those positions"
+    elif factor is not None:
+        details["output_factor"] = factor[0]
+        evidence += (f"; its output is the reference's times {fmt(factor[0])} (that leaves {fmt(factor[1])} of the "
+                     f"change unexplained): the operation's weights or its result scaled by one factor")
+        proof += f"; {op.tensor} = {fmt(factor[0])} x the reference's, {fmt(factor[1])} of the change left"
+    return [Diagnosis("operation_mismatch", inputs.chunks.chunk_of(lo), (lo, hi), evidence, details,
+                      confidence=n / m, proof=proof)]
+
+
+def _passed_input(inputs: DiagnosisInputs, op, cols: np.ndarray) -> str | None:
+    """The input of `op` (a residual add: several inputs) that the candidate's output equals, within
+    the output's tolerance, at every one of `cols` (up to FACTOR_ROWS), or None."""
+    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
+    out = inputs.candidate.point(op.layer, op.tensor, al.cand_index[cols])
+    tolerance = inputs.comparison.tolerances.for_point(op.tensor)
+    for check in op.inputs:
+        rows = inputs.candidate.point(check.layer, check.point, al.cand_index[cols])
+        if rows.shape == out.shape and (row_metrics(rows, out).tiers(tolerance) <= Tier.NOISE).all():
+            return check.point
+    return None
+
+
+def _output_factor(inputs: DiagnosisInputs, layer: int | None, tensor: str,
+                   cols: np.ndarray) -> tuple[float, float] | None:
+    """(c, share of the change left) where the candidate's rows at `cols` (up to FACTOR_ROWS) are the
+    reference's times one factor c, leaving at most FACTOR_LEFT of their difference unexplained."""
+    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
+    ref = inputs.reference.point(layer, tensor, al.ref_index[cols]).astype(np.float64)
+    cand = inputs.candidate.point(layer, tensor, al.cand_index[cols]).astype(np.float64)
+    change, power = float(np.linalg.norm(cand - ref)), float((ref * ref).sum())
+    if not (np.isfinite(change) and np.isfinite(power)) or change == 0 or power == 0:
+        return None
+    factor = float((ref * cand).sum() / power)
+    left = float(np.linalg.norm(cand - factor * ref)) / change
+    return (factor, left) if left <= FACTOR_LEFT else None
 
