@@ -12,6 +12,7 @@ rows rounded to bfloat16 and float16 to name a rounding that explains them.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.keys import CONTENT, SCALED
@@ -75,12 +76,18 @@ def head_order(ref: np.ndarray, cand: np.ndarray) -> list[int] | None:
     return order if sorted(order) == list(range(heads)) and order != list(range(heads)) else None
 
 
+# formats a cache may store K/V in, with their mantissa bits (one step: 2^(exponent - bits))
+ROUNDINGS = (("bfloat16", 7), ("float16", 10), ("float8_e4m3fn", 3), ("float8_e5m2", 2))
+
+
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     """float32 values rounded to `dtype` (round to nearest even) and back."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if dtype == "float16":
         with np.errstate(over="ignore"):
             return x.astype(np.float16).astype(np.float32)
+    if dtype.startswith("float8"):      # through torch (numpy has no float8)
+        return torch.from_numpy(x).to(getattr(torch, dtype)).to(torch.float32).numpy()
     bits = x.view(np.uint32).astype(np.uint64)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.astype(np.uint32).view(np.float32)
@@ -91,7 +98,7 @@ def rounding(ref: np.ndarray, cand: np.ndarray) -> tuple[str | None, float]:
     elements exactly and every other within one step of that dtype (the traces may differ by
     float32 noise before the rounding, which moves a value across a rounding boundary), with the
     share of elements equal."""
-    for dtype, mantissa in (("bfloat16", 7), ("float16", 10)):
+    for dtype, mantissa in ROUNDINGS:
         rounded = round_to(ref, dtype)
         with np.errstate(invalid="ignore", divide="ignore"):
             equal = float((rounded == cand).mean()) if cand.size else 0.0
