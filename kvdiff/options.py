@@ -4,9 +4,12 @@ enums. Nothing here loads torch: the CLI checks a user's choices before the stag
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterable, Mapping
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from kvdiff.errors import InputError, ModelLoadError
 
@@ -117,3 +120,35 @@ class TraceMode(_Choice):
     @classmethod
     def _what(cls) -> str:
         return "trace mode"
+
+
+def engine_options(value: Mapping[str, Any] | Iterable[str] | None) -> dict[str, Any]:
+    """An engine under test's own settings (`--engine-option KEY=VALUE`, repeatable), checked once:
+    a mapping, or `KEY=VALUE` strings whose VALUE is read as JSON where it is JSON (`true`, `16`,
+    `{"sliding_window": 16}`) and as the string otherwise (`fp8`). Keys are Python identifiers; a
+    key given twice is refused. Which keys an engine takes is the engine's (targets.registry)."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, str):
+        raise InputError(f"engine options must be KEY=VALUE items or a mapping, got the string {value!r}")
+    else:
+        pairs = []
+        for item in value:
+            key, sep, text = str(item).partition("=")
+            if not sep:
+                raise InputError(f"engine option {item!r} is not KEY=VALUE (for example kv_cache_dtype=fp8)")
+            try:
+                parsed = json.loads(text)
+            except ValueError:
+                parsed = text
+            pairs.append((key.strip(), parsed))
+    out: dict[str, Any] = {}
+    for key, parsed in pairs:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise InputError(f"engine option name {key!r} is not a setting's name (letters, digits and _)")
+        if key in out:
+            raise InputError(f"engine option {key!r} is given twice")
+        out[key] = parsed
+    return out

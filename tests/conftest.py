@@ -349,7 +349,8 @@ class LentTarget:
 def lent_open_target(target, weights: str = "float32"):
     """A stand-in for `open_target` that lends `target` to one `compare --engine` run, and checks that
     the run asked for the weights it runs."""
-    def open_target(name, model, tokenizer, asked):
+    def open_target(name, model, tokenizer, asked, options=None):
         assert str(asked) == weights, f"the run asked for {asked} weights, the lent engine runs {weights}"
+        assert not options, f"the run asked for engine options {options}: a lent engine runs as it was started"
         return LentTarget(target)
     return open_target

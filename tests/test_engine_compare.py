@@ -41,6 +41,21 @@ def test_a_clean_engine_gives_identical_tokens_with_the_hit_confirmed(tmp_path):
         + (["cold-vs-reference.h5"] if against["zoom"] else []))
 
 
+def test_engine_options_reach_the_engine_and_the_reports(tmp_path):
+    """`engine_options` over kvdiff's settings of the engine (here transformers' page size: 12-token
+    blocks, so the warm run's hit of the 35-token prompt is two blocks, 24 tokens, where the default
+    16 gives 32): the hit follows the setting, report.json keeps the options and the terminal's
+    engine line names them."""
+    result = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=3, out=tmp_path / "run",
+                     engine_options=["page_size=12"])
+    report = result.report.to_json()
+    assert result.exit_code == 0 and report["engine"]["options"] == {"page_size": 12}
+    assert report["engine"]["cache_hit_tokens"] == 24 and report["engine"]["prompt_tokens"] == 35
+    console = Console(record=True, width=200)
+    render_terminal(result.report, console)
+    assert "on float32 weights, with page_size=12" in console.export_text()
+
+
 def test_a_warm_run_the_engine_served_nothing_for_fails_loudly(tmp_path):
     short = [{"role": "user", "content": "Hi"}]        # shorter than one cache block: nothing can be a hit
     with pytest.raises(KvdiffError, match="had no cache hit .* tested nothing"):
@@ -198,6 +213,14 @@ def test_flip_classification_follows_the_data(tmp_path):
     (["--engine", "vllm", "--model", "tiny-llama"], "vLLM loads a checkpoint folder"),
     (["--engine", "llama.cpp", "--engine-weights", "q4"], "unknown engine weights 'q4': use one of float32, native"),
     (["--engine-weights", "native", "--model", "tiny-llama"], "--engine-weights applies to an engine under test"),
+    (["--engine-option", "kv_cache_dtype=fp8", "--model", "tiny-llama"],
+     "--engine-option applies to an engine under test"),
+    (["--engine", "transformers", "--engine-option", "page_size"], "engine option 'page_size' is not KEY=VALUE"),
+    (["--engine", "transformers", "--engine-option", "a=1", "--engine-option", "a=2"], "engine option 'a' is given twice"),
+    (["--engine", "transformers", "--model", "tiny-llama", "--engine-option", "use_async_batching=true"],
+     "--engine-option use_async_batching: kvdiff sets it for the transformers target"),
+    (["--engine", "transformers", "--model", "tiny-llama", "--engine-option", "no_such_field=1"],
+     "the transformers target's options are ContinuousBatchingConfig's fields"),
 ])
 def test_bad_engine_options_are_one_line_and_exit_2(tmp_path, args, message):
     result = CliRunner().invoke(app, ["compare", "--prompt", "Hi", "--out", str(tmp_path / "run"), *args])
@@ -236,6 +259,19 @@ def test_against_reference_is_checked_before_any_case_runs(tmp_path, table, mess
     cases = tmp_path / "cases.toml"
     cases.write_text(f'[[case]]\nname = "c"\nprompt = "Hi"\n{table}\n')
     with pytest.raises(InputError, match=re.escape(message)):
+        load_cases(cases)
+
+
+def test_a_gate_case_gives_engine_options_as_a_table(tmp_path):
+    from kvdiff.gate.cases import load_cases
+
+    cases = tmp_path / "cases.toml"
+    cases.write_text('[[case]]\nname = "c"\nprompt = "Hi"\nengine = "vllm"\n'
+                     'engine_options = {kv_cache_dtype = "fp8", hf_overrides = {sliding_window = 16}}\n')
+    (case,) = load_cases(cases)
+    assert case.options["engine_options"] == {"kv_cache_dtype": "fp8", "hf_overrides": {"sliding_window": 16}}
+    cases.write_text('[[case]]\nname = "c"\nprompt = "Hi"\nengine = "vllm"\nengine_options = "fp8"\n')
+    with pytest.raises(InputError, match=re.escape("`engine_options` has the wrong type (str)")):
         load_cases(cases)
 
 

@@ -43,40 +43,34 @@ def test_the_engine_runs_a_float32_copy_and_matches_the_reference(gguf, models, 
     assert result.exit_code == 0
 
 
-def test_a_setting_of_the_gguf_overridden_in_the_engine_is_named(gguf, models, monkeypatch, tmp_path):
+def test_a_setting_of_the_gguf_overridden_in_the_engine_is_named(gguf, models, tmp_path):
     """The engine started with its RMSNorm epsilon overridden (llama.cpp's own `kv_overrides`: 1e-2 for
-    the GGUF's 1e-5). Expected (written after an exploratory run of the same override): the attention
-    norm at layer 0, position 0 the first operation against the reference, proved from its own
-    input, and norm_consistency saying the norm itself is wrong there."""
-    import llama_cpp
-
-    start = llama_cpp.Llama.__init__
-
-    def overridden(self, *args, **kwargs):
-        start(self, *args, **{**kwargs, "kv_overrides": {"llama.attention.layer_norm_rms_epsilon": 1e-2}})
-
-    monkeypatch.setattr(llama_cpp.Llama, "__init__", overridden)
+    the GGUF's 1e-5), given as an engine option. Expected (written after an exploratory run of the
+    same override): the attention norm at layer 0, position 0 the first operation against the
+    reference, proved from its own input, and norm_consistency saying the norm itself is wrong there;
+    (written before the fit ran on it) its rows fitting RMSNorm with eps 1e-2."""
+    options = {"kv_overrides": {"llama.attention.layer_norm_rms_epsilon": 1e-2}}
     result = compare(SEED_MESSAGES, engine="llama.cpp", model=str(gguf), warm=SHARING_SYSTEM, max_new_tokens=NEW,
-                     out=tmp_path / "run", model_cache=models)
-    against = result.report.to_json()["engine_vs_reference"]
+                     out=tmp_path / "run", model_cache=models, engine_options=options)
+    report = result.report.to_json()
+    assert report["engine"]["options"] == options
+    against = report["engine_vs_reference"]
     op = against["first_operation"]
     assert (op["operation"], op["layer"], op["position"], op["proved"]) == ("attention norm", 0, 0, True), op
     norm = [d for d in against["diagnoses"] if d["kind"] == "norm_consistency"]
     assert norm and "the norm itself (weight, eps or kernel) is wrong" in norm[0]["evidence"], against["diagnoses"]
+    assert norm[0]["candidate_form"]["form"] == "eps", norm[0]
+    assert norm[0]["candidate_form"]["value"] == pytest.approx(1e-2, rel=1e-2), norm[0]
 
 
-def test_flash_attention_is_told_apart_by_the_size_of_its_difference(gguf, models, monkeypatch, tmp_path):
+def test_flash_attention_is_told_apart_by_the_size_of_its_difference(gguf, models, tmp_path):
     """llama.cpp started with flash attention (`flash_attn=True`, which computes attention on float16
     copies of K and V): against the reference its attn_out moves by about float16's rounding while q,
     k and v match. Expected (written after an exploratory run): the same tokens, attention at layer 0
     the first operation, an attention_mismatch with no explanation whose evidence says the difference
     is the size of float16 rounding; without flash attention nothing (the first test)."""
-    import llama_cpp
-
-    start = llama_cpp.Llama.__init__
-    monkeypatch.setattr(llama_cpp.Llama, "__init__", lambda self, *a, **kw: start(self, *a, **{**kw, "flash_attn": True}))
     result = compare(SEED_MESSAGES, engine="llama.cpp", model=str(gguf), warm=SHARING_SYSTEM, max_new_tokens=NEW,
-                     out=tmp_path / "run", model_cache=models)
+                     out=tmp_path / "run", model_cache=models, engine_options=["flash_attn=true"])
     against = result.report.to_json()["engine_vs_reference"]
     assert against["tokens_identical"]
     assert (against["first_operation"]["operation"], against["first_operation"]["layer"]) == \

@@ -18,23 +18,17 @@ SYSTEM = ("You are a careful assistant. Answer briefly and precisely. When you a
 PROMPT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
 
 
-def test_a_sliding_window_set_in_the_engine_is_named_with_its_size(tmp_path, monkeypatch, default_model, capfd):
+def test_a_sliding_window_set_in_the_engine_is_named_with_its_size(tmp_path, default_model, capfd):
     """vLLM started with `hf_overrides={"sliding_window": 16}` (the checkpoint has none, and kvdiff's
     reference attends to every earlier position): cold and warm agree; against the reference,
     expected (written after an exploratory run of the same setting on the default model):
     attention the first operation at layer 0, position 16 (the first row with a key outside the
     window), and attention_mismatch from there explained as a sliding window of 16."""
-    import vllm
-
     folder = vllm_tiny_llama(tmp_path / "model", default_model)
-    start = vllm.LLM.__init__
-
-    def windowed(self, *args, **kwargs):
-        start(self, *args, **{**kwargs, "hf_overrides": {"sliding_window": 16}})
-
-    monkeypatch.setattr(vllm.LLM, "__init__", windowed)
-    result = compare(PROMPT, engine="vllm", model=str(folder), max_new_tokens=6, out=tmp_path / "run")
+    result = compare(PROMPT, engine="vllm", model=str(folder), max_new_tokens=6, out=tmp_path / "run",
+                     engine_options={"hf_overrides": {"sliding_window": 16}})
     report = result.report.to_json()
+    assert report["engine"]["options"] == {"hf_overrides": {"sliding_window": 16}}
     assert report["engine"]["cache_hit_tokens"] > 0 and report["diagnoses"] == []
     against = report["engine_vs_reference"]
     op = against["first_operation"]
@@ -46,22 +40,15 @@ def test_a_sliding_window_set_in_the_engine_is_named_with_its_size(tmp_path, mon
     assert "NUMA" not in capfd.readouterr().err          # vLLM's CPU worker warns in C++ on stderr: not without -vv
 
 
-def test_rope_scaling_set_in_the_engine_that_drops_the_base_is_named_with_both(tmp_path, monkeypatch, default_model):
+def test_rope_scaling_set_in_the_engine_that_drops_the_base_is_named_with_both(tmp_path, default_model):
     """vLLM started with `hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2}}` on a
     checkpoint of RoPE base 100000: the override replaces the model's RoPE parameters, base included,
     so the engine rotates with base 10000 (the default) and positions halved. Expected (written before
     this test first ran, after an exploratory run on the default model): rope_mismatch at layer 0
     from position 1 fitting base 1e4 with linear scaling 2 against the reference's base 1e5."""
-    import vllm
-
     folder = vllm_tiny_llama(tmp_path / "model", default_model, rope_theta=100000.0)
-    start = vllm.LLM.__init__
-
-    def scaled(self, *args, **kwargs):
-        start(self, *args, **{**kwargs, "hf_overrides": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}})
-
-    monkeypatch.setattr(vllm.LLM, "__init__", scaled)
-    result = compare(PROMPT, engine="vllm", model=str(folder), max_new_tokens=6, out=tmp_path / "run")
+    result = compare(PROMPT, engine="vllm", model=str(folder), max_new_tokens=6, out=tmp_path / "run",
+                     engine_options=['hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}'])
     against = result.report.to_json()["engine_vs_reference"]
     rope = [d for d in against["diagnoses"] if d["kind"] in ("rope_mismatch", "position_mismatch")]
     assert rope and {d["kind"] for d in rope} == {"rope_mismatch"} and rope[0]["positions"][0] == 1, against
@@ -70,24 +57,18 @@ def test_rope_scaling_set_in_the_engine_that_drops_the_base_is_named_with_both(t
         assert abs(d["scaling_factor"] - 2) < 1e-3, d
 
 
-def test_an_engine_that_runs_other_shapes_than_the_checkpoint_is_one_clear_error(tmp_path, monkeypatch,
+def test_an_engine_that_runs_other_shapes_than_the_checkpoint_is_one_clear_error(tmp_path,
                                                                                    default_model):
     """vLLM started with `hf_overrides={"num_key_value_heads": 1}` on a checkpoint of two KV heads (it
     loads the first head's projection rows): its keys are not the model's shape, so no trace of the model can hold them; the run stops with an
     error that says so, and the CLI prints it as one line (exit 3)."""
-    import vllm
     from typer.testing import CliRunner
 
     from kvdiff.cli import app
 
     folder = vllm_tiny_llama(tmp_path / "model", default_model, num_key_value_heads=2)
-    start = vllm.LLM.__init__
-
-    def reshaped(self, *args, **kwargs):
-        start(self, *args, **{**kwargs, "hf_overrides": {"num_key_value_heads": 1}})
-
-    monkeypatch.setattr(vllm.LLM, "__init__", reshaped)
     result = CliRunner().invoke(app, ["compare", "--engine", "vllm", "--model", str(folder), "--prompt", "Hi there",
-                                      "--max-new-tokens", "2", "--out", str(tmp_path / "run")])
+                                      "--max-new-tokens", "2", "--out", str(tmp_path / "run"),
+                                      "--engine-option", 'hf_overrides={"num_key_value_heads": 1}'])
     assert result.exit_code == 3, result.output
     assert "what runs is not the model the trace describes" in result.stderr and result.stderr.count("\n") == 1

@@ -15,7 +15,7 @@ from kvdiff.cli.options import (
 )
 from kvdiff.cli.app import app, check_point, command, console, echo, for_humans, progress, show_report
 from kvdiff.errors import InputError
-from kvdiff.options import DEFAULT_MODEL, EngineWeights, model_path
+from kvdiff.options import DEFAULT_MODEL, EngineWeights, engine_options, model_path
 from kvdiff.files import check_outputs
 
 log = logging.getLogger("kvdiff")
@@ -88,6 +88,11 @@ def compare(
                                        "reference's weights (llama.cpp a float32 copy of the GGUF, made once), so "
                                        "its tensors can be set against the reference's; or native: the checkpoint "
                                        "as it is (a quantized GGUF runs quantized)."),
+    engine_option: Optional[list[str]] = typer.Option(None, "--engine-option", help="KEY=VALUE, repeatable: a setting "
+                                                      "of the engine under test over kvdiff's (VALUE JSON or text): "
+                                                      "vllm.LLM's arguments (kv_cache_dtype=fp8, hf_overrides={...}), "
+                                                      "llama_cpp.Llama's (flash_attn=true), transformers' "
+                                                      "ContinuousBatchingConfig's (block_size=32)."),
 ) -> None:
     """Run the reference and the chunked engine with probes, and report where they part.
 
@@ -103,6 +108,7 @@ def compare(
     warm_up = build_messages(None, None, warm_with) if warm_with is not None else warm
     model_path(model)
     EngineWeights.parse(engine_weights)
+    engine_options(engine_option)
     if engine == "kvdiff":      # checked again by the run; here before torch loads (seconds), for a quick error
         RunOptions.of(strategy, numerics, max_new_tokens, recompute_ratio, chunk_size, capture, layers, trace_mode,
                       zoom_layers, zoom_positions)
@@ -113,7 +119,8 @@ def compare(
             conversation, model=model, strategy=strategy, numerics=numerics, recompute_ratio=recompute_ratio,
             chunk_size=chunk_size, max_new_tokens=max_new_tokens, dtype=dtype, device=device, device_map=device_map,
             gpu_memory=gpu_memory, capture=capture, layers=layers, warm=warm_up, out=out, html=html, json_path=json_out,
-            progress=step, engine=engine, engine_weights=engine_weights, trace_mode=trace_mode,
+            progress=step, engine=engine, engine_weights=engine_weights, engine_options=engine_option,
+            trace_mode=trace_mode,
             zoom_layers=zoom_layers, zoom_positions=zoom_positions,
         )
     log.info("artefacts in %s", result.out_dir)

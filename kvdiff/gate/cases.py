@@ -31,6 +31,7 @@ _OPTION_TYPES: dict[str, type | tuple[type, ...]] = {
     "warm": bool,
     "engine": str,
     "engine_weights": str,
+    "engine_options": dict,
 }
 _CONVERSATION_KEYS = {"name", "system", "prompt", "messages"}
 # the gate's own keys: `against_reference` also fails an engine case whose tokens differ from kvdiff's reference

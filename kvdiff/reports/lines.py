@@ -3,6 +3,7 @@ which are checked here, not trusted)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -36,10 +37,12 @@ def digest_line(digest: dict[str, Any]) -> str:
 
 
 def engine_line(engine: dict[str, Any]) -> str:
-    """The engine under test, its version and the weights it ran (`--engine-weights`)."""
-    weights, quantized = engine.get("weights"), engine.get("quantized")
+    """The engine under test, its version, the weights it ran (`--engine-weights`) and the settings
+    it was given (`--engine-option`)."""
+    weights, quantized, options = engine.get("weights"), engine.get("quantized"), engine.get("options")
     ran = "" if not weights else f" on {weights} weights" + (f" ({quantized})" if quantized else "")
-    return f"{engine.get('name')} {engine.get('version')}{ran}"
+    given = ", ".join(f"{k}={json.dumps(v)}" for k, v in options.items()) if isinstance(options, dict) else ""
+    return f"{engine.get('name')} {engine.get('version')}{ran}" + (f", with {given}" if given else "")
 
 
 def quantized_note(engine: dict[str, Any]) -> str:

@@ -140,12 +140,18 @@
     });
   }
 
+  function options(given) {       // --engine-option settings: ", with key=value, ..."
+    if (!given || typeof given !== "object" || Array.isArray(given)) return "";
+    const parts = Object.keys(given).map((k) => k + "=" + JSON.stringify(given[k]));
+    return parts.length ? ", with " + parts.join(", ") : "";
+  }
+
   function engine() {
     const box = document.getElementById("engine"), e = R.engine;
     if (!e) { box.parentNode.hidden = true; return; }
     const floor = R.noise_floor || {}, rows = [
       ["engine", String(e.name) + " " + String(e.version) + (e.weights ? " on " + String(e.weights) + " weights" +
-        (e.quantized ? " (" + String(e.quantized) + ")" : "") : "")],
+        (e.quantized ? " (" + String(e.quantized) + ")" : "") : "") + options(e.options)],
       ["cache hit", "warm run served " + fmt(e.cache_hit_tokens) + " of " + fmt(e.prompt_tokens) + " prompt tokens from its cache"],
       ["noise floor", "two cold runs: " + (floor.bitwise_equal ? "bitwise equal" : "logits max_abs " + fmt(floor.max_abs_logit))]];
     (R.flips || []).forEach((f) => rows.push(["flip: " + f.kind, "step " + f.step + ": " +

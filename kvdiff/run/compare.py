@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterable, Mapping
 
 from kvdiff.analysis import Divergence, diff
 from kvdiff.analysis.report import Report
 from kvdiff.conversation import Messages, validate_messages
 from kvdiff.errors import InputError
 from kvdiff.options import DEFAULT_RECOMPUTE_RATIO, EngineWeights, Numerics, Strategy, TraceMode
+from kvdiff.options import engine_options as parse_engine_options
 from kvdiff.run.folder import ARTEFACTS, check_report_copies, claimed_out_dir, discarded_on_failure
 from kvdiff.run.options import RunOptions
 from kvdiff.run.zoom import (FIRST_PASS, ZOOM_LAYERS, ZOOM_POSITIONS, checked_repeat, diagnoses_with,
@@ -85,6 +86,7 @@ def compare(
     progress: Callable[[str], None] | None = None,
     engine: str = "kvdiff",
     engine_weights: str | EngineWeights = EngineWeights.FLOAT32,
+    engine_options: Mapping[str, Any] | Iterable[str] | None = None,
     trace_mode: str | TraceMode = TraceMode.DIGEST,
     zoom_layers: int = ZOOM_LAYERS,
     zoom_positions: int = ZOOM_POSITIONS,
@@ -110,7 +112,10 @@ def compare(
     engine's and are refused with another engine. `engine_weights` (an engine under test only):
     "float32" runs it on the reference's own values (llama.cpp on a float32 copy of the GGUF, so
     that every rule can set its tensors against the reference's), "native" on the checkpoint as
-    it is (a quantized GGUF runs quantized).
+    it is (a quantized GGUF runs quantized). `engine_options` (an engine under test only): its own
+    settings over kvdiff's, a mapping or `KEY=VALUE` strings (`kvdiff.options.engine_options`):
+    vllm.LLM's arguments (`kv_cache_dtype`, `hf_overrides`), llama_cpp.Llama's (`flash_attn`,
+    `rope_freq_base`), or transformers' ContinuousBatchingConfig's fields (`block_size`).
     """
     from kvdiff.engine import Engine
     from kvdiff.engine.chunks import split_conversation
@@ -122,7 +127,8 @@ def compare(
 
     if engine != "kvdiff":
         return _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, html, json_path,
-                                     model_cache, progress, engine_weights, strategy=strategy, numerics=numerics,
+                                     model_cache, progress, engine_weights, engine_options, strategy=strategy,
+                                     numerics=numerics,
                                      recompute_ratio=recompute_ratio, chunk_size=chunk_size, dtype=dtype,
                                      device=device, device_map=device_map, gpu_memory=gpu_memory, capture=capture,
                                      layers=layers, trace_mode=trace_mode, zoom_layers=zoom_layers,
@@ -130,6 +136,9 @@ def compare(
     if EngineWeights.parse(engine_weights) is not EngineWeights.FLOAT32:
         raise InputError("--engine-weights applies to an engine under test (--engine transformers, vllm or "
                          "llama.cpp): kvdiff's engine runs the reference's weights")
+    if parse_engine_options(engine_options):
+        raise InputError("--engine-option applies to an engine under test (--engine transformers, vllm or "
+                         "llama.cpp): kvdiff's engine takes --strategy, --numerics and its other options")
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
     warm_messages = None if isinstance(warm, bool) else validate_messages(warm)
@@ -238,7 +247,7 @@ def write_reports(report: Report, out_dir: Path, json_path: Path | str | None,
 
 
 def _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, html, json_path, model_cache,
-                          progress, engine_weights, **kvdiff_only) -> CompareResult:
+                          progress, engine_weights, engine_options, **kvdiff_only) -> CompareResult:
     """An engine under test: refuse the options only kvdiff's engine has, then run cold/cold/warm."""
     from kvdiff.run.engine_compare import compare_engine
     from kvdiff.targets.registry import EngineName
@@ -253,4 +262,5 @@ def _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, ht
         raise InputError(f"{', '.join(given)} apply to kvdiff's own engine, not to --engine {name}: leave them out")
     return compare_engine(messages, engine=name, model=model, max_new_tokens=max_new_tokens,
                           warm=True if warm is False else warm, out=out, html=html, json_path=json_path,
-                          model_cache=model_cache, progress=progress, weights=engine_weights, **digest)
+                          model_cache=model_cache, progress=progress, weights=engine_weights,
+                          engine_options=engine_options, **digest)

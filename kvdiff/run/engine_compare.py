@@ -21,7 +21,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from kvdiff.analysis import Divergence, diff
 from kvdiff.conversation import Messages, render_prompt_ids, validate_messages
 from kvdiff.errors import KvdiffError
 from kvdiff.options import EngineWeights, TraceMode
+from kvdiff.options import engine_options as engine_options_of
 from kvdiff.run.compare import CompareResult, write_reports
 from kvdiff.run.engine_reference import COLD_WINDOW, REFERENCE_FIRST, against_reference
 from kvdiff.run.folder import check_report_copies, claimed_out_dir, discarded_on_failure
@@ -50,19 +51,21 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
                    model_cache: dict | None = None, progress: Callable[[str], None] | None = None,
                    trace_mode: str | TraceMode = TraceMode.DIGEST, zoom_layers: int = ZOOM_LAYERS,
                    zoom_positions: int = ZOOM_POSITIONS,
-                   weights: str | EngineWeights = EngineWeights.FLOAT32) -> CompareResult:
+                   weights: str | EngineWeights = EngineWeights.FLOAT32,
+                   engine_options: Mapping[str, Any] | Iterable[str] | None = None) -> CompareResult:
     """Run engine `engine` cold, cold again and warm on `messages`, record each, diff, report.
 
     `warm`: True fills the cache with the conversation itself; a conversation instead fills it
     with that one (a request sharing a prefix). Exit code of the result: 0 when the warm tokens
     equal the cold ones, 1 otherwise. `trace_mode` "digest": every run records digests, then
     cold and warm run again with a zoom window in full (as `kvdiff.compare`), which also holds
-    the logits at the first token flip. `weights`: `kvdiff.targets.registry.open_target`'s.
+    the logits at the first token flip. `weights`: `kvdiff.targets.registry.open_target`'s;
+    `engine_options`: the engine's own settings (`kvdiff.options.engine_options`), given to open_target.
     """
     from kvdiff.run.model_cache import ModelKey, cached_model
     from kvdiff.run.record import record
 
-    name, weights = EngineName.parse(engine), EngineWeights.parse(weights)
+    name, weights, settings = EngineName.parse(engine), EngineWeights.parse(weights), engine_options_of(engine_options)
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
     warm_messages = messages if isinstance(warm, bool) else validate_messages(warm)
@@ -78,7 +81,7 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
         ids = render_prompt_ids(tokenizer, messages)
         step(f"starting {name}")
         recorded = _Recorded(loaded, tokenizer, messages, ids, out_dir, options.max_new_tokens, mode)
-        target = open_target(name, loaded, tokenizer, weights)
+        target = open_target(name, loaded, tokenizer, weights, settings)
 
         def record_reference(path: Path, window: dict) -> None:
             step("recording kvdiff's reference path")
@@ -111,7 +114,7 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
         report = main.report(
             **extra,
             engine={"name": target.info.name, "version": target.info.version,
-                    "checkpoint": str(target.info.checkpoint), "weights": str(weights),
+                    "checkpoint": str(target.info.checkpoint), "weights": str(weights), "options": settings,
                     "quantized": target.info.quantized,
                     "cache_hit_tokens": runs["warm"].cache_hit_tokens,
                     "prompt_tokens": len(ids)},

@@ -33,7 +33,7 @@ import logging
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -73,16 +73,28 @@ class CacheState:
     v: list[np.ndarray] = field(default_factory=list)
 
 
+# llama_cpp.Llama arguments kvdiff's recording depends on, and why: refused as engine options
+FIXED_ARGS = {"model_path": "the reference's GGUF", "logits_all": "every position's logits are recorded",
+              "type_k": "the target reads K and V as float32", "type_v": "the target reads K and V as float32",
+              "verbose": "llama.cpp's own log lines stay off kvdiff's output"}
+
+
 class LlamaCppTarget:
     """A llama.cpp engine (llama-cpp-python's `Llama`) on a GGUF, greedy, recording through `cb_eval`.
     `llm` (the Llama) and `taps` are open so tests can plant bugs through the engine's own hooks."""
 
     points: tuple[str, ...] = ALL_POINTS
 
-    def __init__(self, gguf: Path, n_ctx: int = 2048, n_threads: int | None = None):
+    def __init__(self, gguf: Path, n_ctx: int = 2048, n_threads: int | None = None,
+                 llama_args: Mapping[str, Any] | None = None):
         gguf = Path(gguf)
         if not gguf.is_file():
             raise InputError(f"{gguf}: no such GGUF file")
+        fixed = sorted(set(llama_args or {}) & set(FIXED_ARGS))
+        if fixed:
+            raise InputError(f"--engine-option {fixed[0]}: kvdiff sets it for the llama.cpp target ({FIXED_ARGS[fixed[0]]})")
+        settings = {"n_ctx": n_ctx, "n_batch": 512, "n_ubatch": 512, "n_threads": n_threads,
+                    "n_threads_batch": n_threads, **(llama_args or {})}
         try:
             import llama_cpp
             import llama_cpp.llama_cpp as lib
@@ -100,9 +112,8 @@ class LlamaCppTarget:
         self._cb = lib.ggml_backend_sched_eval_callback(self._eval)
         try:
             with _default_params(lib, self._cb):
-                self.llm = llama_cpp.Llama(str(gguf), n_ctx=n_ctx, n_batch=512, n_ubatch=512, logits_all=True,
-                                           type_k=0, type_v=0, n_threads=n_threads,    # GGML_TYPE_F32
-                                           n_threads_batch=n_threads, verbose=False)
+                self.llm = llama_cpp.Llama(str(gguf), logits_all=True, type_k=0, type_v=0,    # GGML_TYPE_F32
+                                           verbose=False, **settings)
         except Exception as exc:
             raise KvdiffError(f"llama.cpp failed: {exc}") from exc
         arch = self.llm.metadata.get("general.architecture")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
+from typing import Any, Mapping
 
 from kvdiff.errors import InputError
 from kvdiff.options import EngineWeights
@@ -34,23 +35,26 @@ class EngineName(str, Enum):
 _ALIASES = {"llamacpp": "llama.cpp", "llama-cpp": "llama.cpp"}
 
 
-def open_target(name: EngineName, model, tokenizer, weights: EngineWeights = EngineWeights.FLOAT32) -> Target:
+def open_target(name: EngineName, model, tokenizer, weights: EngineWeights = EngineWeights.FLOAT32,
+                options: Mapping[str, Any] | None = None) -> Target:
     """Start engine `name` on the checkpoint `model` was loaded from (the same files, so the same
     weights and tokenizer as kvdiff's reference path). `weights` NATIVE runs a GGUF as it is
     (quantized); FLOAT32 runs llama.cpp on a float32 copy, the reference's values. vLLM and
-    transformers load the reference's float32 checkpoint either way."""
+    transformers load the reference's float32 checkpoint either way. `options`: the engine's own
+    settings (options.engine_options): vllm.LLM's arguments, llama_cpp.Llama's, or transformers'
+    ContinuousBatchingConfig's fields, over kvdiff's; those its recording depends on are refused."""
     folder: Path | None = getattr(model, "kvdiff_folder", None)
     if name is EngineName.TRANSFORMERS:
         from kvdiff.targets.transformers_cb import TransformersTarget
 
-        return TransformersTarget(model, tokenizer)
+        return TransformersTarget(model, tokenizer, cb_args=options)
     if name is EngineName.VLLM:
         if folder is None:
             raise InputError("vLLM loads a checkpoint folder: give --model smollm2-135m, a transformers model "
                              "folder or a .gguf file, not a built-in tiny-* model")
         from kvdiff.targets.vllm import VllmTarget
 
-        return VllmTarget(Path(folder))
+        return VllmTarget(Path(folder), engine_args=options)
     if name is EngineName.LLAMACPP:
         gguf = getattr(model, "kvdiff_gguf", None)
         if gguf is None:
@@ -59,5 +63,6 @@ def open_target(name: EngineName, model, tokenizer, weights: EngineWeights = Eng
         from kvdiff.targets.gguf_float import float32_gguf
         from kvdiff.targets.llamacpp import LlamaCppTarget
 
-        return LlamaCppTarget(float32_gguf(Path(gguf)) if weights is EngineWeights.FLOAT32 else Path(gguf))
+        return LlamaCppTarget(float32_gguf(Path(gguf)) if weights is EngineWeights.FLOAT32 else Path(gguf),
+                              llama_args=options)
     raise InputError(f"engine {name} is kvdiff's own: run it without --engine")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -40,8 +40,13 @@ class TransformersTarget:
     can plant bugs through transformers' own objects."""
 
     def __init__(self, folder_or_model, tokenizer=None, block_size: int = 16, num_blocks: int = 128,
-                 max_batch_tokens: int = 512, spec: ProbeSpec | None = None, device: str = "cpu"):
+                 max_batch_tokens: int = 512, spec: ProbeSpec | None = None, device: str = "cpu",
+                 cb_args: Mapping[str, Any] | None = None):
         import transformers
+
+        if "use_async_batching" in (cb_args or {}):
+            raise InputError("--engine-option use_async_batching: kvdiff sets it for the transformers target "
+                             "(each step is recorded as it runs)")
 
         if isinstance(folder_or_model, (str, os.PathLike)):      # float32, sdpa (CB runs sdpa and paged|eager)
             folder = Path(folder_or_model)
@@ -54,9 +59,13 @@ class TransformersTarget:
         self.model, self.tokenizer, self.spec = model.eval(), tokenizer, spec or default_spec(model)
         self.info = TargetInfo("transformers", transformers.__version__, folder)
         self.points: tuple[str, ...] = POINTS
-        self.cb_config = transformers.ContinuousBatchingConfig(
-            page_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, max_requests_per_batch=64,
-            use_async_batching=False, use_cuda_graph=False)
+        try:
+            self.cb_config = transformers.ContinuousBatchingConfig(**{
+                "page_size": block_size, "num_blocks": num_blocks, "max_batch_tokens": max_batch_tokens,
+                "max_requests_per_batch": 64, "use_cuda_graph": False, **(cb_args or {}), "use_async_batching": False})
+        except TypeError as exc:        # a name ContinuousBatchingConfig does not take
+            raise InputError(f"--engine-option: {exc} (the transformers target's options are "
+                             f"ContinuousBatchingConfig's fields)") from exc
         eos = model.generation_config.eos_token_id
         stops = {int(e) for e in ([eos] if isinstance(eos, int) else eos or [])}
         stops |= {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()

@@ -21,7 +21,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -215,9 +215,10 @@ class VllmTarget:
     points: tuple[str, ...] = LAYER_POINTS + ("final_norm",)
 
     def __init__(self, folder: Path, block_size: int = 32, kv_cache_bytes: int = 256 * 2**20,
-                 max_model_len: int = 2048):
+                 max_model_len: int = 2048, engine_args: Mapping[str, Any] | None = None):
         folder = Path(folder)
-        _check_config(folder, block_size)
+        args = _llm_args(folder, block_size, kv_cache_bytes, max_model_len, engine_args or {})
+        _check_config(folder, args["block_size"])
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # the engine core and the model in this process
         chatty = log.isEnabledFor(logging.DEBUG)                 # vLLM's own lines and progress bars only with -vv
         if not chatty:
@@ -233,17 +234,13 @@ class VllmTarget:
                 raise InputError(f"vLLM is not installed: {INSTALL_HINT}") from exc
             try:
                 with stderr_silenced(not chatty):        # its CPU worker's C++ warnings (NUMA binding)
-                    self.llm = vllm.LLM(model=str(folder), dtype="float32", enforce_eager=True,
-                                        enable_prefix_caching=True, block_size=block_size,
-                                        kv_cache_memory_bytes=kv_cache_bytes, max_model_len=max_model_len,
-                                        max_num_batched_tokens=max_model_len, max_num_seqs=4,
-                                        async_scheduling=False, use_tqdm_on_load=chatty)
+                    self.llm = vllm.LLM(**args, use_tqdm_on_load=chatty)
                 self.runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
             except Exception as exc:
                 raise KvdiffError(f"vLLM failed: {exc}") from exc
         self.model = self.runner.model
         self.info = TargetInfo("vllm", vllm.__version__, folder)
-        self.block_size = block_size
+        self.block_size = args["block_size"]
         layers = self.model.model.layers
         if any(hasattr(layer.self_attn, "k_norm") for layer in layers):
             raise InputError(f"{folder}: attention with q/k norms is not supported by the vLLM target "
@@ -340,6 +337,27 @@ class VllmTarget:
                 log.debug("vLLM shutdown: %s", exc)
         del llm
         gc.collect()
+
+
+# vllm.LLM arguments kvdiff's recording depends on, and why: refused as engine options
+FIXED_ARGS = {"model": "the reference's checkpoint", "tokenizer": "the reference's tokenizer",
+              "dtype": "float32, the reference's values", "enforce_eager": "the probes hook the eager forward",
+              "enable_prefix_caching": "the warm run reads the prefix cache",
+              "async_scheduling": "each step's sampled token is recorded with its logits",
+              "use_tqdm_on_load": "vLLM's progress bars only with -vv"}
+
+
+def _llm_args(folder: Path, block_size: int, kv_cache_bytes: int, max_model_len: int,
+              options: Mapping[str, Any]) -> dict[str, Any]:
+    """vllm.LLM's arguments: kvdiff's, then the user's engine options over them (any vLLM engine
+    argument but FIXED_ARGS; a longer max_model_len also batches that many tokens)."""
+    fixed = sorted(set(options) & set(FIXED_ARGS))
+    if fixed:
+        raise InputError(f"--engine-option {fixed[0]}: kvdiff sets it for the vLLM target ({FIXED_ARGS[fixed[0]]})")
+    length = options.get("max_model_len", max_model_len)
+    return {"model": str(folder), "dtype": "float32", "enforce_eager": True, "enable_prefix_caching": True,
+            "block_size": block_size, "kv_cache_memory_bytes": kv_cache_bytes, "max_model_len": length,
+            "max_num_batched_tokens": length, "max_num_seqs": 4, "async_scheduling": False, **options}
 
 
 def _check_config(folder: Path, block_size: int) -> None:
