@@ -221,6 +221,11 @@ def test_flip_classification_follows_the_data(tmp_path):
      "--engine-option use_async_batching: kvdiff sets it for the transformers target"),
     (["--engine", "transformers", "--model", "tiny-llama", "--engine-option", "no_such_field=1"],
      "the transformers target's options are ContinuousBatchingConfig's fields"),
+    (["--engine", "vllm", "--engine-option", "kv_cache_dtype=fp8"], "it runs a float32 cache only"),
+    (["--engine", "vllm", "--engine-option", "enforce_eager=false"],
+     "--engine-option enforce_eager: kvdiff sets it for the vLLM target (the probes hook the eager forward)"),
+    (["--engine", "llama.cpp", "--engine-option", "type_k=1"],
+     "--engine-option type_k: kvdiff sets it for the llama.cpp target (the target reads K and V as float32)"),
 ])
 def test_bad_engine_options_are_one_line_and_exit_2(tmp_path, args, message):
     result = CliRunner().invoke(app, ["compare", "--prompt", "Hi", "--out", str(tmp_path / "run"), *args])

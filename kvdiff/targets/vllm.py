@@ -354,6 +354,12 @@ def _llm_args(folder: Path, block_size: int, kv_cache_bytes: int, max_model_len:
     fixed = sorted(set(options) & set(FIXED_ARGS))
     if fixed:
         raise InputError(f"--engine-option {fixed[0]}: kvdiff sets it for the vLLM target ({FIXED_ARGS[fixed[0]]})")
+    if str(options.get("kv_cache_dtype", "auto")) not in ("auto", "float32"):
+        # vLLM's CPU attention reads every K/V row from its cache, prefill included: with an fp8 cache what
+        # attention reads is the rounded rows, which the probes (on attention's inputs) do not see
+        raise InputError(f"--engine-option kv_cache_dtype={options['kv_cache_dtype']}: the vLLM target records K and V "
+                         "as attention's inputs, and a quantized cache rounds them before attention reads them; "
+                         "it runs a float32 cache only (leave kv_cache_dtype out)")
     length = options.get("max_model_len", max_model_len)
     return {"model": str(folder), "dtype": "float32", "enforce_eager": True, "enable_prefix_caching": True,
             "block_size": block_size, "kv_cache_memory_bytes": kv_cache_bytes, "max_model_len": length,
