@@ -1,4 +1,5 @@
-"""tokenization_mismatch, numerical_noise (all within tolerance, or a benign near-tie) and non_finite."""
+"""tokenization_mismatch, sampling_mismatch, numerical_noise (all within tolerance, or a benign near-tie)
+and non_finite."""
 
 from __future__ import annotations
 
@@ -26,6 +27,39 @@ def diagnose_tokenization(inputs: DiagnosisInputs) -> list[Diagnosis]:
         "candidate_token": inputs.token_text(int(b[i])) if i < b.size else None}, confidence=1.0,
         proof=f"input id at position {i}: {int(a[i]) if i < a.size else 'none'} (reference) vs "
               f"{int(b[i]) if i < b.size else 'none'} (candidate)")]
+
+
+def diagnose_sampling(inputs: DiagnosisInputs) -> list[Diagnosis]:
+    """sampling_mismatch: at the first token flip the candidate's token is not the top-1 of its own
+    logits there (its recorded top-k): it chose its tokens otherwise than by the greedy argmax both
+    runs are meant to use (sampling, a penalty, another logits processor)."""
+    td = inputs.comparison.alignment.first_token_divergence
+    if td is None or td.candidate_token is None:
+        return []
+    steps = inputs.candidate.steps
+    if steps.topk_ids.ndim != 2 or not steps.topk_ids.shape[1]:
+        return []
+    at = np.flatnonzero(steps.step == td.step)
+    own_top = steps.topk_ids[:, 0]
+    if not at.size or steps.token_id[at[0]] == own_top[at[0]]:
+        return []
+    i = at[0]
+    chosen, top = int(steps.token_id[i]), int(own_top[i])
+    ranked = [int(t) for t in steps.topk_ids[i]]
+    if chosen in ranked and steps.topk_values[i][ranked.index(chosen)] == steps.topk_values[i][0]:
+        return []           # a tie for the top: either is the argmax
+    others = int((steps.token_id != own_top).sum())
+    rank = f"its rank {ranked.index(chosen) + 1} of the top {len(ranked)}" if chosen in ranked else \
+        f"outside its top {len(ranked)}"
+    tok = lambda t: f"{inputs.token_text(t)!r} (id {t})"
+    evidence = (f"step {td.step} (position {td.position}): the candidate chose {tok(chosen)}, but its own logits there "
+                f"put {tok(top)} first ({rank}, top-1 margin {fmt(float(steps.margin[i]))}): it did not take the "
+                f"greedy argmax of its logits (sampling, a penalty or another logits processor), at {others} of its "
+                f"{steps.token_id.size} steps")
+    return [Diagnosis("sampling_mismatch", inputs.chunks.chunk_of(td.position), (td.position, td.position), evidence,
+                      {"step": td.step, "chosen_token": inputs.token_text(chosen), "own_top_token": inputs.token_text(top),
+                       "steps_not_argmax": others}, confidence=1.0,
+                      proof=f"the candidate's recorded step {td.step}: token id {chosen}, its own top-1 id {top}")]
 
 
 def _near_tie(inputs: DiagnosisInputs, first_divergence: Location | None) -> Diagnosis | None:
