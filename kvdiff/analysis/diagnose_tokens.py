@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, span_text
+from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt
 from kvdiff.analysis.search import Location, all_maps
 from kvdiff.analysis.tolerance import Tier
 
