@@ -274,6 +274,10 @@ CASES: list[Case] = [
          "a sliding window of 8 positions where the model has none", "runner mask: keys before q-7 hidden",
          (p("mask", rule="window", size=8),), "cold", ATTENTION, 0, "8",
          (want("attention_mismatch", first="8", explanation="window", window=8, layer=0),), NONE3),
+    Case("kvdiff-qwen2-own-key-hidden", "tiny-qwen2", KVDIFF,
+         "causal mask off by one: each query sees the keys before it, not its own", "runner mask: k < q (q > 0)",
+         (p("mask", rule="self hidden"),), "cold", ATTENTION, 0, "1",
+         (want("attention_mismatch", first="1", explanation="own key hidden", layer=0),), NONE3),
     Case("kvdiff-mistral-attn-scale", "tiny-mistral", KVDIFF,
          "attention scale wrong (softmax temperature 0.8)", "engine.adapter.scaling x 1.25",
          (p("adapter_scale", name="scaling", factor=1.25),), "cold", ATTENTION, 0, "1", (), NONE3),
@@ -412,6 +416,10 @@ CASES: list[Case] = [
          "a sliding window of 8 positions where the model has none", "self_attn pre-hook: keys before q-7 hidden",
          (p("mask", rule="window", size=8),), "cold", ATTENTION, 0, "8",
          (want("attention_mismatch", first="8", explanation="window", window=8, layer=0),), NONE3),
+    Case("cb-llama-own-key-hidden", "tiny-llama", CB,
+         "causal mask off by one: each query sees the keys before it, not its own", "self_attn pre-hook: k < q (q > 0)",
+         (p("mask", rule="self hidden"),), "cold", ATTENTION, 0, "1",
+         (want("attention_mismatch", first="1", explanation="own key hidden", layer=0),), NONE3),
     Case("cb-qwen3-missing-cross-chunk", "tiny-qwen3", CB,
          "rows computed after a cache hit do not attend to the cached blocks",
          "self_attn pre-hook: keys 0..H-1 hidden in the warm run",
@@ -974,6 +982,8 @@ def _mask_rule(ctx: Ctx, rule: str, keys: tuple[str, str] | None = None, queries
         return lambda q, k, allowed: torch.ones_like(allowed)
     if rule == "window":
         return lambda q, k, allowed: allowed & (k[None, :] > q[:, None] - size)
+    if rule == "self hidden":       # k < q where the model has k <= q; position 0 keeps its own key
+        return lambda q, k, allowed: allowed & ((k[None, :] != q[:, None]) | (q[:, None] == 0))
     lo, hi = (ev(x, ctx.names) for x in keys)
     start = ev(queries_from, ctx.names)
     return lambda q, k, allowed: allowed & ~(((k >= lo) & (k <= hi))[None, :] & (q >= start)[:, None])

@@ -152,11 +152,16 @@ def test_a_tight_tolerance_turns_the_same_noise_divergent(traces):
 
 
 def _flip_last_token(path, margin: float) -> None:
-    """Change the last generated token (never fed back, so no tensor changes) and its margin."""
+    """Change the last generated token (never fed back, so no tensor changes) and its margin; the
+    step's top-1 becomes that token (a greedy run chooses its own top-1: else sampling_mismatch)."""
     with h5py.File(path, "r+") as f:
         f["generated_ids"][-1] = (f["generated_ids"][-1] + 1) % 64
         f["steps/token_id"][-1] = f["generated_ids"][-1]       # the step chose it: the reader checks they agree
         f["steps/margin"][-1] = margin
+        top = f["steps/topk_ids"][-1]
+        chosen = int(f["generated_ids"][-1])
+        top[list(top).index(chosen) if chosen in top else 1], top[0] = top[0], chosen
+        f["steps/topk_ids"][-1] = top
 
 
 @pytest.mark.parametrize("margin,benign", [(1e-6, True), (3.0, False)])

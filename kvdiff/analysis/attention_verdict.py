@@ -14,14 +14,16 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvdiff.analysis.attention_fit import UNRECORDED, AttentionTest, Score, finalists, fit_scale, hypotheses
+from kvdiff.analysis.attention_fit import UNRECORDED, AttentionTest, Score
+from kvdiff.analysis.attention_hypotheses import finalists, fit_scale, hypotheses
 from kvdiff.analysis.contradictions import EXPLAINS
 from kvdiff.analysis.diagnosis import DiagnosisInputs, fmt
 
 # an explanation leaves at most EXPLAINS of the change in attn_out unexplained (contradictions.py refutes more)
 MARGIN = 0.5        # and at most this share of what the next-best explanation leaves,
 NESTED_MARGIN = 0.8  # or, where that one hides an overlapping span (one key more or less at an end), this
-_PREFER = ("standard", "hidden", "scale", "next key", "chunk alone", "not causal", "window", "kv heads")
+_PREFER = ("standard", "hidden", "scale", "next key", "chunk alone", "not causal", "window", "own key hidden",
+           "kv heads")
 
 
 def _nested(a: Score, b: Score) -> bool:

@@ -1,0 +1,121 @@
+"""The family of attention hypotheses attention_fit scores, and how it is searched: hidden keys
+(single keys and spans around the first tested row), each row's chunk alone, the next key, every
+later key of the forward, a sliding window, the row's own key hidden, the KV heads tiled; the softmax
+scale fitted by a grid and golden-section search; the finalists scored on every tested row."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from kvdiff.analysis.attention_fit import QUICK_ROWS, AttentionTest, Hypothesis, Score, causal
+
+# Keys (and span ends) tried as hidden ones: every earlier key up to this many, else a chosen set.
+ALL_KEYS_UP_TO = 96
+
+
+def hidden_keys(lo: int, hi: int) -> Callable[[int, int], np.ndarray]:
+    return lambda row, n: causal(row, n) & ~((np.arange(n) >= lo) & (np.arange(n) <= hi))
+
+
+def span_text(lo: int, hi: int) -> str:
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
+def key_candidates(first: int, extra: list[int]) -> list[int]:
+    """Keys before the first tested row that may be hidden: all of them for short prompts; else the
+    ones next to it, the first, chunk boundaries (`extra`) and 24 spread over the rest."""
+    if first <= ALL_KEYS_UP_TO:
+        return list(range(first))
+    spread = np.linspace(0, first - 1, 24).round().astype(int).tolist()
+    picked = {0, first - 1, first - 2, first - 3, *spread, *(e for e in extra if 0 <= e < first)}
+    return sorted(picked)
+
+
+def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], int | None],
+               same_forward: Callable[[int, int], bool], forward_end: Callable[[int], int],
+               heads: tuple[int, int] = (1, 1)) -> list[Hypothesis]:
+    """Every hypothesis but the scale family: the reference's attention, hidden keys (one key, spans
+    ending before the first tested row, spans from 0), each row's chunk alone, the next key visible,
+    every later key of the row's forward visible (`forward_end(row)`: one past its forward's last row),
+    sliding windows, and (`heads`: query and KV heads) the KV heads tiled over the query heads."""
+    out = [Hypothesis("standard", "every earlier position attended, as the reference does", causal)]
+    keys = key_candidates(first, boundaries)
+    spans = {(j, j) for j in keys} | {(a, first - 1) for a in keys} | {(0, b) for b in keys}
+    for lo, hi in sorted(spans):
+        out.append(Hypothesis("hidden", f"positions {span_text(lo, hi)} not attended", hidden_keys(lo, hi),
+                              hidden=(lo, hi)))
+
+    def alone(row: int, n: int) -> np.ndarray:
+        start = chunk_start(row)
+        return causal(row, n) & (np.arange(n) >= (start if start is not None else 0))
+
+    out.append(Hypothesis("chunk alone", "each row attending only its own chunk", alone))
+
+    def next_key(row: int, n: int) -> np.ndarray:
+        vis = causal(row, n)
+        if n > row + 1 and same_forward(row, row + 1):
+            vis[row + 1] = True
+        return vis
+
+    out.append(Hypothesis("next key", "each row also attending the next position (computed in the same forward)",
+                          next_key))
+    out.append(Hypothesis("not causal", "each row also attending every later position of its forward (the mask is "
+                          "not causal)", lambda row, n: np.ones(n, bool), reach=forward_end))
+    out.append(Hypothesis("own key hidden", "each row attending every earlier position but not its own (the mask's "
+                          "diagonal hidden: < where <= is meant)", lambda row, n: np.arange(n) < max(row, 1)))
+    for w in window_candidates(first):
+        out.append(Hypothesis("window", f"each row attending only its own and the {w - 1} positions before it (a "
+                              f"sliding window of {w})", sliding_window(w), window=w))
+    query, kv = heads
+    if 1 < kv < query:
+        out.append(Hypothesis("kv heads", f"query head h reading KV head h mod {kv} (the KV heads tiled) where the "
+                              f"model gives each KV head {query // kv} consecutive query heads", causal,
+                              kv_heads=tuple(h % kv for h in range(query))))
+    return out
+
+
+def sliding_window(w: int) -> Callable[[int, int], np.ndarray]:
+    return lambda row, n: causal(row, n) & (np.arange(n) > row - w)
+
+
+def window_candidates(first: int) -> list[int]:
+    """Sliding windows that hide a key from the first tested row: the one whose first such row it is
+    (a cold run's first divergent row), its neighbours, and the powers of two below it."""
+    powers = [1 << k for k in range(1, max(first, 2).bit_length()) if 1 << k < first]
+    return sorted({w for w in (first - 1, first, first + 1, *powers) if 1 <= w <= first})
+
+
+def fit_scale(test: AttentionTest, lo: float = 0.25, hi: float = 4.0) -> Score:
+    """The softmax scale factor that explains the rows best: a grid on a few rows brackets it,
+    golden-section search on all of them refines it."""
+    make = lambda s: Hypothesis("scale", f"softmax scale x{s:.4g}", causal, scale=float(s))
+    grid = np.geomspace(lo, hi, 25)
+    quick = test.on(test.rows, QUICK_ROWS)
+    i = int(np.argmin([quick.score(make(s)).residual for s in grid]))
+    a, b = np.log(grid[max(i - 1, 0)]), np.log(grid[min(i + 1, grid.size - 1)])
+    g = (np.sqrt(5) - 1) / 2
+    c, d = b - g * (b - a), a + g * (b - a)
+    sc, sd = test.score(make(np.exp(c))), test.score(make(np.exp(d)))
+    for _ in range(14):
+        if sc.residual < sd.residual:
+            b, d, sd = d, c, sc
+            c = b - g * (b - a)
+            sc = test.score(make(np.exp(c)))
+        else:
+            a, c, sc = c, d, sd
+            d = a + g * (b - a)
+            sd = test.score(make(np.exp(d)))
+    return min(sc, sd, key=lambda s: s.residual)
+
+
+def finalists(test: AttentionTest, family: list[Hypothesis], keep: int = 6) -> list[Hypothesis]:
+    """The hypotheses worth scoring on every tested row: the `keep` best on a few rows, and always the
+    reference's attention and each chunk alone (the comparisons a verdict names)."""
+    if test.rows.size <= QUICK_ROWS or len(family) <= keep:
+        return family
+    quick = test.on(test.rows, QUICK_ROWS)
+    ranked = sorted(range(len(family)), key=lambda i: quick.score(family[i]).residual)[:keep]
+    chosen = set(ranked) | {i for i, h in enumerate(family) if h.name in ("standard", "chunk alone")}
+    return [family[i] for i in sorted(chosen)]
