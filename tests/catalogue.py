@@ -177,6 +177,17 @@ NO_STALE = Check("no evidence names a wrong slot or stale entry", _no_stale_word
 HALVED = Check("a position_mismatch, if any, gives encoded positions p/2", _positions_halved)
 
 
+def q_rotated(offsets: list[int] | None = None, no_rope: bool = False) -> Check:
+    """The operation_mismatch on q gives q as the reference's rotated: by `offsets`, or back to 0."""
+    def check(report: dict, names: dict) -> str | None:
+        found = [d.get("q_rotation") for d in report["diagnoses"] if d["kind"] == "operation_mismatch"]
+        for r in found:
+            if r is not None and r["no_rope"] == no_rope and (offsets is None or r["offsets"] == offsets):
+                return None
+        return f"no operation_mismatch with q_rotation offsets={offsets} no_rope={no_rope} (found {found})"
+    return Check(f"q rotated by {offsets if offsets else 'minus its position'}", check)
+
+
 def output_factor(value: float) -> Check:
     """The operation_mismatch's `output_factor` is `value` (to 1e-4 of it)."""
     def check(report: dict, names: dict) -> str | None:
@@ -420,6 +431,13 @@ CASES: list[Case] = [
          "causal mask off by one: each query sees the keys before it, not its own", "self_attn pre-hook: k < q (q > 0)",
          (p("mask", rule="self hidden"),), "cold", ATTENTION, 0, "1",
          (want("attention_mismatch", first="1", explanation="own key hidden", layer=0),), NONE3),
+    Case("cb-llama-q-unrotated", "tiny-llama", CB,
+         "RoPE on k only: q not rotated", "apply_rotary_pos_emb returns q as it came", (p("q_rope"),), "cold",
+         "q projection", 0, "1", (want("operation_mismatch", first="1"),), NONE3, (q_rotated(no_rope=True),)),
+    Case("cb-qwen2-q-rope-shift", "tiny-qwen2", CB,
+         "q encoded 3 positions further than k", "apply_rotary_pos_emb: q rotated by 3 more positions",
+         (p("q_rope", offset=3),), "cold", "q projection", 0, "0", (want("operation_mismatch", first="0"),), NONE3,
+         (q_rotated(offsets=[3]),)),
     Case("cb-qwen3-missing-cross-chunk", "tiny-qwen3", CB,
          "rows computed after a cache hit do not attend to the cached blocks",
          "self_attn pre-hook: keys 0..H-1 hidden in the warm run",
@@ -885,6 +903,22 @@ def plant_rope_interleaved(ctx: Ctx) -> Undo:
     return lambda: setattr(module, "apply_rotary_pos_emb", old)
 
 
+def plant_q_rope(ctx: Ctx, offset: int | None = None) -> Undo:
+    """RoPE on q otherwise than on k: none at all (offset None), or `offset` positions further."""
+    module = sys.modules[type(ctx.model.model.layers[0].self_attn).__module__]
+    old = module.apply_rotary_pos_emb
+
+    def planted(q, k, cos, sin, unsqueeze_dim=1):
+        q_rot, k_rot = old(q, k, cos, sin, unsqueeze_dim)
+        if offset is None:
+            return q, k_rot
+        c, s = ctx.model.model.rotary_emb(q, torch.tensor([[offset]], device=q.device))
+        return old(q_rot, k_rot, c, s, unsqueeze_dim)[0], k_rot
+
+    module.apply_rotary_pos_emb = planted
+    return lambda: setattr(module, "apply_rotary_pos_emb", old)
+
+
 def plant_kv_heads_tiled(ctx: Ctx) -> Undo:
     """transformers' SDPA attention with query head h reading KV head h mod KV heads (the KV heads
     tiled) where the model gives each KV head a run of consecutive query heads (h // group)."""
@@ -1158,7 +1192,7 @@ PLANTS: dict[str, Callable[..., Undo]] = {
     "cache_copy": plant_cache_copy, "cache_layer_copy": plant_cache_layer_copy, "cache_zero": plant_cache_zero,
     "cache_unrotate_k": plant_cache_unrotate_k, "cache_swap_heads": plant_cache_swap_heads,
     "cache_round_v": plant_cache_round_v, "rope_interleaved": plant_rope_interleaved,
-    "kv_heads_tiled": plant_kv_heads_tiled, "norm_one_plus_weight": plant_norm_one_plus_weight,
+    "kv_heads_tiled": plant_kv_heads_tiled, "q_rope": plant_q_rope, "norm_one_plus_weight": plant_norm_one_plus_weight,
 }
 
 

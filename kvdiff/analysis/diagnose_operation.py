@@ -18,6 +18,7 @@ import numpy as np
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, runs, span_text
 from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.operation import first_operation
+from kvdiff.analysis.rope import estimate_positions
 from kvdiff.analysis.search import Location
 from kvdiff.analysis.tolerance import Tier
 
@@ -83,6 +84,13 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None) -> list[
     details = {"operation": op.name, "layer": op.layer, "tensor": op.tensor, "positions_broken": n,
                "positions_inputs_match": m, "output_factor": None}
     factor = _output_factor(inputs, op.layer, op.tensor, cols)
+    rotated = _q_rotation(inputs, op.layer, cols) if op.tensor == "q" else None
+    details["q_rotation"] = rotated
+    if rotated is not None:
+        evidence += (f"; q is the reference's q rotated by {rotated['text']} at every one of them (exact rotations, "
+                     f"fit quality >= {fmt(rotated['fit_quality'])}): RoPE rotated q to other positions than k")
+        proof += f"; q = the reference's q rotated by {rotated['text']} (fit quality >= {fmt(rotated['fit_quality'])})"
+        factor = None
     passed = _passed_input(inputs, op, cols) if len(op.inputs) > 1 else None
     details["output_is_input"] = passed
     if passed is not None:
@@ -97,6 +105,31 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None) -> list[
         proof += f"; {op.tensor} = {fmt(factor[0])} x the reference's, {fmt(factor[1])} of the change left"
     return [Diagnosis("operation_mismatch", inputs.chunks.chunk_of(lo), (lo, hi), evidence, details,
                       confidence=n / m, proof=proof)]
+
+
+def _q_rotation(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> dict | None:
+    """Where the candidate's q at `cols` (up to FACTOR_ROWS) is, row by row, the reference's q
+    rotated by a whole number of positions with the reference's frequencies: the offsets (one, or
+    each row's own position back to 0: q carries no RoPE) and the worst fit quality; else None."""
+    if inputs.thetas is None:
+        return None
+    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
+    ref, cand = (rows[cols] for rows in inputs.rows(layer, "q"))
+    horizon = 2 * int(al.positions.max()) + 64
+    shift, quality = estimate_positions(ref, cand, inputs.thetas, horizon, -horizon, batch=8)
+    slack = 2e-3 if "bfloat16" in (inputs.reference.meta.dtype, inputs.candidate.meta.dtype) else 1e-4
+    if not (quality >= 1 - slack).all() or not shift.any():
+        return None
+    positions = al.positions[cols]
+    offsets = np.unique(shift)
+    if (shift == -positions).all():
+        text = "minus its own position (back to position 0: q carries no RoPE)"
+    elif offsets.size == 1:
+        text = f"{int(offsets[0]):+d} positions"
+    else:
+        text = f"{offsets.size} different offsets ({', '.join(f'{int(o):+d}' for o in offsets[:4])}...)"
+    return {"offsets": [int(o) for o in offsets[:8]], "no_rope": bool((shift == -positions).all()),
+            "fit_quality": float(quality.min()), "text": text}
 
 
 def _passed_input(inputs: DiagnosisInputs, op, cols: np.ndarray) -> str | None:
