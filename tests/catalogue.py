@@ -359,6 +359,10 @@ CASES: list[Case] = [
          "block_kv rows 0..H-1: K/V heads 0 and 1 exchanged after the fill",
          (p("cache_swap_heads", "cache", positions="range(0, H)"),), "warm-other", K_CACHE, 0, "0",
          (want(CC, positions=("0", "H - 1"), head_order=[1, 0]),), (PM, MC)),
+    Case("cb-mistral-cache-kv-swapped", "tiny-mistral", CB,
+         "the cache holds the cached blocks' K and V in each other's place", "block_kv rows 0..H-1: K and V exchanged "
+         "after the fill", (p("cache_swap_kv", "cache", positions="range(0, H)"),), "warm-other", K_CACHE, 0, "0",
+         (want(CC, positions=("0", "H - 1"), swapped_kv=True),), (PM, MC)),
     Case("cb-qwen3-zeroed-boundary-row", "tiny-qwen3", CB,
          "the last cached row (block boundary) zeroed", "block_kv row H-1 zeroed after the fill",
          (p("cache_zero", "cache", positions="[H - 1]"),), "warm-other", K_CACHE, 0, "H - 1",
@@ -470,6 +474,10 @@ CASES: list[Case] = [
          "cached V rounded through float8 (e4m3)", "paged cache V rows 0..H-1 -> float8_e4m3fn -> fp32 after the primer",
          (p("cache_round_v", "cache", positions="range(0, H)", dtype=torch.float8_e4m3fn),), "warm-other", V_CACHE, 0,
          "0", (want(CC, positions=("0", "H - 1"), rounding="float8_e4m3fn"),), (PM, MC), (NO_STALE,)),
+    Case("vllm-llama64-cache-kv-swapped", VLLM_ARCH, VLLM,
+         "the cache holds the cached block's K and V in each other's place", "paged cache rows 0..H-1: K and V "
+         "exchanged after the primer", (p("cache_swap_kv", "cache", positions="range(0, H)"),), "warm-other",
+         K_CACHE, 0, "0", (want(CC, positions=("0", "H - 1"), swapped_kv=True),), (PM, MC)),
     Case("vllm-llama64-kproj-in-cache", VLLM_ARCH, VLLM,
          "cached K computed with a changed k projection (V right)",
          "K rows of layer 0 qkv_proj.weight x 1.05 while the primer runs",
@@ -1099,6 +1107,15 @@ def plant_cache_swap_heads(ctx: Ctx, positions: str) -> Undo:
             ctx.write(layer, pos, *(t.reshape(len(pos), 2, -1).flip(1).reshape(t.shape) for t in (k, v)))
 
 
+def plant_cache_swap_kv(ctx: Ctx, positions: str) -> Undo:
+    """Cached K/V rows of `positions` (every layer) written in each other's place (K where V belongs)."""
+    pos = ev(positions, ctx.names)
+    with torch.no_grad():
+        for layer in range(ctx.layers):
+            k, v = ctx.rows(layer, pos)
+            ctx.write(layer, pos, v, k)
+
+
 def plant_cache_zero(ctx: Ctx, positions: str) -> Undo:
     pos = ev(positions, ctx.names)
     with torch.no_grad():
@@ -1192,7 +1209,7 @@ PLANTS: dict[str, Callable[..., Undo]] = {
     "cache_copy": plant_cache_copy, "cache_layer_copy": plant_cache_layer_copy, "cache_zero": plant_cache_zero,
     "cache_unrotate_k": plant_cache_unrotate_k, "cache_swap_heads": plant_cache_swap_heads,
     "cache_round_v": plant_cache_round_v, "rope_interleaved": plant_rope_interleaved,
-    "kv_heads_tiled": plant_kv_heads_tiled, "q_rope": plant_q_rope, "norm_one_plus_weight": plant_norm_one_plus_weight,
+    "kv_heads_tiled": plant_kv_heads_tiled, "q_rope": plant_q_rope, "cache_swap_kv": plant_cache_swap_kv, "norm_one_plus_weight": plant_norm_one_plus_weight,
 }
 
 

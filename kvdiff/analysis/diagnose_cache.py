@@ -16,6 +16,8 @@ import torch
 
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.keys import CONTENT, SCALED
+from kvdiff.analysis.metrics import row_metrics
+from kvdiff.analysis.tolerance import Tier
 
 EXACT = 1e-6      # a relative distance this small: the same row
 
@@ -109,6 +111,20 @@ def rounding(ref: np.ndarray, cand: np.ndarray) -> tuple[str | None, float]:
     return None, 0.0
 
 
+def _swapped(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> bool:
+    """The candidate's k rows at `cols` are the reference's v rows and its v rows the reference's k
+    rows, within tolerance (the cache's K and V in each other's place)."""
+    points = inputs.comparison.points
+    if "k" not in points or "v" not in points:
+        return False
+    (ref_k, cand_k), (ref_v, cand_v) = inputs.rows(layer, "k"), inputs.rows(layer, "v")
+    if ref_k.shape[1:] != ref_v.shape[1:] or not cols.size:
+        return False
+    tolerances = inputs.comparison.tolerances
+    return all((row_metrics(a[cols], b[cols]).tiers(tolerances.for_point(point)) <= Tier.NOISE).all()
+               for a, b, point in ((ref_v, cand_k, "k"), (ref_k, cand_v, "v")))
+
+
 def _bad_columns(inputs: DiagnosisInputs) -> tuple[np.ndarray, np.ndarray]:
     """Columns with k_pre_rope or v divergent at the first layer with the same input, and columns read
     from a cache whose k is not a rotation of the reference's content while v matches."""
@@ -167,7 +183,13 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
             details["rows"] = [list(r) for r in runs(group)]
         exact, moved = dist <= EXACT, src != group
         proof = f"{point} at {group.size} rows differs (rel up to {fmt(inputs.worst(point, 0, gcols)[1])}) with {same}"
-        if (exact & moved).any():
+        swapped = _swapped(inputs, layer, gcols)
+        if swapped:
+            details["swapped_kv"] = True
+            evidence += ("; at every one of these positions the candidate's k rows are the reference's v rows and its v "
+                         "rows the reference's k rows (within tolerance): the cache holds K and V in each other's place")
+            proof += "; k = the reference's v and v = the reference's k at every row, within tolerance"
+        elif (exact & moved).any():
             pairs = ", ".join(f"{p}<-{s}" for p, s in zip(group[exact & moved][:6], src[exact & moved][:6]))
             evidence += f"; the candidate's {point} rows equal the reference's at other positions ({pairs}): a wrong slot or stale entry"
             proof += f"; {int((exact & moved).sum())} rows equal the reference's {point} at other positions exactly"
@@ -183,7 +205,7 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
                 evidence += (f"; the candidate's {point} rows are the reference's rounded to {dtype} ({100 * share:.1f}% "
                              f"of the elements exactly, the rest within one {dtype} step): the cache stored them in {dtype}")
                 proof += f"; equal to the reference's rows rounded to {dtype} at {100 * share:.1f}% of the elements"
-        if "k" in differing and keys is not None:
+        if "k" in differing and keys is not None and not swapped:
             ksel = np.isin(keys.cols, gcols)
             scaled = keys.kind[ksel] == SCALED
             if scaled.all() and keys.exact[ksel].all() and (keys.encoded[ksel] == positions[keys.cols[ksel]]).all():
