@@ -74,7 +74,13 @@ class TransformersTarget:
         self._quiet = lambda record: "persistent_manager=True" not in str(record.msg)
         logging.getLogger(_CB_LOGGER).addFilter(self._quiet)
         self.manager = self.cache = None
-        self._start_manager()
+        try:
+            self._start_manager()
+        except (TypeError, ValueError) as exc:
+            if not cb_args:
+                raise
+            raise InputError(f"--engine-option: transformers' continuous batching does not start with "
+                             f"{dict(cb_args)}: {exc}") from exc
 
     def _start_manager(self) -> None:
         """A persistent manager (started and stopped with keep_for_next_session, all public API),

@@ -360,6 +360,10 @@ def _llm_args(folder: Path, block_size: int, kv_cache_bytes: int, max_model_len:
         raise InputError(f"--engine-option kv_cache_dtype={options['kv_cache_dtype']}: the vLLM target records K and V "
                          "as attention's inputs, and a quantized cache rounds them before attention reads them; "
                          "it runs a float32 cache only (leave kv_cache_dtype out)")
+    for name in ("block_size", "max_model_len", "kv_cache_memory_bytes"):
+        value = options.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"--engine-option {name}={value!r}: a positive whole number")
     length = options.get("max_model_len", max_model_len)
     return {"model": str(folder), "dtype": "float32", "enforce_eager": True, "enable_prefix_caching": True,
             "block_size": block_size, "kv_cache_memory_bytes": kv_cache_bytes, "max_model_len": length,
