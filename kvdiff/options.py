@@ -138,7 +138,7 @@ def engine_options(value: Mapping[str, Any] | Iterable[str] | None) -> dict[str,
         for item in value:
             key, sep, text = str(item).partition("=")
             if not sep:
-                raise InputError(f"engine option {item!r} is not KEY=VALUE (for example kv_cache_dtype=fp8)")
+                raise InputError(f"engine option {item!r} is not KEY=VALUE (for example flash_attn=true)")
             try:
                 parsed = json.loads(text)
             except ValueError:
@@ -151,4 +151,9 @@ def engine_options(value: Mapping[str, Any] | Iterable[str] | None) -> dict[str,
         if key in out:
             raise InputError(f"engine option {key!r} is given twice")
         out[key] = parsed
+    try:        # report.json keeps them
+        json.dumps(out, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"engine option values must be JSON values (numbers, text, true/false, null, lists, "
+                         f"objects): {exc}") from None
     return out

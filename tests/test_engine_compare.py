@@ -270,6 +270,17 @@ def test_against_reference_is_checked_before_any_case_runs(tmp_path, table, mess
         load_cases(cases)
 
 
+def test_engine_option_values_must_be_json_values():
+    from kvdiff.options import engine_options
+
+    assert engine_options(["n_ctx=512", "name=fp8", 'hf_overrides={"a": [1, 2]}']) == \
+        {"n_ctx": 512, "name": "fp8", "hf_overrides": {"a": [1, 2]}}
+    with pytest.raises(InputError, match="engine option values must be JSON values"):
+        engine_options({"hf_overrides": object()})
+    with pytest.raises(InputError, match="must be KEY=VALUE items or a mapping"):
+        engine_options("n_ctx=512")
+
+
 def test_a_gate_case_gives_engine_options_as_a_table(tmp_path):
     from kvdiff.gate.cases import load_cases
 

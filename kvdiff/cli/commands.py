@@ -90,7 +90,7 @@ def compare(
                                        "as it is (a quantized GGUF runs quantized)."),
     engine_option: Optional[list[str]] = typer.Option(None, "--engine-option", help="KEY=VALUE, repeatable: a setting "
                                                       "of the engine under test over kvdiff's (VALUE JSON or text): "
-                                                      "vllm.LLM's arguments (kv_cache_dtype=fp8, hf_overrides={...}), "
+                                                      "vllm.LLM's arguments (max_model_len=4096, hf_overrides={...}), "
                                                       "llama_cpp.Llama's (flash_attn=true), transformers' "
                                                       "ContinuousBatchingConfig's (block_size=32)."),
 ) -> None:

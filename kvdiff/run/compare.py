@@ -114,8 +114,8 @@ def compare(
     that every rule can set its tensors against the reference's), "native" on the checkpoint as
     it is (a quantized GGUF runs quantized). `engine_options` (an engine under test only): its own
     settings over kvdiff's, a mapping or `KEY=VALUE` strings (`kvdiff.options.engine_options`):
-    vllm.LLM's arguments (`kv_cache_dtype`, `hf_overrides`), llama_cpp.Llama's (`flash_attn`,
-    `rope_freq_base`), or transformers' ContinuousBatchingConfig's fields (`block_size`).
+    vllm.LLM's arguments (`hf_overrides`, `max_model_len`), llama_cpp.Llama's (`flash_attn`,
+    `rope_freq_base`), or transformers' ContinuousBatchingConfig's fields (`page_size`).
     """
     from kvdiff.engine import Engine
     from kvdiff.engine.chunks import split_conversation

@@ -29,7 +29,7 @@ from kvdiff.analysis import Divergence, diff
 from kvdiff.conversation import Messages, render_prompt_ids, validate_messages
 from kvdiff.errors import KvdiffError
 from kvdiff.options import EngineWeights, TraceMode
-from kvdiff.options import engine_options as engine_options_of
+from kvdiff.options import engine_options as parse_engine_options
 from kvdiff.run.compare import CompareResult, write_reports
 from kvdiff.run.engine_reference import COLD_WINDOW, REFERENCE_FIRST, against_reference
 from kvdiff.run.folder import check_report_copies, claimed_out_dir, discarded_on_failure
@@ -65,7 +65,8 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
     from kvdiff.run.model_cache import ModelKey, cached_model
     from kvdiff.run.record import record
 
-    name, weights, settings = EngineName.parse(engine), EngineWeights.parse(weights), engine_options_of(engine_options)
+    name, weights = EngineName.parse(engine), EngineWeights.parse(weights)
+    settings = parse_engine_options(engine_options)
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
     warm_messages = messages if isinstance(warm, bool) else validate_messages(warm)
