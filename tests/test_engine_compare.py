@@ -47,7 +47,7 @@ def test_engine_options_reach_the_engine_and_the_reports(tmp_path):
     16 gives 32): the hit follows the setting, report.json keeps the options and the terminal's
     engine line names them."""
     result = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=3, out=tmp_path / "run",
-                     engine_options=["page_size=12"])
+                     engine_options=["page_size=12"], trace_mode="full")
     report = result.report.to_json()
     assert result.exit_code == 0 and report["engine"]["options"] == {"page_size": 12}
     assert report["engine"]["cache_hit_tokens"] == 24 and report["engine"]["prompt_tokens"] == 35

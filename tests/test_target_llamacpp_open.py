@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 from kvdiff.engine.loading import default_gguf_path  # noqa: E402
+from kvdiff.errors import InputError  # noqa: E402
 from kvdiff.run.compare import compare  # noqa: E402
 from kvdiff.run.model_cache import ModelKey  # noqa: E402
 from conftest import SEED_MESSAGES, SHARING_SYSTEM  # noqa: E402
@@ -78,3 +79,14 @@ def test_flash_attention_is_told_apart_by_the_size_of_its_difference(gguf, model
     first = against["diagnoses"][0]
     assert (first["kind"], first["explanation"], first["rounding_size"]) == ("attention_mismatch", None, "float16")
     assert "as large as rounding to float16 makes it" in first["evidence"]
+
+
+def test_a_context_too_small_for_the_request_is_one_clear_error(gguf, models, tmp_path):
+    """`--engine-option n_ctx=16` for a longer prompt: refused before llama.cpp evaluates it, naming
+    what the request needs and the option to raise (llama-cpp-python's own error was a numpy
+    broadcast message); no run folder is left."""
+    with pytest.raises(InputError, match=r"the request needs \d+ \+ 4 tokens of context and llama.cpp runs with 16: "
+                                         r"give a larger --engine-option n_ctx"):
+        compare(SEED_MESSAGES, engine="llama.cpp", model=str(gguf), warm=SHARING_SYSTEM, max_new_tokens=4,
+                out=tmp_path / "run", model_cache=models, engine_options={"n_ctx": 16})
+    assert not (tmp_path / "run").exists()

@@ -308,6 +308,10 @@ class LlamaCppTarget:
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sink: ProbeSink | None = None) -> TargetRun:
         """Greedy decoding of `prompt_ids`; records into `sink` when one is given."""
         ids = [int(i) for i in prompt_ids]
+        room = min(self.llm.n_ctx(), len(self.llm.input_ids))      # llama-cpp-python's buffer: the n_ctx asked for
+        if len(ids) + max_new_tokens > room:
+            raise InputError(f"the request needs {len(ids)} + {max_new_tokens} tokens of context and llama.cpp runs "
+                             f"with {room}: give a larger --engine-option n_ctx")
         run = self._run = _Run(sink, len(ids))
         vocab = self.lib.llama_model_get_vocab(self.llm.model)
         tokens, steps = [], []
