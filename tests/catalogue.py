@@ -188,14 +188,14 @@ def q_rotated(offsets: list[int] | None = None, no_rope: bool = False) -> Check:
     return Check(f"q rotated by {offsets if offsets else 'minus its position'}", check)
 
 
-def output_factor(value: float) -> Check:
-    """The operation_mismatch's `output_factor` is `value` (to 1e-4 of it)."""
+def detail_near(kind: str, key: str, value: float) -> Check:
+    """A `kind` diagnosis gives `key` = `value` (to 1e-3 of it: a fitted number)."""
     def check(report: dict, names: dict) -> str | None:
-        found = [d.get("output_factor") for d in report["diagnoses"] if d["kind"] == "operation_mismatch"]
-        if any(f is not None and abs(f - value) <= 1e-4 * abs(value) for f in found):
+        found = [d.get(key) for d in report["diagnoses"] if d["kind"] == kind]
+        if any(f is not None and abs(f - value) <= 1e-3 * abs(value) for f in found):
             return None
-        return f"no operation_mismatch with output_factor {value} (found {found})"
-    return Check(f"the operation_mismatch gives output_factor {value}", check)
+        return f"no {kind} with {key} {value} (found {found})"
+    return Check(f"a {kind} gives {key} {value}", check)
 NONE3 = (PM, MC, CC)
 
 
@@ -395,7 +395,7 @@ CASES: list[Case] = [
     Case("cb-llama-embed-scaled", "tiny-llama", CB,
          "token embeddings scaled by 1.5 (a normalizer the model does not have)", "embed_tokens output x 1.5",
          (p("scale_output", module="model.embed_tokens", factor=1.5),), "cold", "embedding", 0, "0",
-         (want("operation_mismatch", first="0"),), NONE3, (output_factor(1.5),)),
+         (want("operation_mismatch", first="0"),), NONE3, (detail_near("operation_mismatch", "output_factor", 1.5),)),
     Case("cb-qwen2-attn-scaling", "tiny-qwen2", CB,
          "attention scale wrong (x1.25)", "self_attn.scaling x 1.25 at every layer",
          (p("set_attr", module="model.layers.{i}.self_attn", name="scaling", factor=1.25),), "cold",
@@ -504,6 +504,11 @@ CASES: list[Case] = [
          "paged cache K rows 0..H-1 rotated back to position 0 after the primer",
          (p("cache_unrotate_k", "cache", positions="range(0, H)"),), "warm-other", K_CACHE, 0, "1",
          (want(PM, positions=("1", "H - 1"), encoded_positions=[0, 0]),), (MC, CC)),
+    Case("vllm-llama64-attn-softcap", VLLM_ARCH, VLLM,
+         "attention scores soft-capped at 2 (a logit soft-cap the model does not have)", "attn.impl.logits_soft_cap = 2",
+         (p("vllm_softcap", cap=2.0),), "cold", ATTENTION, 0, "1",
+         (want("attention_mismatch", first="1", explanation="softcap", layer=0),), NONE3,
+         (detail_near("attention_mismatch", "softcap", 2.0),)),
     Case("vllm-llama64-rope-theta", VLLM_ARCH, VLLM,
          "wrong RoPE base (20000 instead of 10000)", "rotary_emb cos_sin_cache of base 20000 during the run",
          (p("vllm_rope_freq", base=20000.0),), "cold", ROPE_QK, 0, "1", (), NONE3),
@@ -1173,6 +1178,15 @@ def plant_vllm_set_attr(ctx: Ctx, module: str, name: str, value: Any) -> Undo:
     return lambda: [u() for u in reversed(undos)]     # a module shared by layers gets its first value back
 
 
+def plant_vllm_softcap(ctx: Ctx, cap: float) -> Undo:
+    """vLLM attention's logit soft-cap (its backend's `impl.logits_soft_cap`) set at every layer."""
+    impls = [m.impl for m in ctx.vllm_modules("model.layers.{i}.self_attn.attn")]
+    old = [i.logits_soft_cap for i in impls]
+    for i in impls:
+        i.logits_soft_cap = cap
+    return lambda: [setattr(i, "logits_soft_cap", o) for i, o in zip(impls, old)]
+
+
 def plant_vllm_rope_freq(ctx: Ctx, base: float | None = None, factor: float | None = None) -> Undo:
     """vLLM's rotary embedding's cos/sin table of another base, or of positions divided by `factor`."""
     ropes = {id(l.self_attn.rotary_emb): l.self_attn.rotary_emb for l in ctx.target.model.model.layers}
@@ -1202,7 +1216,7 @@ def plant_vllm_rope_shift(ctx: Ctx, offset: int, lo: str = "0") -> Undo:
 PLANTS: dict[str, Callable[..., Undo]] = {
     "vllm_scale": plant_vllm_scale, "vllm_qkv_rows": plant_vllm_qkv_rows, "vllm_rope_shift": plant_vllm_rope_shift,
     "vllm_rope_freq": plant_vllm_rope_freq, "vllm_set_attr": plant_vllm_set_attr,
-    "vllm_scale_output": plant_vllm_scale_output,
+    "vllm_scale_output": plant_vllm_scale_output, "vllm_softcap": plant_vllm_softcap,
     "rope_shift": plant_rope_shift, "rope_freq": plant_rope_freq, "set_attr": plant_set_attr,
     "adapter_scale": plant_adapter_scale, "scale_weight": plant_scale_weight, "skip": plant_skip,
     "scale_output": plant_scale_output, "drop_residual": plant_drop_residual, "mask": plant_mask,

@@ -37,7 +37,7 @@ class Hypothesis:
     where the hypothesis reads further), and a scale factor."""
 
     name: str                                  # "standard", "hidden", "scale", "next key", "chunk alone",
-                                               # "not causal", "window", "own key hidden", "kv heads"
+                                               # "not causal", "window", "own key hidden", "kv heads", "softcap"
     text: str                                  # in words, for the evidence
     visible: Callable[[int, int], np.ndarray]
     scale: float = 1.0
@@ -45,6 +45,7 @@ class Hypothesis:
     reach: Callable[[int], int] | None = None  # key rows read at a row, where more than the test's n_keys
     window: int | None = None                  # a sliding window: the keys a row sees, its own included
     kv_heads: tuple[int, ...] | None = None    # the KV head each query head reads, where not the model's groups
+    softcap: float | None = None               # scaled scores s -> softcap * tanh(s / softcap) before the softmax
 
 
 @dataclass
@@ -85,11 +86,12 @@ class AttentionRows:
         return out
 
     def attend(self, row: int, raw: np.ndarray, visible: np.ndarray, scale: float,
-               kv_heads: tuple[int, ...] | None = None) -> np.ndarray:
+               kv_heads: tuple[int, ...] | None = None, softcap: float | None = None) -> np.ndarray:
         """Softmax over the visible keys, times v: the attention output before o_proj, (heads * dv,)."""
         heads, d, n = self.q.shape[1], self.v.shape[2], raw.shape[1]
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            s = np.where(visible[None, :], raw * (self.scale * scale), -np.inf)
+            s = raw * (self.scale * scale)
+            s = np.where(visible[None, :], s if softcap is None else softcap * np.tanh(s / softcap), -np.inf)
             s -= s.max(axis=1, keepdims=True)
             w = np.exp(s)
             w /= w.sum(axis=1, keepdims=True)
@@ -168,8 +170,8 @@ class AttentionTest:
         keys = [self.n_keys(r, h) for r in self.rows]
         if max(keys) > self.cand.k.shape[0]:
             return np.full((self.rows.size, self.cand.q.shape[1] * self.cand.v.shape[2]), np.nan)
-        return np.stack([self.cand.attend(r, self.scores(r, n, h.kv_heads), h.visible(r, n), h.scale, h.kv_heads)
-                         for r, n in zip(self.rows, keys)])
+        return np.stack([self.cand.attend(r, self.scores(r, n, h.kv_heads), h.visible(r, n), h.scale, h.kv_heads,
+                                          h.softcap) for r, n in zip(self.rows, keys)])
 
     def score(self, h: Hypothesis) -> Score:
         z = self.predict(h)

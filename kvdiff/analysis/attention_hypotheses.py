@@ -13,6 +13,8 @@ from kvdiff.analysis.attention_fit import QUICK_ROWS, AttentionTest, Hypothesis,
 
 # Keys (and span ends) tried as hidden ones: every earlier key up to this many, else a chosen set.
 ALL_KEYS_UP_TO = 96
+# The largest soft-cap fitted: beyond it tanh is linear over any score a model makes (no cap).
+SOFTCAP_HI = 200.0
 
 
 def hidden_keys(lo: int, hi: int) -> Callable[[int, int], np.ndarray]:
@@ -88,9 +90,20 @@ def window_candidates(first: int) -> list[int]:
 
 
 def fit_scale(test: AttentionTest, lo: float = 0.25, hi: float = 4.0) -> Score:
-    """The softmax scale factor that explains the rows best: a grid on a few rows brackets it,
-    golden-section search on all of them refines it."""
-    make = lambda s: Hypothesis("scale", f"softmax scale x{s:.4g}", causal, scale=float(s))
+    """The softmax scale factor that explains the rows best (`_fitted`)."""
+    return _fitted(test, lambda s: Hypothesis("scale", f"softmax scale x{s:.4g}", causal, scale=float(s)), lo, hi)
+
+
+def fit_softcap(test: AttentionTest, lo: float = 0.5, hi: float = SOFTCAP_HI) -> Score:
+    """The logit soft-cap c (scaled scores s -> c * tanh(s / c), as Gemma 2 and engines' `softcap`
+    compute them) that explains the rows best (`_fitted`)."""
+    return _fitted(test, lambda c: Hypothesis("softcap", f"attention scores soft-capped at {c:.4g} (c * tanh(s / c))",
+                                               causal, softcap=float(c)), lo, hi)
+
+
+def _fitted(test: AttentionTest, make: Callable[[float], Hypothesis], lo: float, hi: float) -> Score:
+    """The value in [lo, hi] whose hypothesis `make(value)` explains the rows best: a grid on a few
+    rows brackets it, golden-section search (in log space) on all of them refines it."""
     grid = np.geomspace(lo, hi, 25)
     quick = test.on(test.rows, QUICK_ROWS)
     i = int(np.argmin([quick.score(make(s)).residual for s in grid]))

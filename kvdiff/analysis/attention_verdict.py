@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvdiff.analysis.attention_fit import UNRECORDED, AttentionTest, Score
-from kvdiff.analysis.attention_hypotheses import finalists, fit_scale, hypotheses
+from kvdiff.analysis.attention_hypotheses import SOFTCAP_HI, finalists, fit_scale, fit_softcap, hypotheses
 from kvdiff.analysis.contradictions import EXPLAINS
 from kvdiff.analysis.diagnosis import DiagnosisInputs, fmt
 
@@ -23,7 +23,7 @@ from kvdiff.analysis.diagnosis import DiagnosisInputs, fmt
 MARGIN = 0.5        # and at most this share of what the next-best explanation leaves,
 NESTED_MARGIN = 0.8  # or, where that one hides an overlapping span (one key more or less at an end), this
 _PREFER = ("standard", "hidden", "scale", "next key", "chunk alone", "not causal", "window", "own key hidden",
-           "kv heads")
+           "kv heads", "softcap")
 
 
 def _nested(a: Score, b: Score) -> bool:
@@ -132,10 +132,10 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
     scores, owner = [], {}
     for test, note in tests:
         found = [test.score(replace(h, text=h.text + note)) for h in finalists(test, family)]
-        scale = fit_scale(test)
-        if abs(np.log(scale.hypothesis.scale)) >= 0.01:
-            found.append(Score(replace(scale.hypothesis, text=scale.hypothesis.text + note), scale.residual,
-                               scale.median))
+        scale, cap = fit_scale(test), fit_softcap(test)
+        fitted = [f for f, kept in ((scale, abs(np.log(scale.hypothesis.scale)) >= 0.01),
+                                    (cap, cap.hypothesis.softcap < 0.9 * SOFTCAP_HI)) if kept]
+        found += [Score(replace(f.hypothesis, text=f.hypothesis.text + note), f.residual, f.median) for f in fitted]
         owner.update({id(f): test for f in found})
         scores += found
     ordered = sorted(scores, key=lambda s: s.residual)

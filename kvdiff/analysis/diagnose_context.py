@@ -170,10 +170,12 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
             details["window"] = h.window
         if h.name == "kv heads":
             details["kv_head_of_query_head"] = list(h.kv_heads)
+        if h.name == "softcap":
+            details["softcap"] = h.softcap
         found = f": {h.text} explains it (leaves {fmt(verdict.best.residual)} of the change unexplained)"
     else:
         found = ("; no tested explanation (hidden keys, another scale, a sliding window, the next key or every later key "
-                 "of the forward visible, its own key hidden, the KV heads tiled) accounts for it"
+                 "of the forward visible, its own key hidden, the KV heads tiled, a soft-cap) accounts for it"
                  if verdict is not None else "") + _rounding_note(inputs, attn_rel, details)
     evidence = (f"{where}: {same}, but attn_out differs (rel {fmt(attn_rel)}): the attention itself (mask, scale, "
                 f"softmax or o_proj) differs{found}")
