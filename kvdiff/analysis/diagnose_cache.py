@@ -17,7 +17,6 @@ import torch
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.keys import CONTENT, SCALED
 from kvdiff.analysis.metrics import row_metrics
-from kvdiff.analysis.tolerance import Tier
 
 EXACT = 1e-6      # a relative distance this small: the same row
 
@@ -121,7 +120,7 @@ def _swapped(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> bool:
     if ref_k.shape[1:] != ref_v.shape[1:] or not cols.size:
         return False
     tolerances = inputs.comparison.tolerances
-    return all((row_metrics(a[cols], b[cols]).tiers(tolerances.for_point(point)) <= Tier.NOISE).all()
+    return all(row_metrics(a[cols], b[cols]).within(tolerances.for_point(point)).all()
                for a, b, point in ((ref_v, cand_k, "k"), (ref_k, cand_v, "v")))
 
 

@@ -20,7 +20,6 @@ from kvdiff.analysis.keys import ROTATION
 from kvdiff.analysis.latent import attention_points, attention_rows, value_point
 from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.rope import rotate
-from kvdiff.analysis.tolerance import Tier
 
 
 def _k_ok(inputs: DiagnosisInputs, row: int) -> np.ndarray:
@@ -37,7 +36,7 @@ def _k_ok(inputs: DiagnosisInputs, row: int) -> np.ndarray:
     offsets = (keys.encoded[rotated] - inputs.comparison.alignment.positions[cols]).astype(np.float64)
     ref_k, cand_k = inputs.rows(layer, "k")
     moved = rotate(ref_k[cols], offsets, inputs.thetas)
-    ok[cols] |= row_metrics(moved, cand_k[cols]).tiers(inputs.comparison.tolerances.for_point("k")) <= Tier.NOISE
+    ok[cols] |= row_metrics(moved, cand_k[cols]).within(inputs.comparison.tolerances.for_point("k"))
     return ok
 
 
@@ -53,7 +52,7 @@ def _first_row(inputs: DiagnosisInputs, row: int, start: int, point: str) -> tup
         return None
     ref_v, cand_v = inputs.rows(inputs.comparison.layers[row], point)
     metrics = row_metrics(ref_v[:1], cand_v[col:col + 1])
-    return bool(metrics.tiers(inputs.comparison.tolerances.for_point(point))[0] <= Tier.NOISE), float(metrics.rel[0])
+    return bool(metrics.within(inputs.comparison.tolerances.for_point(point))[0]), float(metrics.rel[0])
 
 
 def diagnose_missing_context_in_cache(inputs: DiagnosisInputs) -> list[Diagnosis]:

@@ -142,7 +142,7 @@ def _passed_input(inputs: DiagnosisInputs, op, cols: np.ndarray) -> str | None:
     tolerance = inputs.comparison.tolerances.for_point(op.tensor)
     for check in op.inputs:
         rows = inputs.candidate.point(check.layer, check.point, al.cand_index[cols])
-        if rows.shape == out.shape and (row_metrics(rows, out).tiers(tolerance) <= Tier.NOISE).all():
+        if rows.shape == out.shape and row_metrics(rows, out).within(tolerance).all():
             return check.point
     return None
 

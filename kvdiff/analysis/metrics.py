@@ -39,6 +39,10 @@ class RowMetrics:
         out[self.bitwise] = Tier.BITWISE
         return out
 
+    def within(self, tolerance: Tolerance) -> np.ndarray:
+        """Bool per row: bitwise equal or within `tolerance` (tier noise or better)."""
+        return self.tiers(tolerance) <= Tier.NOISE
+
 
 def _rowsum64(a: np.ndarray) -> np.ndarray:
     return np.add.reduce(a, axis=1, dtype=np.float64)

@@ -17,7 +17,7 @@ import numpy as np
 from kvdiff.analysis.align import Alignment
 from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.norms import NORM_IO, RECOMPUTE_FLOAT32, NormCheck, recompute_rms_norm
-from kvdiff.analysis.tolerance import Tier, Tolerance, Tolerances
+from kvdiff.analysis.tolerance import Tolerance, Tolerances
 from kvdiff.errors import TraceError
 from kvdiff.trace import TraceReader
 
@@ -37,7 +37,7 @@ class NormFit:
 
 def _fits(out: np.ndarray, predicted: np.ndarray, tolerance: Tolerance) -> tuple[bool, float]:
     metrics = row_metrics(out, predicted)
-    return bool((metrics.tiers(tolerance) <= Tier.NOISE).all()), float(np.nanmax(metrics.rel))
+    return bool(metrics.within(tolerance).all()), float(np.nanmax(metrics.rel))
 
 
 def _solved_eps(x: np.ndarray, out: np.ndarray, weight: np.ndarray) -> float | None:

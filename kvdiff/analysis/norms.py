@@ -14,7 +14,7 @@ import torch
 
 from kvdiff.analysis.align import Alignment
 from kvdiff.analysis.metrics import row_metrics
-from kvdiff.analysis.tolerance import Tier, Tolerance, Tolerances
+from kvdiff.analysis.tolerance import Tolerance, Tolerances
 from kvdiff.errors import TraceError
 from kvdiff.trace import TraceReader
 
@@ -112,7 +112,7 @@ class NormChecker:
             return None, None
         metrics = row_metrics(io[1], recompute_rms_norm(io[0], *weight))
         tolerance = RECOMPUTE_FLOAT32 if weight[2] == "float32" else self.tolerances.for_point(self.norm)
-        return metrics.rel, metrics.tiers(tolerance) <= Tier.NOISE
+        return metrics.rel, metrics.within(tolerance)
 
     def add(self, ref_io: tuple[np.ndarray, np.ndarray], cand_io: tuple[np.ndarray, np.ndarray]) -> None:
         """The next block of aligned rows: (norm input, norm output) of the reference and the candidate."""
