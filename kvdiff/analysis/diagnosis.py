@@ -122,18 +122,22 @@ class DiagnosisInputs:
         (GPT-J's convention), where the reference pairs (i, i + d/2); the same frequencies."""
         return self._key_rows(cols, self.keys.cached[np.isin(self.keys.cols, cols)], interleaved)
 
+    @functools.cached_property
+    def _rope_scale(self) -> float:
+        """The factor RoPE multiplies the reference's first-layer key pairs by (keys.rope_scale)."""
+        al = self.comparison.alignment
+        (k_pre, _), (k_ref, _) = self.rows(self.first_layer, "k_pre_rope"), self.rows(self.first_layer, "k")
+        return rope_scale(k_pre[al.comparable], k_ref[al.comparable])
+
     def _key_rows(self, cols: np.ndarray, cached: np.ndarray, pairing=None) -> KeyRows:
         """The first layer's k at `cols` against the content it rotates (keys.key_rows), the last
         dimension reordered by `pairing` first where given."""
-        layer, al = self.first_layer, self.comparison.alignment
-        tol = self.comparison.tolerances.for_point("k")
-        (k_pre, _), (k_ref, k_cand) = self.rows(layer, "k_pre_rope"), self.rows(layer, "k")
-        scale = rope_scale(k_pre[al.comparable], k_ref[al.comparable])
-        content = self.key_content
+        al, tol = self.comparison.alignment, self.comparison.tolerances.for_point("k")
+        content, k_cand = self.key_content, self.rows(self.first_layer, "k")[1]
         if pairing is not None:
             content, k_cand = pairing(content), pairing(k_cand)
         return key_rows(content, k_cand, cols, cached, self.thetas, 2 * int(al.positions.max()) + 64, tol.atol,
-                        tol.rtol, (self.reference.meta.dtype, self.candidate.meta.dtype), scale)
+                        tol.rtol, (self.reference.meta.dtype, self.candidate.meta.dtype), self._rope_scale)
 
     def ok(self, point: str, row: int) -> np.ndarray | None:
         """Bool per aligned position: `point` at layer row `row` is bitwise or noise (None if not recorded)."""
