@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from kvdiff.errors import InputError, KvdiffError
-from kvdiff.targets.protocol import TargetInfo, TargetRun
+from kvdiff.targets.protocol import TargetInfo, TargetRun, refuse_fixed
 from kvdiff.trace.points import ALL_POINTS, LAYER_POINTS
 from kvdiff.trace.sink import ProbeSink, Provenance
 
@@ -90,9 +90,7 @@ class LlamaCppTarget:
         gguf = Path(gguf)
         if not gguf.is_file():
             raise InputError(f"{gguf}: no such GGUF file")
-        fixed = sorted(set(llama_args or {}) & set(FIXED_ARGS))
-        if fixed:
-            raise InputError(f"--engine-option {fixed[0]}: kvdiff sets it for the llama.cpp target ({FIXED_ARGS[fixed[0]]})")
+        refuse_fixed(llama_args, FIXED_ARGS, "llama.cpp")
         settings = {"n_ctx": n_ctx, "n_batch": 512, "n_ubatch": 512, "n_threads": n_threads,
                     "n_threads_batch": n_threads, **(llama_args or {})}
         try:

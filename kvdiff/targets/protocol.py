@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
+from kvdiff.errors import InputError
 from kvdiff.trace.sink import ProbeSink
 
 
@@ -63,3 +64,10 @@ class Target(Protocol):
 
     def close(self) -> None:
         """Release the engine."""
+
+
+def refuse_fixed(options: Mapping[str, Any] | None, fixed: Mapping[str, str], engine: str) -> None:
+    """Refuse engine options that set what the target fixes for its recording (`fixed`: name -> why)."""
+    given = sorted(set(options or {}) & set(fixed))
+    if given:
+        raise InputError(f"--engine-option {given[0]}: kvdiff sets it for the {engine} target ({fixed[given[0]]})")

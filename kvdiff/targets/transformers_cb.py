@@ -22,7 +22,7 @@ import torch
 from kvdiff.engine.loading import load_model
 from kvdiff.errors import InputError, KvdiffError
 from kvdiff.probes.spec import ProbeSpec, default_spec
-from kvdiff.targets.protocol import TargetInfo, TargetRun
+from kvdiff.targets.protocol import TargetInfo, TargetRun, refuse_fixed
 from kvdiff.targets.transformers_cb_probes import RunProbes, RunRequest
 from kvdiff.trace.points import ALL_POINTS, FINAL_POINTS
 from kvdiff.trace.sink import ProbeSink
@@ -44,9 +44,7 @@ class TransformersTarget:
                  cb_args: Mapping[str, Any] | None = None):
         import transformers
 
-        if "use_async_batching" in (cb_args or {}):
-            raise InputError("--engine-option use_async_batching: kvdiff sets it for the transformers target "
-                             "(each step is recorded as it runs)")
+        refuse_fixed(cb_args, {"use_async_batching": "each step is recorded as it runs"}, "transformers")
 
         if isinstance(folder_or_model, (str, os.PathLike)):      # float32, sdpa (CB runs sdpa and paged|eager)
             folder = Path(folder_or_model)

@@ -27,7 +27,7 @@ import torch
 
 from kvdiff.errors import InputError, KvdiffError
 from kvdiff.files import stderr_silenced
-from kvdiff.targets.protocol import TargetInfo, TargetRun
+from kvdiff.targets.protocol import TargetInfo, TargetRun, refuse_fixed
 from kvdiff.trace.points import ALL_POINTS, LAYER_POINTS
 from kvdiff.trace.sink import ProbeSink, Provenance
 
@@ -351,9 +351,7 @@ def _llm_args(folder: Path, block_size: int, kv_cache_bytes: int, max_model_len:
               options: Mapping[str, Any]) -> dict[str, Any]:
     """vllm.LLM's arguments: kvdiff's, then the user's engine options over them (any vLLM engine
     argument but FIXED_ARGS; a longer max_model_len also batches that many tokens)."""
-    fixed = sorted(set(options) & set(FIXED_ARGS))
-    if fixed:
-        raise InputError(f"--engine-option {fixed[0]}: kvdiff sets it for the vLLM target ({FIXED_ARGS[fixed[0]]})")
+    refuse_fixed(options, FIXED_ARGS, "vLLM")
     if str(options.get("kv_cache_dtype", "auto")) not in ("auto", "float32"):
         # vLLM's CPU attention reads every K/V row from its cache, prefill included: with an fp8 cache what
         # attention reads is the rounded rows, which the probes (on attention's inputs) do not see
