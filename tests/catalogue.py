@@ -65,7 +65,7 @@ KVDIFF, CB, VLLM = "kvdiff", "transformers-cb", "vllm"
 KV_BUDGET = 4 * 2**20
 
 MC, PM, CC, NC = "missing_context", "position_mismatch", "cache_content_mismatch", "norm_consistency"
-ATTENTION = "attention (softmax(q k^T) v, o_proj)"
+ATTENTION = "attention (softmax(q k^T) v)"
 ROPE_QK = "RoPE (on q and k)"
 K_CACHE, V_CACHE = "K read from the cache", "V read from the cache"
 
@@ -1743,7 +1743,10 @@ def write_markdown(results: list[tuple[Case, dict, Verdict, float]], path: Path,
     lines += ["", "## How the cases were made", "",
               "- Every expectation (operation, layer, position, required and contradicting diagnoses, checks) was "
               "written in the case table before the case first ran, and none was changed after; what kvdiff gets "
-              "wrong went into `KNOWN_WRONG`, with the data behind each verdict.",
+              "wrong went into `KNOWN_WRONG`, with the data behind each verdict. One rename since: once the "
+              "traces recorded attention's output before o_proj (`z`), the attention cases' expected operation "
+              "`attention (softmax(q k^T) v, o_proj)` became `attention (softmax(q k^T) v)` (o_proj is its own "
+              "operation now); layers and positions unchanged.",
               "- Harness fixes made while the cases were first run (the plants, not the expectations): after a "
               "one-token fill request the transformers engine served no cached token, so the fill request generates "
               "4 tokens, as tests/test_target_transformers.py's does; vLLM's CPU build packs `qkv_proj`'s weight away "

@@ -27,7 +27,7 @@ class Faults:
     context_start: dict[int, int] = field(default_factory=dict)  # position -> first position it attends to
     stale: dict[int, int] = field(default_factory=dict)          # position -> position whose K/V it holds
     norm_eps: dict[int, float] = field(default_factory=dict)     # layer -> eps its attn_norm uses
-    jitter: float = 0.0                                          # attn_out scaled by 1 + jitter (rounding-size noise)
+    jitter: float = 0.0                                          # z scaled by 1 + jitter (rounding-size noise)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -94,7 +94,8 @@ class SyntheticModel:
             kk, vv = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
             scores = torch.einsum("thd,shd->hts", q, kk) * self.attn_scale
             p = scores.masked_fill(~allowed[None], float("-inf")).softmax(-1)
-            a = c["attn_out"] = (torch.einsum("hts,shd->thd", p, vv).reshape(T, H * d) @ L["wo"].T) * (1 + faults.jitter)
+            z = c["z"] = torch.einsum("hts,shd->thd", p, vv) * (1 + faults.jitter)
+            a = c["attn_out"] = z.reshape(T, H * d) @ L["wo"].T
             x = c["resid_mid"] = x + a
             h2 = c["mlp_norm"] = rms_norm(x, L["n2"], self.eps)
             m = c["mlp_out"] = torch.nn.functional.silu(h2 @ L["up"].T) @ L["down"].T
@@ -127,22 +128,25 @@ class SyntheticModel:
 
 def write_trace(model: SyntheticModel, path: str | Path, prompt: list[int], steps: int, *,
                 strategy: str = "reference", faults: Faults | None = None,
-                chunks: list[ChunkRecord] | None = None, provenance: list[tuple] | None = None) -> Path:
-    """Run the model and write its trace; `provenance`: (positions, chunk, prefill_id, encoded, reused)."""
+                chunks: list[ChunkRecord] | None = None, provenance: list[tuple] | None = None,
+                without_z: bool = False) -> Path:
+    """Run the model and write its trace; `provenance`: (positions, chunk, prefill_id, encoded, reused);
+    `without_z`: no z, as traces written before kvdiff recorded it."""
     faults = faults or Faults()
     generated, cap, rows = model.generate(prompt, steps, faults)
     positions = list(range(len(prompt) + steps - 1))
+    layer_points = tuple(p for p in LAYER_POINTS if not (without_z and p == "z"))
     meta = TraceMeta(
         kvdiff_version="0.1.0", model_name="synthetic", model_fingerprint=f"synthetic:{model.layers}",
         tokenizer_fingerprint="ids", dtype="float32", device="cpu", torch_version=torch.__version__,
         transformers_version="none", strategy=strategy, numerics="fast", messages=[],
         input_ids=np.asarray(prompt, dtype=np.int64), dims=ModelDims(
             num_layers=model.layers, num_heads=model.heads, num_kv_heads=model.kv_heads, head_dim=model.head_dim,
-            hidden_size=model.hidden, vocab_size=model.vocab, attn_scale=model.attn_scale), points=LAYER_POINTS + ("final_norm", "logits"),
+            hidden_size=model.hidden, vocab_size=model.vocab, attn_scale=model.attn_scale), points=layer_points + ("final_norm", "logits"),
         layers=tuple(range(model.layers)))
     with TraceWriter(path, meta) as w:
         for i, c in enumerate(cap["layers"]):
-            for point in LAYER_POINTS:
+            for point in layer_points:
                 w.write_rows(f"layers/{i}", point, positions, c[point])
             for norm, (x, y) in cap["norms"][i].items():
                 w.write_norm(f"layers/{i}", norm, positions, x, y)

@@ -56,7 +56,7 @@ def test_isolated_local_is_a_position_mismatch_of_the_user_chunk(tmp_path, model
 def test_isolated_global_is_missing_context_not_positions(tmp_path, models):
     report = run(tmp_path, models, "isolated-global")
     first = report["first_divergence"]
-    assert (first["layer"], first["position"], first["tensor"]) == (0, 16, "attn_out")
+    assert (first["layer"], first["position"], first["tensor"]) == (0, 16, "z")
     assert "position_mismatch" not in kinds(report)
     user = [d for d in report["diagnoses"] if d["kind"] == "missing_context" and d["chunk"] == "user"]
     assert user and user[0]["unattended"] == [0, 15]

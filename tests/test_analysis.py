@@ -59,7 +59,7 @@ def test_identical_traces_are_bitwise_everywhere(traces):
     assert div.tokens_identical and div.first_bit_difference is None and div.first_divergence is None
     assert div.diagnoses == []
     df = div.to_pandas()
-    assert set(df["tier"]) == {"bitwise"} and len(df) == (3 * 11 + 2) * (len(PROMPT) + STEPS - 1)
+    assert set(df["tier"]) == {"bitwise"} and len(df) == (3 * 12 + 2) * (len(PROMPT) + STEPS - 1)
 
 
 def test_isolated_local_is_a_position_mismatch_with_offset_minus_16(traces):
@@ -85,7 +85,7 @@ def test_keys_rotated_to_the_right_positions_but_rounded_differently_are_no_posi
 def test_isolated_global_is_missing_context_without_position_mismatch(traces):
     div = kvdiff.diff(traces["reference"], traces["global"])
     first = div.first_divergence
-    assert (first.layer, first.position, first.tensor) == (0, 16, "attn_out")
+    assert (first.layer, first.position, first.tensor) == (0, 16, "z")
     assert "position_mismatch" not in kinds(div)
     mc = [d for d in div.diagnoses if d.kind == "missing_context"]
     assert len(mc) == 1 and mc[0].details["unattended"] == [0, 15] and mc[0].chunk == "user"
@@ -139,7 +139,7 @@ def test_a_norm_with_the_wrong_eps_is_blamed_on_the_norm_itself(traces):
 def test_rounding_noise_is_numerical_noise(traces):
     div = kvdiff.diff(traces["reference"], traces["noise"])
     assert div.tokens_identical and div.first_divergence is None
-    assert div.first_bit_difference is not None and div.first_bit_difference.tensor == "attn_out"
+    assert div.first_bit_difference is not None and div.first_bit_difference.tensor == "z"
     assert kinds(div) == ["numerical_noise"]
     assert "within tolerance" in div.diagnoses[0].evidence
 

@@ -132,7 +132,7 @@ def test_cli_diff_exit_codes_and_json(tmp_path):
     report = json.loads(out.read_text())
     assert page.read_text().lower().startswith("<!doctype html>")
     assert bad.exit_code == (0 if report["tokens_identical"] else 1)
-    assert report["first_divergence"]["tensor"] == "attn_out" and "missing_context" in bad.output
+    assert report["first_divergence"]["tensor"] == "z" and "missing_context" in bad.output
     assert report["tolerances"]["per_point"]["logits"] == {"atol": 1e-4, "rtol": 1e-3}
     usage = runner.invoke(app, ["diff", str(ref), str(same), "--tolerance", "bogus=1"])
     assert usage.exit_code == 2

@@ -73,7 +73,8 @@ class AttentionModel(SyntheticModel):
             kk, vv = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
             scores = torch.einsum("thd,shd->hts", q, kk) * scale
             p = scores.masked_fill(~allowed[None], float("-inf")).softmax(-1)
-            a = c["attn_out"] = torch.einsum("hts,shd->thd", p, vv).reshape(T, H * d) @ L["wo"].T
+            z = c["z"] = torch.einsum("hts,shd->thd", p, vv)
+            a = c["attn_out"] = z.reshape(T, H * d) @ L["wo"].T
             x = c["resid_mid"] = x + a
             h2 = c["mlp_norm"] = rms_norm(x, L["n2"], self.eps)
             m = c["mlp_out"] = torch.nn.functional.silu(h2 @ L["up"].T) @ L["down"].T
@@ -125,9 +126,21 @@ def diagnoses(traces, name: str, kind: str | None = None) -> list[dict]:
 def test_a_single_dropped_row_is_named_alone_not_the_span_before_the_chunk(traces):
     (mc,) = diagnoses(traces, "row", "missing_context")
     assert mc["unattended"] == [15, 15] and mc["positions"][0] == 16 and mc["chunk"] == "user"
-    assert mc["fit_residual"] < 1e-3 and mc["confidence"] > 0.99          # o_proj determined: a proof
-    assert "determined by the reference's" in mc["proof"] and "position 15 was not attended" in mc["evidence"]
+    assert mc["fit_residual"] < 1e-3 and mc["confidence"] > 0.99          # z recorded: an exact test
+    assert "recorded before o_proj (z)" in mc["proof"] and "position 15 was not attended" in mc["evidence"]
     assert not diagnoses(traces, "row", "position_mismatch")
+
+
+def test_traces_without_z_are_tested_through_o_proj_fitted_from_the_reference(tmp_path, model):
+    """Traces written before z existed hold attn_out alone: o_proj is determined by the reference's rows."""
+    ref, cand = (write_trace(model, tmp_path / f"{name}.h5", PROMPT, STEPS, strategy=name, faults=faults,
+                             chunks=CHUNKS, without_z=True)
+                 for name, faults in (("reference", Faults()), ("prefix", AttentionFaults(hidden={16: (15, 15)}))))
+    report = kvdiff.diff(ref, cand).to_json()
+    assert report["first_divergence"]["tensor"] == "attn_out"
+    (mc,) = [d for d in report["diagnoses"] if d["kind"] == "missing_context"]
+    assert mc["unattended"] == [15, 15] and mc["fit_residual"] < 1e-3
+    assert "determined by the reference's" in mc["proof"] and "(z)" not in mc["proof"]
 
 
 def test_missing_context_without_a_chunk_table_names_the_span_the_data_show(traces):

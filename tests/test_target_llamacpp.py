@@ -344,7 +344,7 @@ def test_a_bug_in_every_float32_run_is_diagnosed_against_the_reference(target, h
         assert rope and {d["kind"] for d in rope} == {"rope_mismatch"} and all(d["layer"] == 0 for d in rope)
         assert all(abs(d["base"] / 2e4 - 1) < 1e-3 and abs(d["reference_base"] / 1e5 - 1) < 1e-3 for d in rope)
         return
-    attention = ("attention_mismatch", "attention (softmax(q k^T) v, o_proj)", 0)
+    attention = ("attention_mismatch", "attention (softmax(q k^T) v)", 0)
     expected = {"not causal": attention, "not causal, cut window": attention,
                 "v scaled": ("operation_mismatch", "v projection", 1)}[bug]
     first = against["diagnoses"][0]

@@ -75,7 +75,7 @@ def test_flash_attention_is_told_apart_by_the_size_of_its_difference(gguf, model
     against = result.report.to_json()["engine_vs_reference"]
     assert against["tokens_identical"]
     assert (against["first_operation"]["operation"], against["first_operation"]["layer"]) == \
-        ("attention (softmax(q k^T) v, o_proj)", 0)
+        ("attention (softmax(q k^T) v)", 0)
     first = against["diagnoses"][0]
     assert (first["kind"], first["explanation"], first["rounding_size"]) == ("attention_mismatch", None, "float16")
     assert "as large as rounding to float16 makes it" in first["evidence"]

@@ -33,7 +33,7 @@ def test_a_sliding_window_set_in_the_engine_is_named_with_its_size(tmp_path, def
     against = report["engine_vs_reference"]
     op = against["first_operation"]
     assert (op["operation"], op["layer"], op["position"], op["proved"]) == \
-        ("attention (softmax(q k^T) v, o_proj)", 0, 16, True), op
+        ("attention (softmax(q k^T) v)", 0, 16, True), op
     first = against["diagnoses"][0]
     assert (first["kind"], first["layer"], first["positions"][0]) == ("attention_mismatch", 0, 16), against
     assert (first["explanation"], first["window"]) == ("window", 16), first

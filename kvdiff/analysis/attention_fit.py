@@ -2,8 +2,9 @@
 
 A hypothesis says how the candidate computed its attention from its own recorded q, k and v:
 the reference's causal softmax, with some keys hidden, with another softmax scale, with the next
-key visible too. It predicts the candidate's attention output before o_proj; the trace holds
-o_proj's output (`attn_out`) only, and not o_proj. o_proj is linear and the same in both traces
+key visible too. It predicts the candidate's attention output before o_proj. Where the traces
+recorded that output (`z`), the prediction is compared with it as it is: every tested row is an
+exact test. Traces without it hold o_proj's output (`attn_out`) only, and not o_proj. o_proj is linear and the same in both traces
 (the same weights), so the reference's rows (its causal attention recomputed from its own q, k, v,
 against the attn_out it recorded) determine it on the span of their attention outputs: where they
 span the whole space (a prompt at least heads x head_dim long) the test is exact. Where they do
@@ -62,7 +63,7 @@ class AttentionRows:
     q: np.ndarray                              # (n, heads, d); rows it did not compute are never read
     k: np.ndarray                              # (n, kv_heads, d)
     v: np.ndarray                              # (n, kv_heads, dv): dv is d but with latent attention
-    out: np.ndarray                            # (n, hidden) attn_out
+    out: np.ndarray                            # (n, hidden) attn_out, or (n, heads * dv) z
     scale: float
 
     @property
@@ -129,18 +130,36 @@ class OProjFit:
         return (inv @ y) / np.diag(inv)[:, None]
 
 
+class RecordedOutput:
+    """No o_proj to fit: the traces recorded attention's output before it (z)."""
+
+    exact = True
+
+    def unexplained(self, z: np.ndarray, out: np.ndarray) -> np.ndarray:
+        return out - z
+
+
 @dataclass
 class AttentionTest:
     """Hypotheses scored on the candidate's `rows` (row indices = positions)."""
 
     ref: AttentionRows
     cand: AttentionRows
-    rows: np.ndarray                            # tested candidate rows (computed there, attn_out differs)
-    fit: OProjFit
+    rows: np.ndarray                            # tested candidate rows (computed there, the output differs)
+    fit: OProjFit | RecordedOutput
     raw: dict = field(default_factory=dict, repr=False)   # row -> q k^T (float32), shared by `on`
 
+    @property
+    def point(self) -> str:
+        """The recorded output the hypotheses are tested against."""
+        return "z" if isinstance(self.fit, RecordedOutput) else "attn_out"
+
     @classmethod
-    def build(cls, ref: AttentionRows, cand: AttentionRows, rows: np.ndarray, noise: float) -> "AttentionTest | None":
+    def build(cls, ref: AttentionRows, cand: AttentionRows, rows: np.ndarray, noise: float,
+              recorded: bool = False) -> "AttentionTest | None":
+        """The test on `rows`; `recorded`: the rows' `out` is z (attention's output before o_proj)."""
+        if recorded:
+            return cls(ref, cand, cap_rows(rows), RecordedOutput())
         heads, n = ref.q.shape[1], ref.q.shape[0]
         fit_rows = np.arange(min(n, heads * ref.v.shape[2] + EXTRA_FIT_ROWS))    # the earliest: the fewest keys to attend
         causal = lambda r: np.ones(r + 1, bool)

@@ -1,7 +1,7 @@
 """Which attention hypothesis explains the candidate's rows: scored, compared, and how strongly.
 
-A hypothesis explains the tested rows when it leaves at most EXPLAINS of the change in attn_out
-unexplained and at most MARGIN of what its rival (the best other explanation) leaves; against a
+A hypothesis explains the tested rows when it leaves at most EXPLAINS of the change in attention's
+output (z, or attn_out where the traces hold no z) unexplained and at most MARGIN of what its rival (the best other explanation) leaves; against a
 span of hidden keys that overlaps its own (the same span with other ends, which the data separate by
 the keys at the ends only) at most NESTED_MARGIN, or just less where its span is exactly the
 positions before the rows' chunk (the chunk table says so too). Equal residuals (one prediction)
@@ -14,12 +14,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvdiff.analysis.attention_fit import UNRECORDED, AttentionTest, Score
+from kvdiff.analysis.attention_fit import UNRECORDED, AttentionTest, RecordedOutput, Score
 from kvdiff.analysis.attention_hypotheses import SOFTCAP_HI, finalists, fit_scale, fit_softcap, hypotheses
 from kvdiff.analysis.contradictions import EXPLAINS
 from kvdiff.analysis.diagnosis import DiagnosisInputs, fmt
 
-# an explanation leaves at most EXPLAINS of the change in attn_out unexplained (contradictions.py refutes more)
+# an explanation leaves at most EXPLAINS of the change in the output unexplained (contradictions.py refutes more)
 MARGIN = 0.5        # and at most this share of what the next-best explanation leaves,
 NESTED_MARGIN = 0.8  # or, where that one hides an overlapping span (one key more or less at an end), this
 _PREFER = ("standard", "hidden", "scale", "next key", "chunk alone", "not causal", "window", "own key hidden",
@@ -74,7 +74,9 @@ class Verdict:
 
     def proof(self) -> str:
         fit = self.test.fit
-        o_proj = (f"o_proj (not recorded) determined by the reference's {fit.rows} rows, which span all {fit.dim} "
+        o_proj = ("compared with the attention output both traces recorded before o_proj (z)"
+                  if isinstance(fit, RecordedOutput) else
+                  f"o_proj (not recorded) determined by the reference's {fit.rows} rows, which span all {fit.dim} "
                   f"dimensions of its input" if fit.exact else
                   f"o_proj (not recorded) fitted: the reference's {fit.rows} rows span {fit.rank} of its {fit.dim} "
                   f"input dimensions, the rest from the other tested rows, each row predicted from the others")
@@ -83,7 +85,7 @@ class Verdict:
         if self.best.hypothesis.name != "standard" and self.standard not in (self.rival, self.boundary):
             rest += f"; every earlier position attended: {fmt(self.standard.residual)}"
         return (f"the candidate's attention recomputed from its own q, k and v at {self.test.rows.size} rows: "
-                f"{self.best.hypothesis.text} leaves {fmt(self.best.residual)} of the change in attn_out unexplained "
+                f"{self.best.hypothesis.text} leaves {fmt(self.best.residual)} of the change in {self.test.point} unexplained "
                 f"(median per row {fmt(self.best.median)}){rest}; {o_proj}")
 
 

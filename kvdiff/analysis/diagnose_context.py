@@ -1,9 +1,9 @@
 """missing_context and attention_mismatch: the candidate's attention recomputed from its own q, k, v.
 
-At the first layer where attn_out breaks tolerance at positions the candidate computed, its
-attention is recomputed from its own recorded q, k and v (at positions it read from a cache, k
-and v are the rows attention read) under each hypothesis of `attention_fit`, and tested against
-the attn_out it recorded. The hypothesis that explains the rows (it leaves at most half of the
+At the first layer where attention's output breaks tolerance at positions the candidate computed
+(z, before o_proj, where both traces hold it; else attn_out), its attention is recomputed from its
+own recorded q, k and v (at positions it read from a cache, k and v are the rows attention read)
+under each hypothesis of `attention_fit`, and tested against the output it recorded. The hypothesis that explains the rows (it leaves at most half of the
 change unexplained, and at most half of what the next-best one leaves) names the cause:
 
 - keys hidden (one span for every tested row, or each row's chunk alone): missing_context with
@@ -14,7 +14,7 @@ change unexplained, and at most half of what the next-best one leaves) names the
 When none does but q, k and v match the reference where attention read them, the attention
 (mask, scale, softmax or o_proj) differs, shown by the tiers alone: attention_mismatch without an
 explanation. The rows are tested for all chunks at once, then chunk by chunk where one
-hypothesis does not explain them all. Positions read from a cache have no attn_out:
+hypothesis does not explain them all. Positions read from a cache have no attention output:
 `diagnose_missing_context_in_cache` reads their K/V a layer later.
 """
 
@@ -29,6 +29,7 @@ from kvdiff.analysis.attention_fit import AttentionRows, AttentionTest
 from kvdiff.analysis.attention_verdict import Verdict, explain
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.latent import attention_points, attention_rows, rope_columns, value_point
+from kvdiff.analysis.operation import attention_point
 from kvdiff.analysis.rope import estimate_positions, rotate
 from kvdiff.analysis.diagnose_cached_context import diagnose_missing_context_in_cache  # noqa: F401 (re-exported)
 
@@ -49,10 +50,11 @@ def _inputs_match(inputs: DiagnosisInputs, row: int, cols: np.ndarray) -> bool:
 
 
 def _layer_rows(inputs: DiagnosisInputs) -> tuple[int, np.ndarray] | None:
-    """The first layer row with attn_out breaking tolerance at computed, comparable positions, and those columns."""
-    al = inputs.comparison.alignment
+    """The first layer row with attention's output breaking tolerance at computed, comparable positions,
+    and those columns."""
+    al, point = inputs.comparison.alignment, attention_point(inputs.comparison)
     for row in range(len(inputs.comparison.layers)):
-        bad = inputs.divergent("attn_out", row)
+        bad = inputs.divergent(point, row)
         if bad is None:
             return None
         cols = np.flatnonzero(bad & al.computed & al.comparable)
@@ -74,10 +76,11 @@ def _test(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> list[tuple[A
     if qkv is None:
         return None
     scale = dims.attn_scale        # the model's: a candidate declaring another is tested
-    out = inputs.rows(layer, "attn_out")
+    point = attention_point(inputs.comparison)
+    out = [rows.reshape(rows.shape[0], -1) for rows in inputs.rows(layer, point)]
     ref, cand = (AttentionRows(*qkv[i], out[i], scale) for i in (0, 1))
     noise = max(_NOISE.get(t.meta.dtype, 1e-2) for t in (inputs.reference, inputs.candidate))
-    test = AttentionTest.build(ref, cand, cols, noise)
+    test = AttentionTest.build(ref, cand, cols, noise, recorded=point == "z")
     if test is None:
         return None
     tests = [(test, "")]
@@ -123,7 +126,8 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
     cmp = inputs.comparison
     layer, positions = cmp.layers[row], cmp.alignment.positions
     lo, hi = int(positions[cols[0]]), int(positions[cols[-1]])
-    _, attn_rel = inputs.worst("attn_out", row, cols)
+    point = attention_point(cmp)
+    _, attn_rel = inputs.worst(point, row, cols)
     h = None if verdict is None or not verdict.decisive else verdict.best.hypothesis
     if h is not None and h.name == "standard":
         return None
@@ -144,7 +148,7 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
                                  inputs.reference.meta.dims.attn_scale)
         u = span_text(*unattended)
         noun, verb = ("position", "was") if unattended[0] == unattended[1] else ("positions", "were")
-        evidence = (f"{where}: attn_out differs (rel {fmt(attn_rel)}) and is the candidate's own q, k and v attended "
+        evidence = (f"{where}: {point} differs (rel {fmt(attn_rel)}) and is the candidate's own q, k and v attended "
                     f"without {noun} {u}: {noun} {u} {verb} not attended (that explanation leaves "
                     f"{fmt(verdict.best.residual)} of the change unexplained, the next best "
                     f"{'none' if verdict.rival is None else fmt(verdict.rival.residual)}{_boundary_note(verdict)}); "
@@ -152,7 +156,7 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
                     f"{fmt(100 * float(mass.mean()))}% of its attention mass on them (mean over heads and positions; "
                     f"min {fmt(100 * float(mass.min()))}%)")
         if data_start > int(positions[0]):
-            evidence += f"; attn_out matches up to position {data_start - 1} and differs from {data_start} on"
+            evidence += f"; {point} matches up to position {data_start - 1} and differs from {data_start} on"
         return Diagnosis("missing_context", chunk, (lo, hi), evidence, {
             "unattended": list(unattended), "layer": layer, "reference_attention_mass": float(mass.mean()),
             "reference_attention_mass_min": float(mass.min()), **fit}, confidence=verdict.confidence,
@@ -177,12 +181,12 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
         found = ("; no tested explanation (hidden keys, another scale, a sliding window, the next key or every later key "
                  "of the forward visible, its own key hidden, the KV heads tiled, a soft-cap) accounts for it"
                  if verdict is not None else "") + _rounding_note(inputs, attn_rel, details)
-    evidence = (f"{where}: {same}, but attn_out differs (rel {fmt(attn_rel)}): the attention itself (mask, scale, "
-                f"softmax or o_proj) differs{found}")
+    itself = "(mask, scale or softmax)" if point == "z" else "(mask, scale, softmax or o_proj)"
+    evidence = f"{where}: {same}, but {point} differs (rel {fmt(attn_rel)}): the attention itself {itself} differs{found}"
     if h is not None:
         return Diagnosis("attention_mismatch", chunk, (lo, hi), evidence, details, confidence=verdict.confidence,
                          proof=verdict.proof())
-    proof = (f"q at {cols.size} rows and k, v at every earlier position within tolerance, attn_out divergent there "
+    proof = (f"q at {cols.size} rows and k, v at every earlier position within tolerance, {point} divergent there "
              f"(rel up to {fmt(attn_rel)})") + ("" if verdict is None else f"; {verdict.proof()}")
     return Diagnosis("attention_mismatch", chunk, (lo, hi), evidence, details, confidence=1.0, proof=proof)
 
@@ -192,7 +196,7 @@ _ROUNDOFF = (("float16", 2.0 ** -11), ("bfloat16", 2.0 ** -8))
 
 
 def _rounding_note(inputs: DiagnosisInputs, attn_rel: float, details: dict) -> str:
-    """Where float32 traces' attn_out differ by about what rounding to a narrower format moves a row:
+    """Where float32 traces' attention outputs differ by about what rounding to a narrower format moves a row:
     say so (a kernel computing in it, such as a flash-attention kernel, would). `rel` is the squared
     norm of the difference over the rows' (twice the relative norm difference squared)."""
     if {inputs.reference.meta.dtype, inputs.candidate.meta.dtype} != {"float32"} or not np.isfinite(attn_rel):
@@ -208,13 +212,13 @@ def _rounding_note(inputs: DiagnosisInputs, attn_rel: float, details: dict) -> s
 
 
 def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
-    """missing_context and attention_mismatch at the first layer whose computed attn_out differs."""
+    """missing_context and attention_mismatch at the first layer whose computed attention output differs."""
     found = _layer_rows(inputs)
     if found is None:
         return []
     row, cols = found
     layer, positions = inputs.comparison.layers[row], inputs.comparison.alignment.positions
-    bad = inputs.divergent("attn_out", row)
+    bad = inputs.divergent(attention_point(inputs.comparison), row)
     try:
         tests = _test(inputs, layer, cols)
         overall = None if tests is None else explain(tests, inputs)

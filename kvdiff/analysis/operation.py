@@ -29,6 +29,7 @@ OPERATIONS: dict[str, tuple[str, tuple[tuple[str, int], ...]]] = {
     "k": ("RoPE on k", (("k_pre_rope", 0),)),
     "v": ("v projection", (("attn_norm", 0),)),
     "attn_sinks": ("attention sinks (the layer's learned per-head logits)", ()),
+    "z": ("attention (softmax(q k^T) v)", (("q", 0), ("k", 0), ("v", 0))),
     "attn_out": ("attention (softmax(q k^T) v, o_proj)", (("q", 0), ("k", 0), ("v", 0))),
     "attn_post_norm": ("attention post-norm", (("attn_out", 0),)),
     "resid_mid": ("residual add after attention", (("resid_pre", 0), ("attn_out", 0))),
@@ -46,6 +47,8 @@ POST_NORMED: dict[str, tuple[tuple[str, int], ...]] = {
     "resid_mid": (("resid_pre", 0), ("attn_post_norm", 0)),
     "resid_post": (("resid_mid", 0), ("mlp_post_norm", 0)),
 }
+# Where the traces hold attention's output before o_proj (z), attn_out is o_proj's alone.
+O_PROJ = ("o_proj", (("z", 0),))
 MATCHING = (Tier.BITWISE.label, Tier.NOISE.label)     # tiers within tolerance
 
 
@@ -141,6 +144,12 @@ def _norm_first(comparison: Comparison, where: Location | None) -> Operation | N
                      [inp], recomputed=True)
 
 
+def attention_point(comparison: Comparison) -> str:
+    """The point holding attention's output: z (before o_proj) where both traces recorded it, else
+    attn_out (after o_proj: attention and o_proj are then one operation)."""
+    return "z" if "z" in comparison.points else "attn_out"
+
+
 def first_operation(comparison: Comparison, where: Location | None) -> Operation | None:
     """The operation that produced `where` (the first breach, or first bit difference), checked; or an
     earlier norm that does not compute as the candidate declares it (`_norm_first`)."""
@@ -152,7 +161,10 @@ def first_operation(comparison: Comparison, where: Location | None) -> Operation
     name, sources = OPERATIONS[where.tensor]
     if where.tensor in POST_NORMED and "attn_post_norm" in comparison.points:
         sources = POST_NORMED[where.tensor]
-    if where.tensor == "attn_out" and "attn_sinks" in comparison.points:
+    attention = attention_point(comparison)
+    if where.tensor == "attn_out" and attention == "z":
+        name, sources = O_PROJ
+    if where.tensor == attention and "attn_sinks" in comparison.points:
         sources = sources + (("attn_sinks", 0),)
     layers = comparison.layers
     checks = []
@@ -168,7 +180,7 @@ def first_operation(comparison: Comparison, where: Location | None) -> Operation
                 continue
             layer = layers[index]
         checks.append(_input_check(comparison, point, layer, where.position,
-                                   every_earlier=where.tensor == "attn_out" and point in ("k", "v")))
+                                   every_earlier=where.tensor == attention and point in ("k", "v")))
     if where.tensor == "resid_pre" and where.layer == 0:
         name, checks = "embedding", []
     proved = all(c.tier in MATCHING for c in checks)

@@ -141,7 +141,9 @@ class ModelRunner:
                 probes.capture("attn_sinks", i, layer.sinks.detach().expand(q.shape[0], -1))
             probes.capture("q", i, q)
             probes.read(self.pool, i, read_slots, a.value_point)
-            attn_out = layer.o_proj(o.reshape(o.shape[0], -1))
+            o = o.reshape(o.shape[0], -1)
+            probes.capture("z", i, o)
+            attn_out = layer.o_proj(o)
             probes.capture("attn_out", i, attn_out)
             if layer.attn_post_norm is not None:
                 attn_out = self._post_norm("attn_post_norm", i, layer.attn_post_norm, attn_out, probes)

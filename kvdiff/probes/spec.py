@@ -89,6 +89,7 @@ def _decoder_rules(k_pre_rope: str) -> tuple[ProbeRule, ...]:
         ProbeRule("model.layers.*.input_layernorm", "attn_norm", "norm"),
         ProbeRule(k_pre_rope, "k_pre_rope"),
         ProbeRule("model.layers.*.self_attn.v_proj", "v"),
+        ProbeRule("model.layers.*.self_attn.o_proj", "z", "input"),
         ProbeRule("model.layers.*.self_attn.o_proj", "attn_out"),
         ProbeRule("model.layers.*.post_attention_layernorm", "resid_mid", "input"),
         ProbeRule("model.layers.*.post_attention_layernorm", "mlp_norm", "norm"),
@@ -112,6 +113,7 @@ GEMMA3_SPEC = ProbeSpec(
         ProbeRule("model.layers.*.input_layernorm", "attn_norm", "norm"),
         ProbeRule("model.layers.*.self_attn.k_norm", "k_pre_rope", heads_first=True),
         ProbeRule("model.layers.*.self_attn.v_proj", "v"),
+        ProbeRule("model.layers.*.self_attn.o_proj", "z", "input"),
         ProbeRule("model.layers.*.self_attn.o_proj", "attn_out"),
         ProbeRule("model.layers.*.post_attention_layernorm", "attn_post_norm", "norm"),
         ProbeRule("model.layers.*.pre_feedforward_layernorm", "resid_mid", "input"),
@@ -133,7 +135,7 @@ QWEN3_MOE_SPEC = ProbeSpec(
 # DeepSeek-V3 (multi-head latent attention): the RoPE key before RoPE is the end of kv_a_proj_with_mqa's
 # output, the latent kv_a_layernorm's; its router (DeepseekV3TopkRouter) returns what Qwen3-MoE's does.
 DEEPSEEK_V3_SPEC = ProbeSpec(
-    tuple(r for r in LLAMA_SPEC.rules if r.point not in ("k_pre_rope", "v"))
+    tuple(r for r in LLAMA_SPEC.rules if r.point not in ("k_pre_rope", "v", "z"))
     + (ProbeRule("model.layers.*.self_attn.kv_a_proj_with_mqa", "k_pre_rope", rope_key=True),
        ProbeRule("model.layers.*.self_attn.kv_a_layernorm", "kv_latent")) + QWEN3_MOE_SPEC.rules[-2:],
     latent_attention=True,

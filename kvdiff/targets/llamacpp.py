@@ -10,7 +10,7 @@ sequence (`Llama.n_tokens` when it first evaluates: the hit count) and evaluates
 Probe points come from llama.cpp's graph-evaluation callback (`cb_eval`), which hands each named
 graph tensor after it is computed: `embd` / `l_out-{i-1}` -> resid_pre, `attn_norm-i`,
 `Qcur-i` (the ROPE node) -> q, `Kcur-i` (the projection) -> k_pre_rope and (the ROPE node) -> k,
-`Vcur-i` -> v, `attn_out-i`, `ffn_inp-i` -> resid_mid, `ffn_norm-i` -> mlp_norm, `ffn_out-i` ->
+`Vcur-i` -> v, `kqv_out-i` -> z, `attn_out-i`, `ffn_inp-i` -> resid_mid, `ffn_norm-i` -> mlp_norm, `ffn_out-i` ->
 mlp_out, `l_out-i` -> resid_post, `result_norm` -> final_norm, `result_output` -> logits (every row:
 the context outputs all rows). Positions are the engine's batch `pos`. q and k of a GGUF with
 "normal" RoPE (adjacent pairs; the converter permuted the weights) are put back in the checkpoint's
@@ -46,7 +46,7 @@ from kvdiff.trace.sink import ProbeSink, Provenance
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = 'CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python==0.3.36 (builds from source, ~25 min)'
-LAYER_NAMES = {"attn_norm": "attn_norm", "Qcur": "q", "Kcur": "k", "Vcur": "v", "attn_out": "attn_out",
+LAYER_NAMES = {"attn_norm": "attn_norm", "Qcur": "q", "Kcur": "k", "Vcur": "v", "kqv_out": "z", "attn_out": "attn_out",
                "ffn_inp": "resid_mid", "ffn_norm": "mlp_norm", "ffn_out": "mlp_out", "l_out": "resid_post"}
 FINAL_NAMES = {"embd": "resid_pre", "result_norm": "final_norm", "result_output": "logits"}
 STATE_MAGIC = 0xAF143CD8                 # llama-context.cpp's io_magic, first in a sequence state
@@ -175,7 +175,9 @@ class LlamaCppTarget:
             if name not in self._names:
                 return False
             op = self._ggml.ggml_op_desc(t).decode()
-            if op in VIEW_OPS or not self._ggml.ggml_is_contiguous(t):
+            base, layer = self._names[name]
+            # a view shares a computed tensor's data: only kqv_out (flash attention's output reshaped) is one
+            if (op in VIEW_OPS and base != "kqv_out") or not self._ggml.ggml_is_contiguous(t):
                 return False
             if ask:
                 return True
@@ -189,7 +191,6 @@ class LlamaCppTarget:
                 if new is not None:
                     rows = np.ascontiguousarray(new, np.float32).reshape(rows.shape)
                     self._ggml.ggml_backend_tensor_set(t, rows.ctypes.data, 0, rows.nbytes)
-            base, layer = self._names[name]
             point = FINAL_NAMES.get(base) or LAYER_NAMES[base]
             if base == "Kcur" and op != "ROPE":
                 point = "k_pre_rope"

@@ -80,7 +80,7 @@ class _Recording:
             for module, pre, post, name in ((layer, self._resid_pre, self._resid_post, None),
                                             (layer.input_layernorm, None, self._norm, "attn_norm"),
                                             (a.qkv_proj, None, self._qkv, None), (a.attn, self._attn, None, None),
-                                            (a.o_proj, None, self._out, "attn_out"),
+                                            (a.o_proj, self._z, self._out, "attn_out"),
                                             (layer.post_attention_layernorm, None, self._norm, "mlp_norm"),
                                             (layer.mlp, None, self._out, "mlp_out")):
                 if pre:
@@ -195,6 +195,10 @@ class _Recording:
             slots = torch.tensor([self.block_ids[p // t.block_size] * t.block_size + p % t.block_size
                                   for p in self.cached])
             self.reads[layer] = cache_rows(t.model.model.layers[layer].self_attn.attn, slots)
+
+    def _z(self, layer, args, name) -> None:
+        """o_proj's input: attention's output per head."""
+        self._cap("z", layer, args[0], self.t.num_heads, self.t.head_dim)
 
     def _out(self, layer, args, out, name) -> None:
         self._cap(name, layer, out[0] if isinstance(out, tuple) else out)

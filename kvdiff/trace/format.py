@@ -77,9 +77,9 @@ class ModelDims:
 
     def points(self) -> tuple[str, ...]:
         """The probe points a model of these dims has: the router's only with experts, the post-norms
-        only with post-norms, kv_latent instead of v with latent attention."""
+        only with post-norms, kv_latent instead of v and z with latent attention."""
         mla = bool(self.latent_dim)
-        return tuple(p for p in KNOWN_POINTS if (p in ALL_POINTS and not (mla and p == "v"))
+        return tuple(p for p in KNOWN_POINTS if (p in ALL_POINTS and not (mla and p in ("v", "z")))
                      or (p in MOE_POINTS and self.num_experts) or (p in POST_NORM_POINTS and self.post_norms)
                      or (p in MLA_POINTS and mla) or (p in SINK_POINTS and self.sinks))
 
@@ -95,7 +95,7 @@ class ModelDims:
             return (self.num_heads,)
         if point == "experts":
             return (self.experts_per_token,)
-        if point == "q":
+        if point in ("q", "z"):
             return (self.num_heads, self.head_dim)
         if point in ("k_pre_rope", "k", "v"):
             return (self.num_kv_heads, self.head_dim)

@@ -18,6 +18,7 @@ LAYER_POINTS: tuple[str, ...] = (
     "k_pre_rope",  # (T, n_kv_heads, head_dim)  key after k-norm (if any), before RoPE
     "k",           # (T, n_kv_heads, head_dim)  key after RoPE, as stored in the cache / read by attention
     "v",           # (T, n_kv_heads, head_dim)
+    "z",           # (T, n_heads, head_dim)     attention's output, softmax(q k^T) v per head: o_proj's input
     "attn_out",    # (T, hidden)   o_proj output
     "resid_mid",   # (T, hidden)   resid_pre + attn_out
     "mlp_norm",    # (T, hidden)   post_attention_layernorm output
@@ -39,7 +40,8 @@ POST_NORM_POINTS: tuple[str, ...] = (
 )
 
 # Multi-head latent attention (DeepSeek-V3) caches no V: a compressed latent per token, expanded
-# into every head's K and V where attention reads it. Its models have this point instead of v; their
+# into every head's K and V where attention reads it. Its models have this point instead of v (and
+# no z: their heads' values are another width than head_dim, which the trace does not declare); their
 # k_pre_rope and k are the RoPE key all heads share (T, 1, qk_rope_head_dim), before and after RoPE,
 # in rotate_half order (DeepSeek's interleaved pairs (0, 1), (2, 3), ... de-interleaved).
 MLA_POINTS: tuple[str, ...] = (
@@ -55,7 +57,7 @@ SINK_POINTS: tuple[str, ...] = (
 
 # Every layer point a model may have, in dataflow order.
 KNOWN_LAYER_POINTS: tuple[str, ...] = (
-    "resid_pre", "attn_norm", "q", "k_pre_rope", "k", "kv_latent", "v", "attn_sinks", "attn_out", "attn_post_norm", "resid_mid", "mlp_norm",
+    "resid_pre", "attn_norm", "q", "k_pre_rope", "k", "kv_latent", "v", "attn_sinks", "z", "attn_out", "attn_post_norm", "resid_mid", "mlp_norm",
     "router_logits", "experts", "mlp_out", "mlp_post_norm", "resid_post",
 )
 
