@@ -38,7 +38,8 @@ class Hypothesis:
     where the hypothesis reads further), and a scale factor."""
 
     name: str                                  # "standard", "hidden", "scale", "next key", "chunk alone",
-                                               # "not causal", "window", "own key hidden", "kv heads", "softcap"
+                                               # "not causal", "window", "own key hidden", "kv heads", "softcap",
+                                               # "zeroed", "not cached"
     text: str                                  # in words, for the evidence
     visible: Callable[[int, int], np.ndarray]
     scale: float = 1.0
@@ -47,6 +48,9 @@ class Hypothesis:
     window: int | None = None                  # a sliding window: the keys a row sees, its own included
     kv_heads: tuple[int, ...] | None = None    # the KV head each query head reads, where not the model's groups
     softcap: float | None = None               # scaled scores s -> softcap * tanh(s / softcap) before the softmax
+    zeroed: Callable[[int, int], np.ndarray] | None = None   # keys read as zero rows (K and V) at a row
+    since: int | None = None                   # "zeroed", "not cached": the first key row they concern
+    own_zeroed: bool = False                   # "zeroed": the row's own key read as zero too
 
 
 @dataclass
@@ -87,15 +91,21 @@ class AttentionRows:
         return out
 
     def attend(self, row: int, raw: np.ndarray, visible: np.ndarray, scale: float,
-               kv_heads: tuple[int, ...] | None = None, softcap: float | None = None) -> np.ndarray:
-        """Softmax over the visible keys, times v: the attention output before o_proj, (heads * dv,)."""
+               kv_heads: tuple[int, ...] | None = None, softcap: float | None = None,
+               zeroed: np.ndarray | None = None) -> np.ndarray:
+        """Softmax over the visible keys, times v: the attention output before o_proj, (heads * dv,).
+        `zeroed` keys are read as zero rows: score 0 in the softmax, nothing added by their value."""
         heads, d, n = self.q.shape[1], self.v.shape[2], raw.shape[1]
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             s = raw * (self.scale * scale)
+            if zeroed is not None:
+                s[:, zeroed] = 0.0
             s = np.where(visible[None, :], s if softcap is None else softcap * np.tanh(s / softcap), -np.inf)
             s -= s.max(axis=1, keepdims=True)
             w = np.exp(s)
             w /= w.sum(axis=1, keepdims=True)
+            if zeroed is not None:
+                w[:, zeroed] = 0.0
             z = np.empty((heads, d))
             for g, group in self.groups(kv_heads):
                 z[group] = w[group] @ self.v[:n, g, :].astype(np.float64, copy=False)
@@ -190,7 +200,8 @@ class AttentionTest:
         if max(keys) > self.cand.k.shape[0]:
             return np.full((self.rows.size, self.cand.q.shape[1] * self.cand.v.shape[2]), np.nan)
         return np.stack([self.cand.attend(r, self.scores(r, n, h.kv_heads), h.visible(r, n), h.scale, h.kv_heads,
-                                          h.softcap) for r, n in zip(self.rows, keys)])
+                                          h.softcap, None if h.zeroed is None else h.zeroed(r, n))
+                          for r, n in zip(self.rows, keys)])
 
     def score(self, h: Hypothesis) -> Score:
         z = self.predict(h)

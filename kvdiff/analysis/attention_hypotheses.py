@@ -70,11 +70,34 @@ def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], i
     for w in window_candidates(first):
         out.append(Hypothesis("window", f"each row attending only its own and the {w - 1} positions before it (a "
                               f"sliding window of {w})", sliding_window(w), window=w))
+    out += unwritten_keys(first, boundaries)
     query, kv = heads
     if 1 < kv < query:
         out.append(Hypothesis("kv heads", f"query head h reading KV head h mod {kv} (the KV heads tiled) where the "
                               f"model gives each KV head {query // kv} consecutive query heads", causal,
                               kv_heads=tuple(h % kv for h in range(query))))
+    return out
+
+
+def unwritten_keys(first: int, boundaries: list[int]) -> list[Hypothesis]:
+    """Keys whose cache rows were never written, from position f on (the first tested row, the one
+    before it, or a chunk's start up to it: a decode chunk's, where its first rows stay within
+    tolerance): read as zero rows (K and V), the row's own key too or not, or not attended at all
+    (the rows attend the keys before f and their own). A decode step whose K/V never reach the cache
+    gives one of these from the first decode position."""
+    out = []
+    for f in sorted({first - 1, first, *(b for b in boundaries if 0 < b < first)} - {0, -1}):
+        out.append(Hypothesis("zeroed", f"the keys from position {f} on, each row's own included, read as zero rows "
+                              f"(K and V): their cache rows never written", causal,
+                              zeroed=lambda row, n, f=f: (np.arange(n) >= f) & (np.arange(n) <= row), since=f,
+                              own_zeroed=True))
+        out.append(Hypothesis("zeroed", f"the keys from position {f} on before each row's own read as zero rows (K and "
+                              f"V): their cache rows never written, the row's own key attended as computed", causal,
+                              zeroed=lambda row, n, f=f: (np.arange(n) >= f) & (np.arange(n) < row), since=f))
+        out.append(Hypothesis("not cached", f"the keys from position {f} on before each row's own not attended: their "
+                              f"K/V never reached the cache, the row's own key attended as computed",
+                              lambda row, n, f=f: causal(row, n) & ~((np.arange(n) >= f) & (np.arange(n) < row)),
+                              since=f))
     return out
 
 

@@ -10,7 +10,7 @@ are one explanation: the simplest is named.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from kvdiff.analysis.diagnosis import DiagnosisInputs, fmt
 MARGIN = 0.5        # and at most this share of what the next-best explanation leaves,
 NESTED_MARGIN = 0.8  # or, where that one hides an overlapping span (one key more or less at an end), this
 _PREFER = ("standard", "hidden", "scale", "next key", "chunk alone", "not causal", "window", "own key hidden",
-           "kv heads", "softcap")
+           "kv heads", "softcap", "not cached", "zeroed")
 
 
 def _nested(a: Score, b: Score) -> bool:
@@ -39,6 +39,7 @@ class Verdict:
     test: AttentionTest
     others: list                # every other explanation, best first
     aligned: bool               # the best hides exactly the positions before its rows' chunk (the chunk table's)
+    tied: list = field(default_factory=list)   # other kinds of explanation predicting the same rows
 
     @property
     def rival(self) -> Score | None:
@@ -70,6 +71,8 @@ class Verdict:
                "next_best_residual": None if rival is None else rival.residual}
         if boundary is not None and boundary.residual < 2 * self.best.residual:
             out.update(boundary_alternative=list(boundary.hypothesis.hidden), boundary_residual=boundary.residual)
+        if self.tied:
+            out["same_prediction"] = [t.hypothesis.text for t in self.tied]
         return out
 
     def proof(self) -> str:
@@ -84,6 +87,9 @@ class Verdict:
                        (("next best", self.rival), ("best overlapping span", self.boundary)) if o is not None)
         if self.best.hypothesis.name != "standard" and self.standard not in (self.rival, self.boundary):
             rest += f"; every earlier position attended: {fmt(self.standard.residual)}"
+        if self.tied:
+            rest += ("; the same prediction at these rows (the data do not tell them apart; the simplest is named): "
+                     + "; ".join(t.hypothesis.text for t in self.tied))
         return (f"the candidate's attention recomputed from its own q, k and v at {self.test.rows.size} rows: "
                 f"{self.best.hypothesis.text} leaves {fmt(self.best.residual)} of the change in {self.test.point} unexplained "
                 f"(median per row {fmt(self.best.median)}){rest}; {o_proj}")
@@ -145,4 +151,5 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
     best = min(ties, key=lambda s: _PREFER.index(s.hypothesis.name))
     others = [s for s in ordered if s not in ties]
     aligned = any(s.hypothesis.name == "chunk alone" for s in ties) and best.hypothesis.name == "hidden"
-    return Verdict(best, scores[0], owner[id(best)], others, aligned)
+    tied = [s for s in ties if s.hypothesis.name not in (best.hypothesis.name, "chunk alone")]
+    return Verdict(best, scores[0], owner[id(best)], others, aligned, tied[:3])

@@ -121,6 +121,13 @@ def _boundary_note(verdict: Verdict) -> str:
             f"certain than the span")
 
 
+def _same_note(verdict: Verdict) -> str:
+    if not verdict.tied:
+        return ""
+    return (f"; {verdict.tied[0].hypothesis.text} predicts the same rows: the data do not tell them apart, the "
+            f"simpler is named")
+
+
 def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict | None, chunk: str | None,
           proved: bool, data_start: int) -> Diagnosis | None:
     cmp = inputs.comparison
@@ -151,7 +158,7 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
         evidence = (f"{where}: {point} differs (rel {fmt(attn_rel)}) and is the candidate's own q, k and v attended "
                     f"without {noun} {u}: {noun} {u} {verb} not attended (that explanation leaves "
                     f"{fmt(verdict.best.residual)} of the change unexplained, the next best "
-                    f"{'none' if verdict.rival is None else fmt(verdict.rival.residual)}{_boundary_note(verdict)}); "
+                    f"{'none' if verdict.rival is None else fmt(verdict.rival.residual)}{_boundary_note(verdict)}{_same_note(verdict)}); "
                     f"the reference puts "
                     f"{fmt(100 * float(mass.mean()))}% of its attention mass on them (mean over heads and positions; "
                     f"min {fmt(100 * float(mass.min()))}%)")
@@ -176,10 +183,16 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
             details["kv_head_of_query_head"] = list(h.kv_heads)
         if h.name == "softcap":
             details["softcap"] = h.softcap
-        found = f": {h.text} explains it (leaves {fmt(verdict.best.residual)} of the change unexplained)"
+        if h.name in ("zeroed", "not cached"):
+            details["since"] = h.since
+        if h.name == "zeroed":
+            details["own_key_zeroed"] = h.own_zeroed
+        found = (f": {h.text} explains it (leaves {fmt(verdict.best.residual)} of the change unexplained"
+                 f"{_same_note(verdict)})")
     else:
         found = ("; no tested explanation (hidden keys, another scale, a sliding window, the next key or every later key "
-                 "of the forward visible, its own key hidden, the KV heads tiled, a soft-cap) accounts for it"
+                 "of the forward visible, its own key hidden, the KV heads tiled, a soft-cap, keys never written to the "
+                 "cache) accounts for it"
                  if verdict is not None else "") + _rounding_note(inputs, attn_rel, details)
     itself = "(mask, scale or softmax)" if point == "z" else "(mask, scale, softmax or o_proj)"
     evidence = f"{where}: {same}, but {point} differs (rel {fmt(attn_rel)}): the attention itself {itself} differs{found}"
