@@ -475,6 +475,17 @@ CASES: list[Case] = [
          (p("decode_kv_zero"),), "cold", ATTENTION, 0, "P",
          (want("attention_mismatch", first="P", explanation="zeroed", since=X("P"), own_key_zeroed=True, layer=0),),
          NONE3),
+    Case("cb-llama-kv-swapped-in-attention", "tiny-llama", CB,
+         "K and V written to the cache in each other's place, so attention reads them swapped",
+         "cache.update called with value and key exchanged", (p("kv_swap_in_attention"),), "cold", ATTENTION, 0, "0",
+         (want("attention_mismatch", first="0", explanation="kv swapped", layer=0),), NONE3),
+    Case("cb-llama-rope-twice", "tiny-llama", CB,
+         "RoPE applied twice to q and k", "apply_rotary_pos_emb composed with itself", (p("rope_twice"),), "cold",
+         ROPE_QK, 0, "1", (want(PM, first="1", position_factor=2),), (MC, CC)),
+    Case("cb-mistral-rope-twice-on-k", "tiny-mistral", CB,
+         "RoPE applied twice to k (q once)", "apply_rotary_pos_emb: k rotated again",
+         (p("rope_twice", which="k"),), "cold", "RoPE on k", 0, "1", (want(PM, first="1", position_factor=2),),
+         (MC, CC)),
     Case("cb-qwen2-decode-keys-uncached", "tiny-qwen2", CB,
          "decode steps' K/V never reach the cache: each decode row sees the prompt and its own key",
          "self_attn pre-hook: keys P..q-1 hidden from query q",
@@ -561,6 +572,11 @@ CASES: list[Case] = [
          "MLP changed at layer 1", "layer 1 mlp.down_proj output x 1.01",
          (p("vllm_scale_output", module="model.layers.1.mlp.down_proj", factor=1.01),), "cold", "MLP", 1, "0",
          (), NONE3, (NOT_FROM_NORMS,)),
+    Case("vllm-llama64-kv-swapped-in-attention", VLLM_ARCH, VLLM,
+         "K and V written to the cache in each other's place, so attention reads them swapped",
+         "attention backend's do_kv_cache_update called with value and key exchanged", (p("kv_swap_in_attention"),),
+         "cold", ATTENTION, 0, "0", (want("attention_mismatch", first="0", explanation="kv swapped", layer=0),),
+         NONE3),
     # The model attends its own key little: layer 0's first decode rows stay within tolerance.
     Case("vllm-llama64-decode-kv-zero", VLLM_ARCH, VLLM,
          "decode steps' K/V reach the cache as zeros (a write that never lands in a zeroed cache)",
@@ -1249,6 +1265,36 @@ def plant_decode_kv_zero(ctx: Ctx) -> Undo:
     return lambda: cache.__dict__.pop("update", None)
 
 
+def plant_kv_swap_in_attention(ctx: Ctx) -> Undo:
+    """K and V written to the cache in each other's place, so attention reads them swapped:
+    transformers' paged cache `update` (the probes record k before it) or vLLM's attention backend's
+    cache write (after the probes' pre-hooks)."""
+    if ctx.case.engine == VLLM:
+        impls = [m.impl for m in ctx.vllm_modules("model.layers.{i}.self_attn.attn")]
+        for impl in impls:
+            impl.do_kv_cache_update = lambda layer, key, value, *a, inner=impl.do_kv_cache_update, **kw: \
+                inner(layer, value, key, *a, **kw)
+        return lambda: [delattr(impl, "do_kv_cache_update") for impl in impls]
+    cache = ctx.target.cache
+    inner = cache.update
+    cache.update = lambda key_states, value_states, *args, **kwargs: inner(value_states, key_states, *args, **kwargs)
+    return lambda: cache.__dict__.pop("update", None)
+
+
+def plant_rope_twice(ctx: Ctx, which: str = "qk") -> Undo:
+    """The transformers model's RoPE applied twice, to q and k or (`which`) to one of them."""
+    module = sys.modules[type(ctx.model.model.layers[0].self_attn).__module__]
+    old = module.apply_rotary_pos_emb
+
+    def twice(q, k, cos, sin, unsqueeze_dim=1):
+        q1, k1 = old(q, k, cos, sin, unsqueeze_dim)
+        q2, k2 = old(q1, k1, cos, sin, unsqueeze_dim)
+        return (q2 if "q" in which else q1), (k2 if "k" in which else k1)
+
+    module.apply_rotary_pos_emb = twice
+    return lambda: setattr(module, "apply_rotary_pos_emb", old)
+
+
 def plant_vllm_rope_freq(ctx: Ctx, base: float | None = None, factor: float | None = None) -> Undo:
     """vLLM's rotary embedding's cos/sin table of another base, or of positions divided by `factor`."""
     ropes = {id(l.self_attn.rotary_emb): l.self_attn.rotary_emb for l in ctx.target.model.model.layers}
@@ -1286,7 +1332,8 @@ PLANTS: dict[str, Callable[..., Undo]] = {
     "cache_unrotate_k": plant_cache_unrotate_k, "cache_swap_heads": plant_cache_swap_heads,
     "cache_round_v": plant_cache_round_v, "rope_interleaved": plant_rope_interleaved,
     "kv_heads_tiled": plant_kv_heads_tiled, "q_rope": plant_q_rope, "cache_swap_kv": plant_cache_swap_kv, "norm_one_plus_weight": plant_norm_one_plus_weight,
-    "decode_kv_zero": plant_decode_kv_zero,
+    "decode_kv_zero": plant_decode_kv_zero, "kv_swap_in_attention": plant_kv_swap_in_attention,
+    "rope_twice": plant_rope_twice,
 }
 
 

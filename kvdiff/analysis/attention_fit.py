@@ -39,7 +39,7 @@ class Hypothesis:
 
     name: str                                  # "standard", "hidden", "scale", "next key", "chunk alone",
                                                # "not causal", "window", "own key hidden", "kv heads", "softcap",
-                                               # "zeroed", "not cached"
+                                               # "zeroed", "not cached", "kv swapped"
     text: str                                  # in words, for the evidence
     visible: Callable[[int, int], np.ndarray]
     scale: float = 1.0
@@ -51,6 +51,7 @@ class Hypothesis:
     zeroed: Callable[[int, int], np.ndarray] | None = None   # keys read as zero rows (K and V) at a row
     since: int | None = None                   # "zeroed", "not cached": the first key row they concern
     own_zeroed: bool = False                   # "zeroed": the row's own key read as zero too
+    swapped: bool = False                      # K and V in each other's place: scores from v, values from k
 
 
 @dataclass
@@ -184,10 +185,17 @@ class AttentionTest:
         """The same test (o_proj fit, q k^T computed so far) on other candidate rows (at most `most`)."""
         return AttentionTest(self.ref, self.cand, cap_rows(rows, most), self.fit, self.raw)
 
-    def scores(self, row: int, n_keys: int, kv_heads: tuple[int, ...] | None = None) -> np.ndarray:
-        if (row, n_keys, kv_heads) not in self.raw:
-            self.raw[row, n_keys, kv_heads] = self.cand.raw_scores(row, n_keys, kv_heads).astype(np.float32)
-        return self.raw[row, n_keys, kv_heads].astype(np.float64)
+    def keys_and_values(self, swapped: bool) -> AttentionRows:
+        """The candidate's rows, or (`swapped`) with its k and v in each other's place."""
+        c = self.cand
+        return AttentionRows(c.q, c.v, c.k, c.out, c.scale) if swapped else c
+
+    def scores(self, row: int, n_keys: int, kv_heads: tuple[int, ...] | None = None,
+               swapped: bool = False) -> np.ndarray:
+        key = (row, n_keys, kv_heads, swapped)
+        if key not in self.raw:
+            self.raw[key] = self.keys_and_values(swapped).raw_scores(row, n_keys, kv_heads).astype(np.float32)
+        return self.raw[key].astype(np.float64)
 
     def n_keys(self, row: int, h: Hypothesis | None = None) -> int:
         """Key rows `h` reads at `row`: up to the next recorded one, or its own reach."""
@@ -197,10 +205,11 @@ class AttentionTest:
         """The hypothesis's attention output before o_proj at every tested row (NaN where it reads
         keys the trace did not record)."""
         keys = [self.n_keys(r, h) for r in self.rows]
-        if max(keys) > self.cand.k.shape[0]:
+        if max(keys) > self.cand.k.shape[0] or (h.swapped and self.cand.k.shape != self.cand.v.shape):
             return np.full((self.rows.size, self.cand.q.shape[1] * self.cand.v.shape[2]), np.nan)
-        return np.stack([self.cand.attend(r, self.scores(r, n, h.kv_heads), h.visible(r, n), h.scale, h.kv_heads,
-                                          h.softcap, None if h.zeroed is None else h.zeroed(r, n))
+        rows = self.keys_and_values(h.swapped)
+        return np.stack([rows.attend(r, self.scores(r, n, h.kv_heads, h.swapped), h.visible(r, n), h.scale,
+                                     h.kv_heads, h.softcap, None if h.zeroed is None else h.zeroed(r, n))
                           for r, n in zip(self.rows, keys)])
 
     def score(self, h: Hypothesis) -> Score:

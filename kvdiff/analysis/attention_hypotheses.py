@@ -71,6 +71,8 @@ def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], i
         out.append(Hypothesis("window", f"each row attending only its own and the {w - 1} positions before it (a "
                               f"sliding window of {w})", sliding_window(w), window=w))
     out += unwritten_keys(first, boundaries)
+    out.append(Hypothesis("kv swapped", "K and V in each other's place where attention read them (scores from v, "
+                          "values from k)", causal, swapped=True))
     query, kv = heads
     if 1 < kv < query:
         out.append(Hypothesis("kv heads", f"query head h reading KV head h mod {kv} (the KV heads tiled) where the "

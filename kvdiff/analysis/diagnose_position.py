@@ -53,17 +53,21 @@ def _positions(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
         values, counts = np.unique(offsets[sel], return_counts=True)
         offset = int(values[counts.argmax()])
         _, k_rel = inputs.worst("k", 0, gcols)
+        factor = _position_factor(enc, positions[gcols]) if values.size > 1 else None
         evidence = (f"layer {layer}, positions {span_text(lo, hi)}: {_same(inputs, keys, gcols)} while k after RoPE "
                     f"differs (rel {fmt(k_rel)}), so the keys hold the same content rotated to other positions; the "
                     f"rotation angles fit encoded positions {span_text(int(enc[0]), int(enc[-1]))} (fit quality "
-                    f"{fmt(float(quality.min()))}), expected {span_text(lo, hi)}: offset {offset:+d}")
-        if values.size > 1 and enc.min() == enc.max():
+                    f"{fmt(float(quality.min()))}), expected {span_text(lo, hi)}: "
+                    + (f"every one of them encoded at {factor} times its position (RoPE applied {factor} times, or its "
+                       f"positions or frequencies scaled by {factor})" if factor else f"offset {offset:+d}"))
+        if not factor and values.size > 1 and enc.min() == enc.max():
             evidence += (f" (every one of them encoded at position {int(enc[0])}"
                          + (": the keys were stored without RoPE)" if enc[0] == 0 else ")"))
-        elif values.size > 1:
+        elif not factor and values.size > 1:
             evidence += f" ({values.size} different offsets, {int(counts.max())} of {group.size} positions at {offset:+d})"
         details: dict = {"offset": offset, "encoded_positions": [int(enc.min()), int(enc.max())],
-                         "expected_positions": [lo, hi], "fit_quality": float(quality.min()), "layer": layer}
+                         "expected_positions": [lo, hi], "fit_quality": float(quality.min()), "layer": layer,
+                         "position_factor": factor}
         reported = [inputs.chunks.encoded_position(int(p)) for p in group]
         if all(r is not None for r in reported):
             details["provenance_encoded_positions"] = [min(reported), max(reported)]
@@ -74,6 +78,15 @@ def _positions(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
         out.append(Diagnosis("position_mismatch", chunk, (lo, hi), evidence, details,
                              confidence=float(quality.min()), proof=proof))
     return out
+
+
+def _position_factor(encoded: np.ndarray, expected: np.ndarray) -> int | None:
+    """f where every row is encoded at exactly f times its expected position (f >= 2, at least two
+    rows), else None."""
+    if encoded.size < 2 or (expected <= 0).any() or (encoded % expected).any():
+        return None
+    ratios = np.unique(encoded // expected)
+    return int(ratios[0]) if ratios.size == 1 and ratios[0] >= 2 else None
 
 
 def _frequencies(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
