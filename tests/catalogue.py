@@ -196,6 +196,16 @@ def detail_near(kind: str, key: str, value: float) -> Check:
             return None
         return f"no {kind} with {key} {value} (found {found})"
     return Check(f"a {kind} gives {key} {value}", check)
+def input_weighted(scaled: str, weight: float) -> Check:
+    """The operation_mismatch of a residual add gives its output as the other input plus `weight` x `scaled`."""
+    def check(report: dict, names: dict) -> str | None:
+        found = [d.get("input_weight") for d in report["diagnoses"] if d["kind"] == "operation_mismatch"]
+        if any(f is not None and f["scaled"] == scaled and abs(f["weight"] - weight) <= 1e-3 * weight for f in found):
+            return None
+        return f"no operation_mismatch with input_weight {scaled} x {weight} (found {found})"
+    return Check(f"the add weights {scaled} by {weight}", check)
+
+
 NONE3 = (PM, MC, CC)
 
 
@@ -421,6 +431,14 @@ CASES: list[Case] = [
          "residual add after the MLP dropped at layer 0", "hooks: layer 0 output minus resid_mid",
          (p("drop_residual", layer=0, where="mlp"),), "cold", "residual add after the MLP", 0, "0",
          (want("operation_mismatch", first="0", output_is_input="mlp_out"),), NONE3),
+    Case("cb-qwen2-resid-attn-doubled", "tiny-qwen2", CB,
+         "attention's output added twice to the residual at layer 1", "hooks: layer 1 self_attn output x 2",
+         (p("weight_residual", layer=1, where="attn", weight=2.0),), "cold", "residual add after attention", 1, "0",
+         (want("operation_mismatch", first="0"),), NONE3, (input_weighted("attn_out", 2.0),)),
+    Case("cb-llama-resid-mlp-halved", "tiny-llama", CB,
+         "the MLP's output added at half weight to the residual at layer 0", "hooks: layer 0 output = resid_mid + 0.5 x mlp",
+         (p("weight_residual", layer=0, where="mlp", weight=0.5),), "cold", "residual add after the MLP", 0, "0",
+         (want("operation_mismatch", first="0"),), NONE3, (input_weighted("mlp_out", 0.5),)),
     Case("cb-qwen2-mlp-changed", "tiny-qwen2", CB,
          "MLP changed at layer 2", "layer 2 mlp.up_proj.weight x 1.01 during the run",
          (p("scale_weight", module="model.layers.2.mlp.up_proj", factor=1.01),), "cold", "MLP", 2, "0",
@@ -1065,6 +1083,25 @@ def plant_drop_residual(ctx: Ctx, layer: int, where: str) -> Undo:
     return _hooks(handles)
 
 
+def plant_weight_residual(ctx: Ctx, layer: int, where: str, weight: float) -> Undo:
+    """transformers decoder layer: the residual add after attention ("attn") or after the MLP ("mlp")
+    adds the sublayer's output times `weight`. Hooks outside the probed modules, as drop_residual's."""
+    dec = ctx.model.model.layers[layer]
+    saved: dict[str, torch.Tensor] = {}
+    if where == "attn":
+        def after(m, args, out):
+            return (out[0] * weight, *out[1:]) if isinstance(out, tuple) else out * weight
+        return _hooks([dec.self_attn.register_forward_hook(after)])
+    handles = [dec.post_attention_layernorm.register_forward_pre_hook(lambda m, args: saved.__setitem__("x", args[0]))]
+
+    def scaled(m, args, out):
+        first = out[0] if isinstance(out, tuple) else out
+        first = saved["x"] + weight * (first - saved["x"])
+        return (first, *out[1:]) if isinstance(out, tuple) else first
+    handles.append(dec.register_forward_hook(scaled))
+    return _hooks(handles)
+
+
 def _mask_rule(ctx: Ctx, rule: str, keys: tuple[str, str] | None = None, queries_from: str | None = None,
                size: int | None = None, since: str | None = None
                ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -1333,7 +1370,7 @@ PLANTS: dict[str, Callable[..., Undo]] = {
     "cache_round_v": plant_cache_round_v, "rope_interleaved": plant_rope_interleaved,
     "kv_heads_tiled": plant_kv_heads_tiled, "q_rope": plant_q_rope, "cache_swap_kv": plant_cache_swap_kv, "norm_one_plus_weight": plant_norm_one_plus_weight,
     "decode_kv_zero": plant_decode_kv_zero, "kv_swap_in_attention": plant_kv_swap_in_attention,
-    "rope_twice": plant_rope_twice,
+    "rope_twice": plant_rope_twice, "weight_residual": plant_weight_residual,
 }
 
 

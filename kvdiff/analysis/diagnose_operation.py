@@ -98,6 +98,13 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None) -> list[
         evidence += (f"; its output is its input {passed} alone, within tolerance at every one of them: the other "
                      f"input ({others}) was not combined in")
         proof += f"; {op.tensor} within tolerance of the candidate's own {passed} at those positions"
+    weighted = _input_weight(inputs, op, cols) if passed is None and op.name.startswith("residual add") else None
+    details["input_weight"] = weighted
+    if weighted is not None:
+        evidence += (f"; its output is {weighted['kept']} plus {fmt(weighted['weight'])} x {weighted['scaled']} (that "
+                     f"leaves {fmt(weighted['left'])} of the change unexplained): the add weighted {weighted['scaled']}")
+        proof += (f"; {op.tensor} = {weighted['kept']} + {fmt(weighted['weight'])} x {weighted['scaled']}, "
+                  f"{fmt(weighted['left'])} of the change left")
     elif factor is not None:
         details["output_factor"] = factor[0]
         evidence += (f"; its output is the reference's times {fmt(factor[0])} (that leaves {fmt(factor[1])} of the "
@@ -144,6 +151,31 @@ def _passed_input(inputs: DiagnosisInputs, op, cols: np.ndarray) -> str | None:
         rows = inputs.candidate.point(check.layer, check.point, al.cand_index[cols])
         if rows.shape == out.shape and row_metrics(rows, out).within(tolerance).all():
             return check.point
+    return None
+
+
+def _input_weight(inputs: DiagnosisInputs, op, cols: np.ndarray) -> dict | None:
+    """Where the candidate's output of a two-input add at `cols` (up to FACTOR_ROWS) is one input plus
+    c times the other (c not 1), leaving at most FACTOR_LEFT of its change from the reference's:
+    {"scaled", "kept", "weight", "left"}; else None."""
+    if len(op.inputs) != 2:
+        return None
+    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
+    out = inputs.candidate.point(op.layer, op.tensor, al.cand_index[cols]).astype(np.float64)
+    change = float(np.linalg.norm(out - inputs.reference.point(op.layer, op.tensor, al.ref_index[cols])))
+    rows = {c.point: inputs.candidate.point(c.layer, c.point, al.cand_index[cols]).astype(np.float64)
+            for c in op.inputs}
+    if not np.isfinite(change) or change == 0 or any(r.shape != out.shape for r in rows.values()):
+        return None
+    for scaled, kept in (tuple(rows), tuple(rows)[::-1]):
+        rest, x = out - rows[kept], rows[scaled]
+        power = float((x * x).sum())
+        if power == 0:
+            continue
+        weight = float((rest * x).sum() / power)
+        left = float(np.linalg.norm(rest - weight * x)) / change
+        if left <= FACTOR_LEFT and abs(weight - 1) > 1e-3:
+            return {"scaled": scaled, "kept": kept, "weight": weight, "left": left}
     return None
 
 
