@@ -341,6 +341,11 @@ CASES: list[Case] = [
          "runner mask: key P-1 hidden from decode queries",
          (p("mask", rule="hide", keys=("P - 1", "P - 1"), queries_from="P"),), "cold", ATTENTION, 0, "P",
          (want(MC, first="P", unattended=(X("P - 1"), X("P - 1"))),), (PM, CC)),
+    Case("kvdiff-llama-mask-lag", "tiny-llama", KVDIFF,
+         "the causal mask of the user chunk and after built from positions counted from the chunk's start",
+         "runner mask: queries from U see keys up to their position minus U",
+         (p("mask", rule="lag", since="U", queries_from="U"),), "cold", ATTENTION, 0, "U",
+         (want("attention_mismatch", first="U", explanation="lagged mask", mask_lag=X("U"), layer=0),), NONE3),
     Case("kvdiff-mistral-decode-keys-uncached", "tiny-mistral", KVDIFF,
          "decode steps' K/V never reach the cache: each decode row sees the prompt and its own key",
          "runner mask: keys P..q-1 hidden from query q",
@@ -487,6 +492,11 @@ CASES: list[Case] = [
          "the last cached row dropped from attention", "self_attn pre-hook: key H-1 hidden in the warm run",
          (p("mask", rule="hide", keys=("H - 1", "H - 1"), queries_from="H"),), "warm-other", ATTENTION, 0, "H",
          (want(MC, first="H", unattended=(X("H - 1"), X("H - 1"))),), (PM, CC)),
+    Case("cb-llama-mask-lag", "tiny-llama", CB,
+         "the causal mask offset by 3: each query sees the keys up to 3 positions before its own",
+         "self_attn pre-hook: keys after q - 3 hidden from queries 3 on",
+         (p("mask", rule="lag", since="3", queries_from="3"),), "cold", ATTENTION, 0, "3",
+         (want("attention_mismatch", first="3", explanation="lagged mask", mask_lag=3, layer=0),), NONE3),
     Case("cb-llama-decode-kv-zero", "tiny-llama", CB,
          "decode steps' K/V reach the cache as zeros (a write that never lands in a zeroed cache)",
          "cache.update given zero rows where a forward computes one row",
@@ -1114,6 +1124,9 @@ def _mask_rule(ctx: Ctx, rule: str, keys: tuple[str, str] | None = None, queries
         return lambda q, k, allowed: allowed & (k[None, :] > q[:, None] - size)
     if rule == "self hidden":       # k < q where the model has k <= q; position 0 keeps its own key
         return lambda q, k, allowed: allowed & ((k[None, :] != q[:, None]) | (q[:, None] == 0))
+    if rule == "lag":               # queries from `queries_from` see keys up to their position minus `since`
+        start, lag = ev(queries_from, ctx.names), ev(since, ctx.names)
+        return lambda q, k, allowed: allowed & ((k[None, :] <= q[:, None] - lag) | (q[:, None] < start))
     if rule == "unwritten":         # keys from `since` on, before the query's own, hidden (never cached)
         first = ev(since, ctx.names)
         return lambda q, k, allowed: allowed & ~((k[None, :] >= first) & (k[None, :] < q[:, None]))

@@ -39,7 +39,7 @@ class Hypothesis:
 
     name: str                                  # "standard", "hidden", "scale", "next key", "chunk alone",
                                                # "not causal", "window", "own key hidden", "kv heads", "softcap",
-                                               # "zeroed", "not cached", "kv swapped"
+                                               # "zeroed", "not cached", "kv swapped", "lagged mask"
     text: str                                  # in words, for the evidence
     visible: Callable[[int, int], np.ndarray]
     scale: float = 1.0
@@ -52,6 +52,7 @@ class Hypothesis:
     since: int | None = None                   # "zeroed", "not cached": the first key row they concern
     own_zeroed: bool = False                   # "zeroed": the row's own key read as zero too
     swapped: bool = False                      # K and V in each other's place: scores from v, values from k
+    lag: int | None = None                     # "lagged mask": each row sees the keys up to its position minus lag
 
 
 @dataclass

@@ -70,6 +70,10 @@ def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], i
     for w in window_candidates(first):
         out.append(Hypothesis("window", f"each row attending only its own and the {w - 1} positions before it (a "
                               f"sliding window of {w})", sliding_window(w), window=w))
+    for m in sorted({2, 3, 4, first, *(b for b in boundaries if 1 < b < first)} - {0, 1}):
+        out.append(Hypothesis("lagged mask", f"each row attending only the keys up to {m} positions before its own (the "
+                              f"causal mask offset by {m}, as one built from positions counted from another start)",
+                              lambda row, n, m=m: np.arange(n) <= row - m, lag=m))
     out += unwritten_keys(first, boundaries)
     out.append(Hypothesis("kv swapped", "K and V in each other's place where attention read them (scores from v, "
                           "values from k)", causal, swapped=True))

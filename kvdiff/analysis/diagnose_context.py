@@ -187,12 +187,14 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
             details["since"] = h.since
         if h.name == "zeroed":
             details["own_key_zeroed"] = h.own_zeroed
+        if h.name == "lagged mask":
+            details["mask_lag"] = h.lag
         found = (f": {h.text} explains it (leaves {fmt(verdict.best.residual)} of the change unexplained"
                  f"{_same_note(verdict)})")
     else:
         found = ("; no tested explanation (hidden keys, another scale, a sliding window, the next key or every later key "
                  "of the forward visible, its own key hidden, the KV heads tiled, a soft-cap, keys never written to the "
-                 "cache, K and V swapped) accounts for it"
+                 "cache, K and V swapped, the mask offset) accounts for it"
                  if verdict is not None else "") + _rounding_note(inputs, attn_rel, details)
     itself = "(mask, scale or softmax)" if point == "z" else "(mask, scale, softmax or o_proj)"
     evidence = f"{where}: {same}, but {point} differs (rel {fmt(attn_rel)}): the attention itself {itself} differs{found}"
