@@ -26,7 +26,6 @@ from kvdiff.trace import ModelDims, TraceMeta, TraceWriter, open_trace
 
 log = logging.getLogger("bench_diff")
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 30, 576, 9, 3, 64
-SHAPES = {"q": (HEADS, HEAD_DIM), "k_pre_rope": (KV_HEADS, HEAD_DIM), "k": (KV_HEADS, HEAD_DIM), "v": (KV_HEADS, HEAD_DIM)}
 BLOCK = 256
 
 
@@ -46,11 +45,11 @@ def write_pair(folder: Path, positions: int, vocab: int) -> tuple[Path, Path]:
     writers = [TraceWriter(paths[0], _meta(positions, vocab, "reference")),
                TraceWriter(paths[1], _meta(positions, vocab, "prefix"))]
     noisy_from, broken_from = positions // 2, 3 * positions // 4
-    shapes = {**{p: (HIDDEN,) for p in LAYER_POINTS}, **SHAPES}
+    dims = writers[0].meta.dims
     groups = [(f"layers/{i}", LAYER_POINTS) for i in range(LAYERS)] + [("final", ("final_norm", "logits"))]
     for group, points in groups:
         for point in points:
-            row = (vocab,) if point == "logits" else (HIDDEN,) if point == "final_norm" else shapes[point]
+            row = dims.point_shape(point)
             for lo in range(0, positions, BLOCK):
                 hi = min(positions, lo + BLOCK)
                 x = rng.standard_normal((hi - lo, *row), dtype=np.float32)
