@@ -54,6 +54,14 @@ class Hypothesis:
     swapped: bool = False                      # K and V in each other's place: scores from v, values from k
     lag: int | None = None                     # "lagged mask": each row sees the keys up to its position minus lag
 
+    def fields(self) -> dict:
+        """What a report says of this explanation beside its name: its fitted or chosen values."""
+        by_name = {"scale": {"scale_factor": self.scale}, "window": {"window": self.window},
+                   "kv heads": {"kv_head_of_query_head": list(self.kv_heads or ())}, "softcap": {"softcap": self.softcap},
+                   "zeroed": {"since": self.since, "own_key_zeroed": self.own_zeroed},
+                   "not cached": {"since": self.since}, "lagged mask": {"mask_lag": self.lag}}
+        return by_name.get(self.name, {})
+
 
 @dataclass
 class Score:

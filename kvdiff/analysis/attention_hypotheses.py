@@ -1,7 +1,9 @@
 """The family of attention hypotheses attention_fit scores, and how it is searched: hidden keys
 (single keys and spans around the first tested row), each row's chunk alone, the next key, every
-later key of the forward, a sliding window, the row's own key hidden, the KV heads tiled; the softmax
-scale fitted by a grid and golden-section search; the finalists scored on every tested row."""
+later key of the forward, a sliding window, the row's own key hidden, the causal mask offset, keys
+never written to the cache (read as zeros, or not attended), K and V swapped, the KV heads tiled;
+the softmax scale and a logit soft-cap fitted by a grid and golden-section search; the finalists
+scored on every tested row."""
 
 from __future__ import annotations
 
@@ -38,10 +40,12 @@ def key_candidates(first: int, extra: list[int]) -> list[int]:
 def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], int | None],
                same_forward: Callable[[int, int], bool], forward_end: Callable[[int], int],
                heads: tuple[int, int] = (1, 1)) -> list[Hypothesis]:
-    """Every hypothesis but the scale family: the reference's attention, hidden keys (one key, spans
-    ending before the first tested row, spans from 0), each row's chunk alone, the next key visible,
-    every later key of the row's forward visible (`forward_end(row)`: one past its forward's last row),
-    sliding windows, and (`heads`: query and KV heads) the KV heads tiled over the query heads."""
+    """Every hypothesis but the fitted ones (scale, soft-cap): the reference's attention, hidden keys
+    (one key, spans ending before the first tested row, spans from 0), each row's chunk alone, the next
+    key visible, every later key of the row's forward visible (`forward_end(row)`: one past its
+    forward's last row), sliding windows, the row's own key hidden, the causal mask offset by m, keys
+    never written to the cache (`unwritten_keys`), K and V swapped, and (`heads`: query and KV heads)
+    the KV heads tiled over the query heads."""
     out = [Hypothesis("standard", "every earlier position attended, as the reference does", causal)]
     keys = key_candidates(first, boundaries)
     spans = {(j, j) for j in keys} | {(a, first - 1) for a in keys} | {(0, b) for b in keys}

@@ -1,11 +1,12 @@
 """Which attention hypothesis explains the candidate's rows: scored, compared, and how strongly.
 
 A hypothesis explains the tested rows when it leaves at most EXPLAINS of the change in attention's
-output (z, or attn_out where the traces hold no z) unexplained and at most MARGIN of what its rival (the best other explanation) leaves; against a
-span of hidden keys that overlaps its own (the same span with other ends, which the data separate by
-the keys at the ends only) at most NESTED_MARGIN, or just less where its span is exactly the
-positions before the rows' chunk (the chunk table says so too). Equal residuals (one prediction)
-are one explanation: the simplest is named.
+output (z, or attn_out where the traces hold no z) unexplained and at most MARGIN of what its rival
+(the best other explanation) leaves; against a span of hidden keys that overlaps its own (the same
+span with other ends, which the data separate by the keys at the ends only) at most NESTED_MARGIN,
+or just less where its span is exactly the positions before the rows' chunk (the chunk table says
+so too). Equal residuals (one prediction) are one explanation: the simplest is named, and the
+others of another kind are said to predict the same (`tied`).
 """
 
 from __future__ import annotations

@@ -3,12 +3,15 @@
 At the first layer where attention's output breaks tolerance at positions the candidate computed
 (z, before o_proj, where both traces hold it; else attn_out), its attention is recomputed from its
 own recorded q, k and v (at positions it read from a cache, k and v are the rows attention read)
-under each hypothesis of `attention_fit`, and tested against the output it recorded. The hypothesis that explains the rows (it leaves at most half of the
-change unexplained, and at most half of what the next-best one leaves) names the cause:
+under each hypothesis of `attention_fit`, and tested against the output it recorded. The
+hypothesis that explains the rows (it leaves at most half of the change unexplained, and at most
+half of what the next-best one leaves) names the cause:
 
 - keys hidden (one span for every tested row, or each row's chunk alone): missing_context with
   exactly those positions, down to a single row;
-- another softmax scale, or the next position visible: attention_mismatch with that explanation;
+- another softmax scale or soft-cap, a mask otherwise (the next position visible, not causal, a
+  window, the row's own key hidden, offset), keys never written to the cache, K and V swapped, the
+  KV heads tiled: attention_mismatch with that explanation;
 - the reference's own causal attention: nothing (q, k or v differ, and explain attn_out).
 
 When none does but q, k and v match the reference where attention read them, the attention
@@ -158,7 +161,8 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
         evidence = (f"{where}: {point} differs (rel {fmt(attn_rel)}) and is the candidate's own q, k and v attended "
                     f"without {noun} {u}: {noun} {u} {verb} not attended (that explanation leaves "
                     f"{fmt(verdict.best.residual)} of the change unexplained, the next best "
-                    f"{'none' if verdict.rival is None else fmt(verdict.rival.residual)}{_boundary_note(verdict)}{_same_note(verdict)}); "
+                    f"{'none' if verdict.rival is None else fmt(verdict.rival.residual)}"
+                    f"{_boundary_note(verdict)}{_same_note(verdict)}); "
                     f"the reference puts "
                     f"{fmt(100 * float(mass.mean()))}% of its attention mass on them (mean over heads and positions; "
                     f"min {fmt(100 * float(mass.min()))}%)")
@@ -174,21 +178,7 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
         "recomputed from the candidate's own q, k and v"
     details: dict = {"layer": layer, "explanation": None, "inputs_match": proved, **(fit if h is not None else only)}
     if h is not None:
-        details["explanation"] = h.name
-        if h.name == "scale":
-            details["scale_factor"] = h.scale
-        if h.name == "window":
-            details["window"] = h.window
-        if h.name == "kv heads":
-            details["kv_head_of_query_head"] = list(h.kv_heads)
-        if h.name == "softcap":
-            details["softcap"] = h.softcap
-        if h.name in ("zeroed", "not cached"):
-            details["since"] = h.since
-        if h.name == "zeroed":
-            details["own_key_zeroed"] = h.own_zeroed
-        if h.name == "lagged mask":
-            details["mask_lag"] = h.lag
+        details.update(explanation=h.name, **h.fields())
         found = (f": {h.text} explains it (leaves {fmt(verdict.best.residual)} of the change unexplained"
                  f"{_same_note(verdict)})")
     else:
@@ -211,8 +201,8 @@ _ROUNDOFF = (("float16", 2.0 ** -11), ("bfloat16", 2.0 ** -8))
 
 
 def _rounding_note(inputs: DiagnosisInputs, attn_rel: float, details: dict) -> str:
-    """Where float32 traces' attention outputs differ by about what rounding to a narrower format moves a row:
-    say so (a kernel computing in it, such as a flash-attention kernel, would). `rel` is the squared
+    """Where float32 traces' attention outputs differ by about what rounding to a narrower format
+    moves a row: say so (a kernel computing in it, such as a flash-attention kernel, would). `rel` is the squared
     norm of the difference over the rows' (twice the relative norm difference squared)."""
     if {inputs.reference.meta.dtype, inputs.candidate.meta.dtype} != {"float32"} or not np.isfinite(attn_rel):
         return ""
