@@ -621,7 +621,7 @@ CASES: list[Case] = [
 # F a cached chunk's missing context is hidden by its position offset.
 _RECOMPUTED = ("recomputing the candidate's attn_out from its own recorded q, k and v")
 # The cases of KNOWN_WRONG that kvdiff still gets wrong (tests/test_catalogue.py: xfail, strict).
-STILL_WRONG = frozenset({"cb-qwen2-decode-keys-uncached"})
+STILL_WRONG: frozenset[str] = frozenset()
 KNOWN_WRONG: dict[str, str] = {
     "cb-qwen2-decode-keys-uncached": (
         "K: kvdiff says missing_context (decode 31, unattended 30-30) and names the expected explanation as predicting "

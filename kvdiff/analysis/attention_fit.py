@@ -221,6 +221,16 @@ class AttentionTest:
                                      h.kv_heads, h.softcap, None if h.zeroed is None else h.zeroed(r, n))
                           for r, n in zip(self.rows, keys)])
 
+    def own_miss(self, h: Hypothesis) -> float:
+        """With z recorded: the share of the candidate's own z at the tested rows that the hypothesis
+        misses, against no reference row (rows past a token flip have none to compare)."""
+        z = self.predict(h)
+        out = self.cand.out[self.rows].astype(np.float64)
+        power = float(np.linalg.norm(out))
+        if not np.isfinite(z).all() or power == 0:
+            return np.inf
+        return float(np.linalg.norm(out - z)) / power
+
     def score(self, h: Hypothesis) -> Score:
         z = self.predict(h)
         out = self.cand.out[self.rows].astype(np.float64)

@@ -41,6 +41,7 @@ class Verdict:
     others: list                # every other explanation, best first
     aligned: bool               # the best hides exactly the positions before its rows' chunk (the chunk table's)
     tied: list = field(default_factory=list)   # other kinds of explanation predicting the same rows
+    split: str | None = None    # how rows past the first token flip told tied explanations apart
 
     @property
     def rival(self) -> Score | None:
@@ -91,6 +92,8 @@ class Verdict:
         if self.tied:
             rest += ("; the same prediction at these rows (the data do not tell them apart; the simplest is named): "
                      + "; ".join(t.hypothesis.text for t in self.tied))
+        if self.split:
+            rest += f"; {self.split}"
         return (f"the candidate's attention recomputed from its own q, k and v at {self.test.rows.size} rows: "
                 f"{self.best.hypothesis.text} leaves {fmt(self.best.residual)} of the change in {self.test.point} unexplained "
                 f"(median per row {fmt(self.best.median)}){rest}; {o_proj}")
@@ -153,4 +156,33 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
     others = [s for s in ordered if s not in ties]
     aligned = any(s.hypothesis.name == "chunk alone" for s in ties) and best.hypothesis.name == "hidden"
     tied = [s for s in ties if s.hypothesis.name not in (best.hypothesis.name, "chunk alone")]
+    split = _past_flip(inputs, owner[id(best)], [best] + tied) if tied else None
+    if split is not None:
+        best, text = split
+        return Verdict(best, scores[0], owner[id(best)], others, False, [], text)
     return Verdict(best, scores[0], owner[id(best)], others, aligned, tied[:3])
+
+
+PAST_FLIP_ROWS = 8      # the candidate's rows past the first token flip a tie is tested on
+OWN_MISS = 1e-2         # the most of those rows' own z an explanation may miss
+
+
+def _past_flip(inputs: DiagnosisInputs, test: AttentionTest, tied: list[Score]) -> tuple[Score, str] | None:
+    """Where the traces hold z and the tokens flipped: the one of `tied` (one prediction on the
+    compared rows) that the candidate's own next rows past the flip single out (it misses at most
+    OWN_MISS of their z, and at most MARGIN of what the others miss), with the measurement; else None."""
+    al = inputs.comparison.alignment
+    if test.point != "z" or al.comparable_until is None:
+        return None
+    n = test.cand.q.shape[0]
+    cols = np.flatnonzero(~al.comparable & al.computed)
+    cols = cols[(cols < n) & (al.positions[cols] == cols)][:PAST_FLIP_ROWS]
+    if not cols.size:
+        return None
+    own = test.on(cols, PAST_FLIP_ROWS)
+    (m0, s0), (m1, s1) = sorted(((own.own_miss(s.hypothesis), s) for s in tied), key=lambda x: x[0])[:2]
+    if not (m0 <= OWN_MISS and m0 <= MARGIN * m1):
+        return None
+    return s0, (f"the candidate's own rows past the first token flip ({cols.size}, which the reference has no row to "
+                f"compare with) tell them apart: {s0.hypothesis.text} misses {fmt(m0)} of their z, "
+                f"{s1.hypothesis.text} {fmt(m1)}")

@@ -125,6 +125,8 @@ def _boundary_note(verdict: Verdict) -> str:
 
 
 def _same_note(verdict: Verdict) -> str:
+    if verdict.split:
+        return f"; {verdict.split}"
     if not verdict.tied:
         return ""
     return (f"; {verdict.tied[0].hypothesis.text} predicts the same rows: the data do not tell them apart, the "
