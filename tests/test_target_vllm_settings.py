@@ -72,3 +72,61 @@ def test_an_engine_that_runs_other_shapes_than_the_checkpoint_is_one_clear_error
                                       "--engine-option", 'hf_overrides={"num_key_value_heads": 1}'])
     assert result.exit_code == 3, result.output
     assert "what runs is not the model the trace describes" in result.stderr and result.stderr.count("\n") == 1
+
+
+LONG_SYSTEM = ("You are a careful assistant. Answer briefly and precisely. When you are unsure, say so, and never "
+               "invent facts. Prefer plain words over jargon, keep every answer short, and always name your sources "
+               "when you can.")
+LONG_PROMPT = [{"role": "system", "content": LONG_SYSTEM}, PROMPT[1]]        # 66 tokens: a hit of two 32-token blocks
+
+
+def test_blocks_outside_a_sliding_window_are_not_read_as_cached_rows(tmp_path, default_model):
+    """With a sliding window of 24 and a 64-token hit, vLLM keeps the warm request's first block as its
+    null block (no K/V: no key of it is in any window). The target reads no rows there (it read the null
+    block's bytes as cached K/V, and the zoom run then wrote a trace the reader refused). Expected
+    (written after an exploratory run on the default model): cold and warm agree, and against the
+    reference attention from position 24 is a sliding window of 24."""
+    folder = vllm_tiny_llama(tmp_path / "model", default_model)
+    result = compare(LONG_PROMPT, engine="vllm", model=str(folder), max_new_tokens=6, out=tmp_path / "run",
+                     engine_options={"hf_overrides": {"sliding_window": 24}})
+    report = result.report.to_json()
+    assert result.exit_code == 0 and report["engine"]["cache_hit_tokens"] == 64 and report["diagnoses"] == [], report
+    first = report["engine_vs_reference"]["diagnoses"][0]
+    assert (first["kind"], first["positions"][0], first["explanation"], first["window"]) == \
+        ("attention_mismatch", 24, "window", 24), first
+
+
+def test_a_long_hit_whose_cached_values_were_rounded_is_zoomed_and_named(tmp_path, default_model, monkeypatch):
+    """The warm run's cached K/V rounded through bfloat16 (every layer's cache, before the warm request):
+    no token flips, the first difference is at position 0 (read from the cache), and the 64-token hit
+    covers the whole default zoom window, so the window reaches the first computed position (before,
+    the zoom traces held no computed row and the reader refused them). Expected (written after an
+    exploratory run on the default model): cache_content_mismatch over 0-63 naming bfloat16."""
+    import torch
+    from kvdiff.targets import vllm as target
+
+    generate, reset = target.VllmTarget.generate, target.VllmTarget.reset_cache
+    after_reset = {"cold": False}
+
+    def rounded_when_warm(self, *args, **kwargs):
+        if not after_reset["cold"]:
+            with torch.inference_mode():
+                for layer in self.model.model.layers:
+                    cache = layer.self_attn.attn.kv_cache
+                    cache = cache if isinstance(cache, torch.Tensor) else cache[0]
+                    cache.copy_(cache.to(torch.bfloat16).to(cache.dtype))
+        after_reset["cold"] = False
+        return generate(self, *args, **kwargs)
+
+    def reset_cache(self):
+        after_reset["cold"] = True
+        return reset(self)
+
+    monkeypatch.setattr(target.VllmTarget, "generate", rounded_when_warm)
+    monkeypatch.setattr(target.VllmTarget, "reset_cache", reset_cache)
+    folder = vllm_tiny_llama(tmp_path / "model", default_model)
+    result = compare(LONG_PROMPT, engine="vllm", model=str(folder), max_new_tokens=6, out=tmp_path / "run")
+    report = result.report.to_json()
+    assert report["digest"]["zoom"]["positions"][1] >= 64, report["digest"]
+    (cached,) = [d for d in report["diagnoses"] if d["kind"] == "cache_content_mismatch"]
+    assert cached["positions"] == [0, 63] and cached["rounding"] == "bfloat16", cached

@@ -6,7 +6,8 @@ a window of layers x positions. The window holds `layers` layers from the first 
 differ at or after the first differing position, and the one before it (where they agree), and spans `positions` positions from the first differing
 one; when that position is early (below ZOOM_FROM_START) the window starts at position 0
 instead, so that attention at its positions can be recomputed from keys that are all recorded
-(the missing_context proofs). The zoom run records digests too: where they are not the first
+(the missing_context proofs); where every position of it was read from a cache, it reaches the
+first position both sides computed. The zoom run records digests too: where they are not the first
 pass's, the engine did not repeat itself, a finding reported as `nondeterministic`.
 """
 
@@ -69,6 +70,12 @@ def zoom_window(first_pass: Divergence, num_layers: int, layers: int = ZOOM_LAYE
     last_position = int(cmp.alignment.positions.max())
     start = 0 if first.position < ZOOM_FROM_START else first.position
     end = min(first.position + positions - 1, last_position)
+    al = cmp.alignment
+    computed = al.positions[al.computed & (al.positions >= first.position)]
+    if computed.size and computed[0] > end:
+        # every row of the window read from a cache (a long hit): reach the first row both sides
+        # computed, so that the zoom traces hold full rows and the analysis has attention to test
+        end = int(computed[0])
     in_window = (cmp.alignment.positions >= first.position) & (cmp.alignment.positions <= end)
     differing = [layer for pmap in cmp.points.values() for row, layer in enumerate(pmap.layers)
                  if (cells(pmap)[row] & in_window).any()]

@@ -126,8 +126,11 @@ class _Recording:
         self.rows, self.positions = slice(lo, hi), positions[lo:hi].tolist()
         self.block_ids = md.block_table[r].tolist()
         if self.forwards == 0:                  # the first prefill: seq_len - q_len tokens came from the cache
-            self.cached = list(range(int(md.seq_lens[r]) - (hi - lo)))
-            self.served = len(self.cached)
+            served = range(int(md.seq_lens[r]) - (hi - lo))
+            # a block wholly outside a sliding window is the engine's null block: it holds no K/V of ours
+            bs, null = self.t.block_size, self.t.null_block
+            self.cached = [p for p in served if self.block_ids[p // bs] != null]
+            self.served = len(served)
         self.sink.begin_forward(self.positions)
         for chunk, pos in (("prompt", [p for p in self.positions if p < self.prompt_len]),
                            ("decode", [p for p in self.positions if p >= self.prompt_len])):
@@ -243,6 +246,9 @@ class VllmTarget:
             except Exception as exc:
                 raise KvdiffError(f"vLLM failed: {exc}") from exc
         self.model = self.runner.model
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)      # in process: the EngineCore
+        pool = getattr(getattr(getattr(core, "scheduler", None), "kv_cache_manager", None), "block_pool", None)
+        self.null_block = pool.null_block.block_id if pool is not None else 0    # vLLM's BlockPool takes block 0
         self.info = TargetInfo("vllm", vllm.__version__, folder)
         self.block_size = args["block_size"]
         layers = self.model.model.layers
