@@ -165,17 +165,12 @@ def _input_weight(inputs: DiagnosisInputs, op, cols: np.ndarray) -> dict | None:
     change = float(np.linalg.norm(out - inputs.reference.point(op.layer, op.tensor, al.ref_index[cols])))
     rows = {c.point: inputs.candidate.point(c.layer, c.point, al.cand_index[cols]).astype(np.float64)
             for c in op.inputs}
-    if not np.isfinite(change) or change == 0 or any(r.shape != out.shape for r in rows.values()):
+    if any(r.shape != out.shape for r in rows.values()):
         return None
     for scaled, kept in (tuple(rows), tuple(rows)[::-1]):
-        rest, x = out - rows[kept], rows[scaled]
-        power = float((x * x).sum())
-        if power == 0:
-            continue
-        weight = float((rest * x).sum() / power)
-        left = float(np.linalg.norm(rest - weight * x)) / change
-        if left <= FACTOR_LEFT and abs(weight - 1) > 1e-3:
-            return {"scaled": scaled, "kept": kept, "weight": weight, "left": left}
+        fit = _one_factor(out - rows[kept], rows[scaled], change)
+        if fit is not None and abs(fit[0] - 1) > 1e-3:
+            return {"scaled": scaled, "kept": kept, "weight": fit[0], "left": fit[1]}
     return None
 
 
@@ -186,10 +181,16 @@ def _output_factor(inputs: DiagnosisInputs, layer: int | None, tensor: str,
     al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
     ref = inputs.reference.point(layer, tensor, al.ref_index[cols]).astype(np.float64)
     cand = inputs.candidate.point(layer, tensor, al.cand_index[cols]).astype(np.float64)
-    change, power = float(np.linalg.norm(cand - ref)), float((ref * ref).sum())
+    return _one_factor(cand, ref, float(np.linalg.norm(cand - ref)))
+
+
+def _one_factor(target: np.ndarray, x: np.ndarray, change: float) -> tuple[float, float] | None:
+    """(c, share left) where `target` is c times `x` by least squares, leaving at most FACTOR_LEFT
+    of `change` (the candidate's difference from the reference) unexplained; else None."""
+    power = float((x * x).sum())
     if not (np.isfinite(change) and np.isfinite(power)) or change == 0 or power == 0:
         return None
-    factor = float((ref * cand).sum() / power)
-    left = float(np.linalg.norm(cand - factor * ref)) / change
+    factor = float((target * x).sum() / power)
+    left = float(np.linalg.norm(target - factor * x)) / change
     return (factor, left) if left <= FACTOR_LEFT else None
 
