@@ -1286,49 +1286,38 @@ def plant_vllm_softcap(ctx: Ctx, cap: float) -> Undo:
     return lambda: [setattr(i, "logits_soft_cap", o) for i, o in zip(impls, old)]
 
 
-def plant_decode_kv_zero(ctx: Ctx) -> Undo:
-    """Decode steps' K/V reach the cache as zeros (as a write that never lands in a zeroed cache):
-    transformers' paged cache `update` (on the instance; the probes record k before it) or vLLM's
-    attention backend's cache write (`impl.do_kv_cache_update`, after the probes' pre-hooks), given
-    zero rows where a forward computes one row."""
-    if ctx.target is not None and ctx.case.engine == VLLM:
+def _cache_write(ctx: Ctx, change: Callable) -> Undo:
+    """Wrap what writes K/V into the engine's cache, `change(key, value, rows) -> (key, value)` with
+    `rows` the forward's new rows: vLLM's attention backend (`impl.do_kv_cache_update`, after the
+    probes' pre-hooks) or transformers' paged cache `update` (on the instance; the probes record k
+    before it)."""
+    if ctx.case.engine == VLLM:
         impls = [m.impl for m in ctx.vllm_modules("model.layers.{i}.self_attn.attn")]
         for impl in impls:
-            inner = impl.do_kv_cache_update
-
-            def update(layer, key, value, *args, inner=inner, **kwargs):
-                if key.shape[0] == 1:
-                    key, value = torch.zeros_like(key), torch.zeros_like(value)
-                return inner(layer, key, value, *args, **kwargs)
+            def update(layer, key, value, *args, inner=impl.do_kv_cache_update, **kwargs):
+                return inner(layer, *change(key, value, key.shape[0]), *args, **kwargs)
 
             impl.do_kv_cache_update = update
         return lambda: [delattr(impl, "do_kv_cache_update") for impl in impls]
     cache = ctx.target.cache
     inner = cache.update
 
-    def update(key_states, value_states, layer_idx, *args, **kwargs):
-        if key_states.shape[2] == 1:
-            key_states, value_states = torch.zeros_like(key_states), torch.zeros_like(value_states)
-        return inner(key_states, value_states, layer_idx, *args, **kwargs)
+    def update(key_states, value_states, *args, **kwargs):
+        return inner(*change(key_states, value_states, key_states.shape[2]), *args, **kwargs)
 
     cache.update = update
     return lambda: cache.__dict__.pop("update", None)
 
 
+def plant_decode_kv_zero(ctx: Ctx) -> Undo:
+    """Decode steps' K/V reach the cache as zeros (as a write that never lands in a zeroed cache):
+    zero rows where a forward computes one row."""
+    return _cache_write(ctx, lambda k, v, rows: (torch.zeros_like(k), torch.zeros_like(v)) if rows == 1 else (k, v))
+
+
 def plant_kv_swap_in_attention(ctx: Ctx) -> Undo:
-    """K and V written to the cache in each other's place, so attention reads them swapped:
-    transformers' paged cache `update` (the probes record k before it) or vLLM's attention backend's
-    cache write (after the probes' pre-hooks)."""
-    if ctx.case.engine == VLLM:
-        impls = [m.impl for m in ctx.vllm_modules("model.layers.{i}.self_attn.attn")]
-        for impl in impls:
-            impl.do_kv_cache_update = lambda layer, key, value, *a, inner=impl.do_kv_cache_update, **kw: \
-                inner(layer, value, key, *a, **kw)
-        return lambda: [delattr(impl, "do_kv_cache_update") for impl in impls]
-    cache = ctx.target.cache
-    inner = cache.update
-    cache.update = lambda key_states, value_states, *args, **kwargs: inner(value_states, key_states, *args, **kwargs)
-    return lambda: cache.__dict__.pop("update", None)
+    """K and V written to the cache in each other's place, so attention reads them swapped."""
+    return _cache_write(ctx, lambda k, v, rows: (v, k))
 
 
 def plant_rope_twice(ctx: Ctx, which: str = "qk") -> Undo:
