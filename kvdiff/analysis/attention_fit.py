@@ -1,17 +1,17 @@
 """Attention hypotheses tested on what the traces recorded (issue #27).
 
-A hypothesis says how the candidate computed its attention from its own recorded q, k and v:
-the reference's causal softmax, with some keys hidden, with another softmax scale, with the next
-key visible too. It predicts the candidate's attention output before o_proj. Where the traces
-recorded that output (`z`), the prediction is compared with it as it is: every tested row is an
-exact test. Traces without it hold o_proj's output (`attn_out`) only, and not o_proj. o_proj is linear and the same in both traces
-(the same weights), so the reference's rows (its causal attention recomputed from its own q, k, v,
-against the attn_out it recorded) determine it on the span of their attention outputs: where they
-span the whole space (a prompt at least heads x head_dim long) the test is exact. Where they do
-not, the candidate's other rows under the same hypothesis fit the rest, and each tested row is
-predicted from all the others (leave-one-out, so a row never vouches for itself). A hypothesis is
-scored by the share of the candidate's change (its attn_out minus the reference's) the prediction
-leaves unexplained: `residual` 0 explains the rows exactly, 1 explains nothing.
+A hypothesis says how the candidate computed its attention from its own recorded q, k and v: the
+reference's causal softmax, with some keys hidden, with another softmax scale, with the next key
+visible too. It predicts the candidate's attention output before o_proj. Where the traces recorded
+that output (`z`), the prediction is compared with it as it is: every tested row is an exact test.
+Traces without it hold o_proj's output (`attn_out`) only, and not o_proj. o_proj is linear and the
+same in both traces (the same weights), so the reference's rows (its causal attention recomputed
+from its own q, k, v, against the attn_out it recorded) determine it on the span of their attention
+outputs: where they span the whole space (a prompt at least heads x head_dim long) the test is
+exact. Where they do not, the candidate's other rows under the same hypothesis fit the rest, and
+each tested row is predicted from all the others (leave-one-out, so a row never vouches for itself).
+A hypothesis is scored by the share of the candidate's change (its attn_out minus the reference's)
+the prediction leaves unexplained: `residual` 0 explains the rows exactly, 1 explains nothing.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from kvdiff.analysis.rope import estimate_thetas
 from kvdiff.analysis.tolerance import Tier
 from kvdiff.trace import TraceReader
 
-KINDS = ("tokenization_mismatch", "sampling_mismatch", "position_mismatch", "rope_mismatch", "missing_context", "attention_mismatch",
-         "cache_content_mismatch", "expert_flip", "operation_mismatch", "norm_consistency", "numerical_noise",
+KINDS = ("tokenization_mismatch", "sampling_mismatch", "position_mismatch", "rope_mismatch", "missing_context",
+         "attention_mismatch", "cache_content_mismatch", "expert_flip", "operation_mismatch", "norm_consistency", "numerical_noise",
          "non_finite")
 
 
@@ -49,8 +49,8 @@ class Diagnosis:
 
 
 # Which diagnosis a report leads with when several are made: causes before their consequences.
-PRIORITY = ("nondeterministic", "tokenization_mismatch", "non_finite", "sampling_mismatch", "position_mismatch", "rope_mismatch", "cache_content_mismatch",
-            "missing_context", "attention_mismatch", "expert_flip", "operation_mismatch", "norm_consistency",
+PRIORITY = ("nondeterministic", "tokenization_mismatch", "non_finite", "sampling_mismatch", "position_mismatch",
+            "rope_mismatch", "cache_content_mismatch", "missing_context", "attention_mismatch", "expert_flip", "operation_mismatch", "norm_consistency",
             "numerical_noise")
 
 
