@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvdiff.engine import cpu_linear
-from kvdiff.engine.numerics import invariant_linear
+from kvdiff.engine.invariant_linear import invariant_linear
 
 # (out, in) of every linear of the default model (SmolLM2-135M): q/o, k/v, up/gate, down, lm_head
 DEFAULT_MODEL_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]

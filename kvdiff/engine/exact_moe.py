@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvdiff.engine.numerics import invariant_linear
+from kvdiff.engine.invariant_linear import invariant_linear
 
 ROUTERS = ("Qwen3MoeTopKRouter",)     # softmax over the logits, top-k, optionally renormalised
 TOPK_ROUTERS = ("GptOssTopKRouter",)  # a biased linear, top-k of the logits, softmax over the k chosen

@@ -2,9 +2,9 @@
 
 Two pieces, shared by the engine and, through `exact_numerics(model)`, by the reference model:
 
-- `invariant_linear`: rows are padded to fixed-size row tiles and every tile is multiplied
-  with the same shape, so a row's bits depend neither on how many rows come with it nor on
-  where in its tile it sits. On CUDA one matmul per 64-row tile in fp32, one batched matmul of
+- `invariant_linear` (kvdiff/engine/invariant_linear.py): rows are padded to fixed-size row
+  tiles and every tile is multiplied with the same shape, so a row's bits depend neither on how
+  many rows come with it nor on where in its tile it sits. On CUDA one matmul per 64-row tile in fp32, one batched matmul of
   64-row tiles in bf16/fp16 (cuBLAS's batched fp32 form is not row-invariant:
   benchmarks/gpu_invariance.py measures each GPU form); on the CPU, batched 16-row tiles or, for
   a decode step's few rows, one 4-row matmul checked to give the same bits
@@ -32,39 +32,16 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from kvdiff.engine.cpu_linear import PACKED, PackedWeights, cpu_invariant_matmul, pad_rows
+from kvdiff.engine.cpu_linear import PACKED, PackedWeights
 from kvdiff.engine.exact_attention import exact_attention
-from kvdiff.engine.row_tiles import CUDA_ROW_TILE, row_tiles
+from kvdiff.engine.exact_moe import moe_forwards
+from kvdiff.engine.invariant_linear import invariant_linear
 from kvdiff.errors import KvdiffError
 
 log = logging.getLogger(__name__)
 
 
 EXACT_ATTENTION = "kvdiff_exact"
-
-
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     weight_first: bool = False, packed: PackedWeights | None = None) -> torch.Tensor:
-    """`nn.functional.linear` whose row results do not depend on the number of rows (the bias
-    is added separately); `weight_first`: on the CPU, cpu_linear's form for a weight that sees a
-    row or two a forward (the LM head); `packed`: on the CPU, where packed weights are kept."""
-    if x.is_cuda and x.dtype != torch.float32 and x.dim() >= 2 and x.numel() == x.shape[-1]:
-        # One row (a decode step): its 64-row tile is the row and 63 others, repeated or spare
-        # (row_tiles.py): a row's bits do not depend on the other rows of its tile.
-        out = nn.functional.linear(row_tiles(x, CUDA_ROW_TILE), weight)[..., :1, :]
-        return out if bias is None else out + bias
-    flat = x.reshape(-1, x.shape[-1])
-    if not flat.is_cuda:
-        out = cpu_invariant_matmul(flat, weight, weight_first, packed)
-    elif flat.dtype != torch.float32:      # one matmul of whole 64-row tiles
-        out = nn.functional.linear(row_tiles(x, CUDA_ROW_TILE), weight)[:flat.shape[0]]
-    else:        # float32 on a GPU: a matmul per tile (the batched form was not invariant there)
-        weight_t = weight.t()
-        out = torch.cat([part @ weight_t for part in pad_rows(flat, CUDA_ROW_TILE).split(CUDA_ROW_TILE)])
-        out = out[:flat.shape[0]]
-    if bias is not None:
-        out = out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def _exact_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -142,8 +119,6 @@ def patched_forwards(model: nn.Module) -> list[tuple[nn.Module, object]]:
     embedding in cpu_linear's weight-first form on the CPU), on CUDA
     every RMSNorm (transformers' Llama/Mistral/Qwen2/Qwen3 norms share one formula), and the
     routers and experts of a mixture of experts."""
-    from kvdiff.engine.exact_moe import moe_forwards
-
     out: list[tuple[nn.Module, object]] = moe_forwards(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for m in model.modules():

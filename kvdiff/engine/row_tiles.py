@@ -1,6 +1,6 @@
 """A linear layer's input as whole row tiles, kept for the next projection of the same input.
 
-Exact numerics multiply whole 64-row tiles on CUDA (numerics.invariant_linear), so the input is
+Exact numerics multiply whole 64-row tiles on CUDA (invariant_linear.py), so the input is
 copied into tiles first: a decode step's one row repeated to a tile, a prefill's rows
 zero-padded to a multiple of 64. q, k and v (gate and up) read one input, and each copy is a
 kernel of its own, a decode step's most frequent one; the last input's tiles are therefore kept

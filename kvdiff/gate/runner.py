@@ -81,7 +81,7 @@ def run_cases(cases: list[GateCase], out_dir: Path, compare_fn: Callable | None 
 def _failure(case: GateCase, result) -> str | None:
     """Why a case that ran fails: its tokens differ (cold and warm, for an engine under test), or, with
     `against_reference`, the engine's cold tokens differ from kvdiff's reference; None when it passes."""
-    from kvdiff.run.compare import parting_summary
+    from kvdiff.run.result import parting_summary
 
     if not result.divergence.tokens_identical:
         return result.summary

@@ -30,10 +30,10 @@ from kvdiff.conversation import Messages, render_prompt_ids, validate_messages
 from kvdiff.errors import KvdiffError
 from kvdiff.options import EngineWeights, TraceMode
 from kvdiff.options import engine_options as parse_engine_options
-from kvdiff.run.compare import CompareResult, write_reports
 from kvdiff.run.engine_reference import COLD_WINDOW, REFERENCE_FIRST, against_reference
 from kvdiff.run.folder import check_report_copies, claimed_out_dir, discarded_on_failure
 from kvdiff.run.options import RunOptions
+from kvdiff.run.result import CompareResult, write_reports
 from kvdiff.run.zoom import (ZOOM_LAYERS, ZOOM_POSITIONS, ZoomWindow, checked_repeat, diagnoses_with,
                              digest_section, zoom_window)
 from kvdiff.targets.protocol import Target, TargetRun
