@@ -121,6 +121,22 @@ def test_selection_keeps_only_chosen_points_layers_and_positions(tiny_llama, tmp
             tr.layer(1)
 
 
+@pytest.mark.parametrize("mode", ["full", "digest"])
+def test_positions_that_hold_no_row_of_the_run_are_refused_and_leave_no_trace(tiny_llama, tmp_path, mode):
+    """Positions past the run wrote a trace the reader then refused ("/layers/0 is missing");
+    a negative one was taken as given."""
+    model, tokenizer = tiny_llama
+    window = {"layers": "0"} if mode == "digest" else {}
+    path = tmp_path / "t.h5"
+    with pytest.raises(kvdiff.InputError, match=r"positions 500-600 hold no row of this run, whose positions "
+                                                r"are 0-\d+: choose positions within them"):
+        record(model, tokenizer, MESSAGES, path, max_new_tokens=2, positions="500-600", trace_mode=mode, **window)
+    assert not path.exists()
+    with pytest.raises(kvdiff.InputError, match="bad position -3: positions count from 0"):
+        record(model, tokenizer, MESSAGES, path, max_new_tokens=2, positions=[4, -3], trace_mode=mode, **window)
+    assert not path.exists()
+
+
 def _assert_sized_to_its_rows(path) -> None:
     import h5py
 

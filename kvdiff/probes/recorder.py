@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvdiff.conversation import render_prompt_ids
+from kvdiff.errors import InputError
 from kvdiff.probes.digests import DigestTaker, changed_in_place
 from kvdiff.probes.model_meta import build_meta, latent_weights, model_dims, norm_eps, norm_modules, router_biases
 from kvdiff.trace.points import FINAL_NORMS, FINAL_POINTS, LAYER_NORMS, READ_POINTS
@@ -124,6 +125,8 @@ class TraceRecorder:
         self._reads_only = False
         self._read_positions: set[int] = set()         # recorded in reads-only brackets (cache rows)
         self._computed_positions: set[int] = set()     # recorded in forwards that computed them
+        self._run_end = 0                              # one past the last position of any forward
+        self._window_kept = selection.positions is None    # whether the positions chosen kept a row yet
         self._fired: list[tuple[str, int | None]] = []      # what fired in this forward, in order
         self._checked: tuple[bool, list] | None = None     # (reads only, fired) of the last forward found complete
         self._learned = _learned_for(selection, digested, dims)
@@ -204,8 +207,11 @@ class TraceRecorder:
             raise ProbeIntegrityError("begin_forward over no positions: bracket only a forward that computes (or "
                                       "reads) rows of this request, with their positions")
         self._positions = [int(p) for p in positions]
+        self._run_end = max(self._run_end, self._positions[-1] + 1)
         self._reads_only = reads_only
         self._kept_for = None
+        if not self._window_kept:
+            self._window_kept = bool(self._kept(positions)[0].size)
         kept = self._kept(positions)[0] if self._digests is None else np.asarray(positions, dtype=np.int64)
         (self._read_positions if reads_only else self._computed_positions).update(kept.tolist())
         self._fired = []
@@ -502,6 +508,10 @@ class TraceRecorder:
         if self._positions is not None:
             self.writer.abort()
             raise ProbeIntegrityError("finish called inside a forward: call end_forward first")
+        if self.selection.layers and not self._window_kept:
+            self.writer.abort()
+            raise InputError(f"positions {format_ranges(sorted(self.selection.positions))} hold no row of this run, "
+                             f"whose positions are 0-{self._run_end - 1}: choose positions within them")
         records_kv = bool(self._declared.layers) and any(p in self._declared.points for p in READ_POINTS)
         kv_only = sorted(self._read_positions - self._computed_positions) if records_kv else []
         self._write_steps()

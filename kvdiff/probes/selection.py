@@ -13,9 +13,11 @@ from kvdiff.trace.ranges import format_ranges, out_of_range, parse_ranges
 def _as_ints(value: str | int | Iterable[int], what: str, limit: int | None = None) -> list[int]:
     if isinstance(value, str):
         return parse_ranges(value, what, limit)
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
+    values = [value] if isinstance(value, int) else [int(v) for v in value]
+    negative = [v for v in values if v < 0]
+    if negative:
+        raise InputError(f"bad {what} {negative[0]}: {what}s count from 0")
+    return values
 
 
 @dataclass(frozen=True)
