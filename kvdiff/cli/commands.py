@@ -83,7 +83,8 @@ def compare(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write report.json here."),
     point: Point = None,
     engine: str = typer.Option("kvdiff", "--engine", help="kvdiff (its own chunked engine), or an engine under "
-                               "test run cold, cold again and warm: transformers, vllm or llama.cpp."),
+                               "test run cold, cold again and warm: transformers, vllm, llama.cpp, or your own "
+                               "adapter as FILE.py:FACTORY or MODULE:FACTORY (docs/engines.md)."),
     engine_weights: str = typer.Option("float32", "--engine-weights", help="An engine under test runs float32: the "
                                        "reference's weights (llama.cpp a float32 copy of the GGUF, made once), so "
                                        "its tensors can be set against the reference's; or native: the checkpoint "

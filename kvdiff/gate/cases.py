@@ -80,7 +80,7 @@ def _case_from_table(index: int, table: dict) -> GateCase:
     against = table.get("against_reference", False)
     if against and options.get("engine", "kvdiff") == "kvdiff":
         raise InputError(f"{where}: `against_reference` needs an engine under test (engine = \"transformers\", "
-                         "\"vllm\" or \"llama.cpp\"); kvdiff's own engine is always compared with the reference")
+                         "\"vllm\", \"llama.cpp\" or an adapter's \"FILE.py:FACTORY\"); kvdiff's own engine is always compared with the reference")
     return GateCase(name=name, messages=messages, options=options, against_reference=against)
 
 

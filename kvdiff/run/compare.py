@@ -65,7 +65,8 @@ def compare(
     `model_cache`: models kept across calls, by `kvdiff.run.model_cache.ModelKey`.
 
     `engine`: "kvdiff" (its own chunked engine, as above), or an engine under test
-    ("transformers", "vllm", "llama.cpp"), which runs cold, cold again and warm instead
+    ("transformers", "vllm", "llama.cpp", or the user's adapter: "FILE.py:FACTORY", "MODULE:FACTORY"
+    or the factory, `kvdiff.targets.adapter`), which runs cold, cold again and warm instead
     (`kvdiff.run.engine_compare`); strategy, numerics, chunking and capture options are kvdiff's
     engine's and are refused with another engine. `engine_weights` (an engine under test only):
     "float32" runs it on the reference's own values (llama.cpp on a float32 copy of the GGUF, so
@@ -192,9 +193,9 @@ def _compare_other_engine(messages, engine, model, max_new_tokens, warm, out, ht
                           progress, engine_weights, engine_options, **kvdiff_only) -> CompareResult:
     """An engine under test: refuse the options only kvdiff's engine has, then run cold/cold/warm."""
     from kvdiff.run.engine_compare import compare_engine
-    from kvdiff.targets.registry import EngineName
+    from kvdiff.targets.registry import parse_engine
 
-    name = EngineName.parse(engine)
+    name = parse_engine(engine)
     defaults = {"strategy": Strategy.PREFIX, "numerics": Numerics.EXACT, "recompute_ratio": DEFAULT_RECOMPUTE_RATIO,
                 "chunk_size": None, "dtype": "float32", "device": "cpu", "device_map": None, "gpu_memory": None,
                 "capture": None, "layers": None}

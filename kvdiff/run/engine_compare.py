@@ -37,7 +37,8 @@ from kvdiff.run.result import CompareResult, write_reports
 from kvdiff.run.zoom import (ZOOM_LAYERS, ZOOM_POSITIONS, ZoomWindow, checked_repeat, diagnoses_with,
                              digest_section, zoom_window)
 from kvdiff.targets.protocol import Target, TargetRun
-from kvdiff.targets.registry import EngineName, open_target
+from kvdiff.targets.adapter import AdapterEngine
+from kvdiff.targets.registry import EngineName, open_target, parse_engine
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ ARTEFACTS = ("cold.h5", "cold-again.h5", "warm.h5", "reference.h5", COLD_WINDOW,
 FIRST_PASS = ("cold.first.h5", "warm.first.h5")     # digest mode: kept when the zoom runs disagree with them
 
 
-def compare_engine(messages: Messages, *, engine: str | EngineName, model: str = "smollm2-135m",
+def compare_engine(messages: Messages, *, engine: str | EngineName | AdapterEngine, model: str = "smollm2-135m",
                    max_new_tokens: int = 16, warm: bool | Messages = True, out: Path | str | None = None,
                    html: Path | str | None = None, json_path: Path | str | None = None,
                    model_cache: dict | None = None, progress: Callable[[str], None] | None = None,
@@ -65,7 +66,7 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
     from kvdiff.run.model_cache import ModelKey, cached_model
     from kvdiff.run.record import record
 
-    name, weights = EngineName.parse(engine), EngineWeights.parse(weights)
+    name, weights = parse_engine(engine), EngineWeights.parse(weights)
     settings = parse_engine_options(engine_options)
     step = progress or (lambda what: log.info("%s", what))
     messages = validate_messages(messages)
@@ -75,7 +76,7 @@ def compare_engine(messages: Messages, *, engine: str | EngineName, model: str =
     mode = options.trace_mode.value
     check_report_copies(json_path, html, out, ARTEFACTS)
     written = ARTEFACTS + FIRST_PASS + (REFERENCE_FIRST,)
-    with claimed_out_dir(out, str(name)) as out_dir, discarded_on_failure(out_dir, written):
+    with claimed_out_dir(out, getattr(name, "label", str(name))) as out_dir, discarded_on_failure(out_dir, written):
         check_report_copies(json_path, html, out_dir, ARTEFACTS)
         step("loading model")
         loaded, tokenizer = cached_model(model_cache, ModelKey(model))

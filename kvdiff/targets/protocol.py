@@ -15,7 +15,8 @@ handed a `ProbeSink`, records the probe points it can give from the engine's own
 - `sink.capture_step(step, position, logits_row, token_id)` for each generated token.
 
 Writing an adapter for another engine (SGLang, TRT-LLM, a fork of nano-vllm): implement this
-class, register it in `kvdiff.targets.registry.TARGETS`, and see docs/engines.md.
+class and a factory that starts it, and run `kvdiff compare --engine FILE.py:FACTORY`
+(`adapter.py`; docs/engines.md).
 """
 
 from __future__ import annotations

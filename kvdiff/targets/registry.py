@@ -1,13 +1,15 @@
-"""The engines kvdiff can test, by name, and how each is started on a loaded model's checkpoint."""
+"""The engines kvdiff can test, by name or through the user's own adapter (`adapter.py`), and how
+each is started on a loaded model's checkpoint."""
 
 from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from kvdiff.errors import InputError
 from kvdiff.options import EngineWeights
+from kvdiff.targets.adapter import AdapterEngine, EngineStart, load_adapter, start_adapter
 from kvdiff.targets.protocol import Target
 
 
@@ -35,15 +37,33 @@ class EngineName(str, Enum):
 _ALIASES = {"llamacpp": "llama.cpp", "llama-cpp": "llama.cpp"}
 
 
-def open_target(name: EngineName, model, tokenizer, weights: EngineWeights = EngineWeights.FLOAT32,
+def parse_engine(value: "str | EngineName | AdapterEngine | Callable") -> "EngineName | AdapterEngine":
+    """`--engine`: a built-in engine's name, `FILE.py:FACTORY` or `MODULE:FACTORY` (an adapter of
+    the user's), or, from Python, the factory itself."""
+    if isinstance(value, (EngineName, AdapterEngine)):
+        return value
+    if callable(value):
+        return AdapterEngine(f"{getattr(value, '__module__', '?')}:{getattr(value, '__qualname__', '?')}", value)
+    if isinstance(value, str) and ":" in value:
+        return load_adapter(value)
+    return EngineName.parse(value)
+
+
+def open_target(name: "EngineName | AdapterEngine", model, tokenizer, weights: EngineWeights = EngineWeights.FLOAT32,
                 options: Mapping[str, Any] | None = None) -> Target:
     """Start engine `name` on the checkpoint `model` was loaded from (the same files, so the same
     weights and tokenizer as kvdiff's reference path). `weights` NATIVE runs a GGUF as it is
     (quantized); FLOAT32 runs llama.cpp on a float32 copy, the reference's values. vLLM and
     transformers load the reference's float32 checkpoint either way. `options`: the engine's own
     settings (options.engine_options): vllm.LLM's arguments, llama_cpp.Llama's, or transformers'
-    ContinuousBatchingConfig's fields, over kvdiff's; those its recording depends on are refused."""
+    ContinuousBatchingConfig's fields, over kvdiff's; those its recording depends on are refused.
+    An adapter's factory gets them as they are (`EngineStart`)."""
     folder: Path | None = getattr(model, "kvdiff_folder", None)
+    if isinstance(name, AdapterEngine):
+        if weights is not EngineWeights.FLOAT32:
+            raise InputError(f"--engine-weights native applies to llama.cpp: the adapter {name} loads what it loads")
+        return start_adapter(name, EngineStart(model, tokenizer, None if folder is None else Path(folder),
+                                               dict(options or {})))
     if name is EngineName.TRANSFORMERS:
         from kvdiff.targets.transformers_cb import TransformersTarget
 
