@@ -11,6 +11,8 @@ import torch
 from typer.testing import CliRunner
 
 from kvdiff.cli import app
+from kvdiff.conversation import render_prompt_ids
+from kvdiff.engine.loading import load_model
 from kvdiff.errors import InputError, KvdiffError
 from kvdiff.run.compare import compare
 
@@ -92,6 +94,10 @@ def test_a_cached_row_of_another_token_is_a_cache_content_mismatch_at_that_row(t
         ("K read from the cache", 0, SHARED + 1)
     stale = [d for d in report["diagnoses"] if d["kind"] == "cache_content_mismatch"]
     assert [d["positions"] for d in stale] == [[SHARED + 1, SHARED + 1]]
+    model, tokenizer = load_model("tiny-llama")
+    other, target = render_prompt_ids(tokenizer, OTHER), render_prompt_ids(tokenizer, TARGET)
+    assert other[SHARED + 1] != target[SHARED + 1]
+    assert stale[0]["other_tokens"] == [other[SHARED + 1]]      # the row is OTHER's token, computed at SHARED + 1
     assert not {d["kind"] for d in report["diagnoses"]} & {"missing_context", "position_mismatch"}
 
 

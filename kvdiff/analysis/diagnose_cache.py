@@ -17,6 +17,7 @@ import torch
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.keys import CONTENT, SCALED
 from kvdiff.analysis.metrics import row_metrics
+from kvdiff.analysis.rope import rotate
 
 EXACT = 1e-6      # a relative distance this small: the same row
 
@@ -147,6 +148,31 @@ def _bad_columns(inputs: DiagnosisInputs) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero((bad | k_only) & cached & al.comparable), k_only
 
 
+def _prompt_tokens(inputs: DiagnosisInputs, positions: np.ndarray) -> list[int]:
+    """The reference's token ids at `positions` (prompt, then generated)."""
+    meta = inputs.reference.meta
+    sequence = np.concatenate([meta.input_ids, meta.generated_ids])
+    return [int(sequence[p]) if p < sequence.size else -1 for p in positions]
+
+
+def _other_tokens(inputs: DiagnosisInputs, cols: np.ndarray, sources: np.ndarray) -> list[int] | None:
+    """Where the candidate's first-layer v at `cols` equals the reference's at `sources`: the token
+    ids at the sources, when every row's k is the reference's k of its source rotated on to the
+    row's own position (the same token's K/V computed there: another token's row, not a copy of
+    slot `sources`, whose k would be the source's as it is); None otherwise."""
+    thetas, layer, positions = inputs.thetas, inputs.first_layer, inputs.comparison.alignment.positions
+    if thetas is None or "k" not in inputs.comparison.points or not cols.size:
+        return None
+    ref_k, cand_k = inputs.rows(layer, "k")
+    src = np.searchsorted(positions, sources)
+    rotated = rotate(ref_k[src], (positions[cols] - sources).astype(np.float64), thetas)
+    if not row_metrics(rotated, cand_k[cols]).within(inputs.comparison.tolerances.for_point("k")).all():
+        return None
+    if same_rows(ref_k[src], cand_k[cols]).all():        # position 0's rows, or sources at the rows' positions
+        return None
+    return _prompt_tokens(inputs, sources)
+
+
 def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
     cols, k_only = _bad_columns(inputs)
     if not cols.size:
@@ -190,8 +216,19 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
             proof += "; k = the reference's v and v = the reference's k at every row, within tolerance"
         elif (exact & moved).any():
             pairs = ", ".join(f"{p}<-{s}" for p, s in zip(group[exact & moved][:6], src[exact & moved][:6]))
-            evidence += f"; the candidate's {point} rows equal the reference's at other positions ({pairs}): a wrong slot or stale entry"
             proof += f"; {int((exact & moved).sum())} rows equal the reference's {point} at other positions exactly"
+            other = _other_tokens(inputs, gcols[exact & moved], src[exact & moved]) if point == "v" else None
+            if other is None:
+                evidence += f"; the candidate's {point} rows equal the reference's at other positions ({pairs}): a wrong slot or stale entry"
+            else:
+                details["other_tokens"] = other
+                shown = ", ".join(f"{p}: {inputs.token_text(t)!r} for {inputs.token_text(w)!r}"
+                                  for p, t, w in zip(group[exact & moved][:6], other, _prompt_tokens(inputs, group[exact & moved])))
+                evidence += (f"; each of these rows is the K/V of another token computed at the row's own position: its v is "
+                             f"the reference's v of that token ({pairs}), its k that token's key rotated to the row's position "
+                             f"({shown}): rows of an earlier request kept as this one's (a prefix match or block hash that "
+                             f"counted a differing token)")
+                proof += "; k = the reference's key of the same token rotated to the row's own position, within tolerance"
         elif (order := head_order(ref_rows[gcols], cand_rows[gcols])) is not None:
             details["head_order"] = order
             evidence += (f"; at every one of these positions the candidate's {point} rows hold the reference's heads in "
