@@ -172,3 +172,12 @@ def test_a_factory_given_from_python_gets_the_model_and_the_options(tmp_path):
     with pytest.raises(KvdiffError, match="its factory failed: ValueError: stop here"):
         compare(TARGET, engine=factory, model="tiny-llama", engine_options=["n_slots=2"], out=tmp_path / "run")
     assert seen["options"] == {"n_slots": 2} and isinstance(seen["model"], torch.nn.Module)
+
+
+def test_a_gate_case_runs_an_adapted_engine(tmp_path):
+    cases = tmp_path / "cases.toml"
+    cases.write_text(f'[[case]]\nname = "prompt cache"\nsystem = "{SYSTEM["content"]}"\nprompt = "Hi there."\n'
+                     f'model = "tiny-llama"\nmax_new_tokens = 4\nengine = "{ADAPTER}"\nagainst_reference = true\n')
+    result = CliRunner().invoke(app, ["-q", "gate", str(cases), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "o").exists()
