@@ -314,3 +314,14 @@ def test_a_gate_case_runs_an_engine_under_test(tmp_path):
     result = CliRunner().invoke(app, ["gate", str(cases), "--junit", str(tmp_path / "gate.xml"), "--out", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert 'tests="1"' in (tmp_path / "gate.xml").read_text() and 'failures="0"' in (tmp_path / "gate.xml").read_text()
+
+
+def test_warm_with_another_conversation_hits_only_the_blocks_they_share(tmp_path):
+    """The cache is dropped before the fill too: the warm run had hit the cold-again run's blocks of
+    the whole prompt (32 tokens), so a shared-prefix hit was never what it tested."""
+    other = [SEEDS[0], {"role": "user", "content": "Name a colour."}]
+    result = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=4, warm=other,
+                     engine_options={"page_size": 4}, out=tmp_path / "run")
+    engine = result.report.to_json()["engine"]
+    assert engine["cache_hit_tokens"] == 20 and engine["prompt_tokens"] == 35      # the 20 tokens they share: 5 blocks
+    assert result.exit_code == 0

@@ -166,11 +166,11 @@ def _cold_cold_warm(target: Target, recorded: _Recorded, warm_messages: Messages
     files = {"cold": "cold.h5", "cold again": "cold-again.h5", "warm": "warm.h5"}
     runs: dict[str, TargetRun] = {}
     for label in labels:
+        target.reset_cache()        # before the fill too: the warm run may hit only what the fill left
         if label == "warm":
             step(f"filling {target.info.name}'s cache")
-            target.generate(render_prompt_ids(recorded.tokenizer, warm_messages), 1)
-        else:
-            target.reset_cache()
+            # a whole request: transformers' continuous batching keeps no blocks of one that ends in its prefill
+            target.generate(render_prompt_ids(recorded.tokenizer, warm_messages), recorded.max_new_tokens)
         step(f"running {target.info.name} {label}")
         runs[label] = _recorded_run(target, recorded, label, recorded.out_dir / files[label], window or {})
     if runs["warm"].cache_hit_tokens == 0:
