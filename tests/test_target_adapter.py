@@ -22,6 +22,7 @@ SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 TARGET = [SYSTEM, {"role": "user", "content": "What is the capital of France?"}]
 OTHER = [SYSTEM, {"role": "user", "content": "Name a colour."}]       # shares the system prompt and user header
 SHARED = 15             # tiny-llama's tokens of TARGET and OTHER in common
+OTHER_THE = [SYSTEM, {"role": "user", "content": "What the capital is?"}]     # parts from TARGET at " the"
 
 
 @pytest.fixture
@@ -68,9 +69,8 @@ def test_rows_after_the_hit_encoded_one_position_on_are_a_position_mismatch(tmp_
 
 def test_a_cached_row_of_another_token_is_a_cache_content_mismatch_at_that_row(tmp_path, engine_class, monkeypatch):
     """A planted bug in the engine: the first token that differs from the cached request's counts as shared,
-    so its row of the earlier request is read as this one's. The fill request (OTHER, after TARGET's cold
-    run) keeps TARGET's row SHARED and its token among the cached ids, so the warm run matches one token
-    more and keeps OTHER's row SHARED + 1: the one stale row it reads (its row SHARED is its own)."""
+    so its row of the earlier request (OTHER_THE's " the" at SHARED + 1) is read as this one's. TARGET has
+    " the" one position on: the row is that token's K/V computed at SHARED + 1, not a copy of TARGET's row."""
     def planted(self, prompt_ids):
         common = 0
         for cached, new in zip(self.cached_ids, prompt_ids[:-1]):
@@ -87,17 +87,18 @@ def test_a_cached_row_of_another_token_is_a_cache_content_mismatch_at_that_row(t
     from transformers import DynamicCache
 
     monkeypatch.setattr(engine_class, "reuse", planted)
-    report = _run(tmp_path, warm=OTHER).report.to_json()
-    assert report["engine"]["cache_hit_tokens"] == SHARED + 2
+    report = _run(tmp_path, warm=OTHER_THE).report.to_json()
+    stale_at = SHARED + 1
+    assert report["engine"]["cache_hit_tokens"] == stale_at + 1
     first = report["first_operation"]
-    assert (first["operation"].split(" (")[0], first["layer"], first["position"]) == \
-        ("K read from the cache", 0, SHARED + 1)
+    assert (first["operation"].split(" (")[0], first["layer"], first["position"]) == ("K read from the cache", 0, stale_at)
     stale = [d for d in report["diagnoses"] if d["kind"] == "cache_content_mismatch"]
-    assert [d["positions"] for d in stale] == [[SHARED + 1, SHARED + 1]]
+    assert [d["positions"] for d in stale] == [[stale_at, stale_at]]
     model, tokenizer = load_model("tiny-llama")
-    other, target = render_prompt_ids(tokenizer, OTHER), render_prompt_ids(tokenizer, TARGET)
-    assert other[SHARED + 1] != target[SHARED + 1]
-    assert stale[0]["other_tokens"] == [other[SHARED + 1]]      # the row is OTHER's token, computed at SHARED + 1
+    other, target = render_prompt_ids(tokenizer, OTHER_THE), render_prompt_ids(tokenizer, TARGET)
+    assert other[:stale_at] == target[:stale_at] and other[stale_at] == target[stale_at + 1] != target[stale_at]
+    assert stale[0]["other_tokens"] == [other[stale_at]] and stale[0]["computed_at"] == [stale_at]
+    assert stale[0]["source_positions"] == [None]       # v alone equals TARGET's row of " the": k does not
     assert not {d["kind"] for d in report["diagnoses"]} & {"missing_context", "position_mismatch"}
 
 

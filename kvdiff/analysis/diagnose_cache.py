@@ -15,9 +15,8 @@ import numpy as np
 import torch
 
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
-from kvdiff.analysis.keys import CONTENT, SCALED
+from kvdiff.analysis.keys import CONTENT, ROTATION, SCALED
 from kvdiff.analysis.metrics import row_metrics
-from kvdiff.analysis.rope import rotate
 
 EXACT = 1e-6      # a relative distance this small: the same row
 
@@ -37,19 +36,21 @@ def _distances(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
 def _sources(ref: np.ndarray, cand: np.ndarray, positions: np.ndarray,
              keys: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """For each candidate row, the reference position whose row is nearest, and the relative distance.
-    Rows of one token are equal wherever it occurs (before RoPE, at the first layer), so where several
-    reference rows match exactly, `keys` (reference and candidate k rows, rotated at the positions they
-    were computed at) picks the one whose k the candidate holds too; else the first."""
+    Rows of one token are equal wherever it occurs (before RoPE, at the first layer), so with `keys`
+    (reference and candidate k rows, rotated at the positions they were computed at) a row is the
+    reference's row only where its k is that row's k too: of several exact matches the one whose k
+    the candidate holds, and none (distance Inf) where no exact match's k is the candidate's."""
     rel = _distances(ref, cand)
     best = rel.argmin(axis=1)
     if keys is not None:
         exact = rel <= EXACT
-        tied = np.flatnonzero(exact.sum(1) > 1)
-        if tied.size:
-            k_rel = np.where(exact[tied], _distances(keys[0], keys[1][tied]), np.inf)
+        matched = np.flatnonzero(exact.any(1))
+        if matched.size:
+            k_rel = np.where(exact[matched], _distances(keys[0], keys[1][matched]), np.inf)
             by_key = k_rel.argmin(axis=1)
-            settled = k_rel[np.arange(tied.size), by_key] <= EXACT
-            best[tied[settled]] = by_key[settled]
+            settled = k_rel[np.arange(matched.size), by_key] <= EXACT
+            best[matched[settled]] = by_key[settled]
+            rel[matched[~settled], best[matched[~settled]]] = np.inf
     return positions[best], rel[np.arange(rel.shape[0]), best]
 
 
@@ -148,6 +149,24 @@ def _bad_columns(inputs: DiagnosisInputs) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero((bad | k_only) & cached & al.comparable), k_only
 
 
+def _row_sources(inputs: DiagnosisInputs, point: str, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_sources` of the candidate's first-layer `point` rows at `cols`, each confirmed by its key:
+    k_pre_rope where the candidate computed the row (its content before RoPE, which the row's own
+    position rotates), k as the cache holds it where the row was read from a cache."""
+    layer, al = inputs.first_layer, inputs.comparison.alignment
+    ref_rows, cand_rows = inputs.rows(layer, point)
+    src, dist = np.zeros(cols.size, np.int64), np.zeros(cols.size)
+    cached = al.kv_only[cols]
+    for rows, key in ((cached, "k"), (~cached, "k_pre_rope")):
+        if rows.any():
+            keys = None
+            if point not in ("k", key) and key in inputs.comparison.points:
+                ref_key, cand_key = inputs.rows(layer, key)
+                keys = ref_key, cand_key[cols[rows]]
+            src[rows], dist[rows] = _sources(ref_rows, cand_rows[cols[rows]], al.positions, keys)
+    return src, dist
+
+
 def _prompt_tokens(inputs: DiagnosisInputs, positions: np.ndarray) -> list[int]:
     """The reference's token ids at `positions` (prompt, then generated)."""
     meta = inputs.reference.meta
@@ -155,22 +174,24 @@ def _prompt_tokens(inputs: DiagnosisInputs, positions: np.ndarray) -> list[int]:
     return [int(sequence[p]) if p < sequence.size else -1 for p in positions]
 
 
-def _other_tokens(inputs: DiagnosisInputs, cols: np.ndarray, sources: np.ndarray) -> list[int] | None:
-    """Where the candidate's first-layer v at `cols` equals the reference's at `sources`: the token
-    ids at the sources, when every row's k is the reference's k of its source rotated on to the
-    row's own position (the same token's K/V computed there: another token's row, not a copy of
-    slot `sources`, whose k would be the source's as it is); None otherwise."""
-    thetas, layer, positions = inputs.thetas, inputs.first_layer, inputs.comparison.alignment.positions
-    if thetas is None or "k" not in inputs.comparison.points or not cols.size:
+def _other_tokens(inputs: DiagnosisInputs, cols: np.ndarray) -> tuple[list[int], list[int]] | None:
+    """Where every candidate first-layer row at `cols` is some token's K/V computed at some
+    position: its v equal to the reference's v of a token (v depends on the token alone) and its k
+    that token's key before RoPE rotated exactly to an integer position. The tokens' ids and those
+    positions; None where a row is not."""
+    layer, positions = inputs.first_layer, inputs.comparison.alignment.positions
+    if inputs.thetas is None or not {"k", "k_pre_rope", "v"} <= set(inputs.comparison.points) or not cols.size:
         return None
-    ref_k, cand_k = inputs.rows(layer, "k")
-    src = np.searchsorted(positions, sources)
-    rotated = rotate(ref_k[src], (positions[cols] - sources).astype(np.float64), thetas)
-    if not row_metrics(rotated, cand_k[cols]).within(inputs.comparison.tolerances.for_point("k")).all():
+    ref_v, cand_v = inputs.rows(layer, "v")
+    src, dist = _sources(ref_v, cand_v[cols], positions)
+    if not (dist <= EXACT).all():
         return None
-    if same_rows(ref_k[src], cand_k[cols]).all():        # position 0's rows, or sources at the rows' positions
+    content = inputs.rows(layer, "k_pre_rope")[0].copy()
+    content[cols] = content[np.searchsorted(positions, src)]
+    keys = inputs.key_rows_of(content, cols)
+    if not ((keys.kind == ROTATION) & keys.exact).all():
         return None
-    return _prompt_tokens(inputs, sources)
+    return _prompt_tokens(inputs, src), [int(e) for e in keys.encoded]
 
 
 def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
@@ -188,11 +209,7 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
                      and (inputs.divergent(name, 0)[gcols].any() if name != "k" else k_only[gcols].any())]
         point = "v" if "v" in differing else differing[0]
         ref_rows, cand_rows = inputs.rows(layer, point)
-        rotated = None      # the k rows, to tell a repeated token's equal rows apart
-        if point != "k" and "k" in inputs.comparison.points:
-            ref_k, cand_k = inputs.rows(layer, "k")
-            rotated = ref_k, cand_k[gcols]
-        src, dist = _sources(ref_rows, cand_rows[gcols], positions, rotated)
+        src, dist = _row_sources(inputs, point, gcols)
         parts = []
         for name in differing:
             max_abs, rel = inputs.worst(name, 0, gcols)
@@ -217,18 +234,18 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
         elif (exact & moved).any():
             pairs = ", ".join(f"{p}<-{s}" for p, s in zip(group[exact & moved][:6], src[exact & moved][:6]))
             proof += f"; {int((exact & moved).sum())} rows equal the reference's {point} at other positions exactly"
-            other = _other_tokens(inputs, gcols[exact & moved], src[exact & moved]) if point == "v" else None
-            if other is None:
-                evidence += f"; the candidate's {point} rows equal the reference's at other positions ({pairs}): a wrong slot or stale entry"
-            else:
-                details["other_tokens"] = other
-                shown = ", ".join(f"{p}: {inputs.token_text(t)!r} for {inputs.token_text(w)!r}"
-                                  for p, t, w in zip(group[exact & moved][:6], other, _prompt_tokens(inputs, group[exact & moved])))
-                evidence += (f"; each of these rows is the K/V of another token computed at the row's own position: its v is "
-                             f"the reference's v of that token ({pairs}), its k that token's key rotated to the row's position "
-                             f"({shown}): rows of an earlier request kept as this one's (a prefix match or block hash that "
-                             f"counted a differing token)")
-                proof += "; k = the reference's key of the same token rotated to the row's own position, within tolerance"
+            evidence += f"; the candidate's {point} rows equal the reference's at other positions ({pairs}): a wrong slot or stale entry"
+        elif point == "v" and (other := _other_tokens(inputs, gcols)) is not None:
+            tokens, at = other
+            details["other_tokens"], details["computed_at"] = tokens, at
+            shown = ", ".join(f"{p}: {inputs.token_text(t)!r} at {e} for {inputs.token_text(w)!r}"
+                              for p, t, e, w in zip(group[:6], tokens, at, _prompt_tokens(inputs, group)))
+            where = "its own position" if at == group.tolist() else "the position named"
+            evidence += (f"; each of these rows is another token's K/V: its v is the reference's v of that token (v "
+                         f"depends on the token alone) and its k that token's key rotated exactly to {where} ({shown}): "
+                         f"rows computed for other tokens, of another request or sequence, read in this one's place (a "
+                         f"stale slot, a block freed while still cached, a prefix match that counted too far)")
+            proof += "; v = the reference's v of another token and k = its key rotated to an integer position, at every row"
         elif (order := head_order(ref_rows[gcols], cand_rows[gcols])) is not None:
             details["head_order"] = order
             evidence += (f"; at every one of these positions the candidate's {point} rows hold the reference's heads in "

@@ -129,11 +129,16 @@ class DiagnosisInputs:
         (k_pre, _), (k_ref, _) = self.rows(self.first_layer, "k_pre_rope"), self.rows(self.first_layer, "k")
         return rope_scale(k_pre[al.comparable], k_ref[al.comparable])
 
-    def _key_rows(self, cols: np.ndarray, cached: np.ndarray, pairing=None) -> KeyRows:
-        """The first layer's k at `cols` against the content it rotates (keys.key_rows), the last
-        dimension reordered by `pairing` first where given."""
+    def key_rows_of(self, content: np.ndarray, cols: np.ndarray) -> KeyRows:
+        """The candidate's first-layer k at `cols` against `content` (per aligned position, rows
+        before RoPE) instead of the content it rotates (keys.key_rows)."""
+        return self._key_rows(cols, self.comparison.alignment.kv_only[cols], content=content)
+
+    def _key_rows(self, cols: np.ndarray, cached: np.ndarray, pairing=None, content=None) -> KeyRows:
+        """The first layer's k at `cols` against the content it rotates (or `content`; keys.key_rows),
+        the last dimension reordered by `pairing` first where given."""
         al, tol = self.comparison.alignment, self.comparison.tolerances.for_point("k")
-        content, k_cand = self.key_content, self.rows(self.first_layer, "k")[1]
+        content, k_cand = self.key_content if content is None else content, self.rows(self.first_layer, "k")[1]
         if pairing is not None:
             content, k_cand = pairing(content), pairing(k_cand)
         return key_rows(content, k_cand, cols, cached, self.thetas, 2 * int(al.positions.max()) + 64, tol.atol,
