@@ -325,3 +325,43 @@ def test_warm_with_another_conversation_hits_only_the_blocks_they_share(tmp_path
     engine = result.report.to_json()["engine"]
     assert engine["cache_hit_tokens"] == 20 and engine["prompt_tokens"] == 35      # the 20 tokens they share: 5 blocks
     assert result.exit_code == 0
+
+
+def test_a_model_fed_wrong_positions_after_a_hit_is_a_position_mismatch(tmp_path, monkeypatch):
+    """transformers' continuous batching hands its model the rows after a cache hit at position_ids
+    16 too low (red-team t2). The target recorded the rows at those positions and the warm trace was
+    refused as malformed ("step 0 holds 18, not 34"). Expected (written before the fix's first run):
+    the rows at their places in the sequence, a position_mismatch over the rows after the hit,
+    offset -16."""
+    from kvdiff.run import engine_compare
+
+    opened, handles = engine_compare.open_target, []
+
+    def open_target(*args, **kwargs):
+        target = opened(*args, **kwargs)
+
+        def shifted(module, args, kwargs):
+            if "cu_seq_lens_q" not in kwargs:        # kvdiff's reference path runs the same model
+                return None
+            cu, pos = kwargs["cu_seq_lens_q"].tolist(), kwargs["position_ids"].clone()
+            flat = pos.view(-1)
+            for lo, hi in zip(cu, cu[1:]):
+                if hi - lo > 1 and int(flat[lo]) > 0:         # a prefill after cached tokens
+                    flat[lo:hi] -= 16
+            return args, {**kwargs, "position_ids": pos}
+
+        handles.append(target.model.register_forward_pre_hook(shifted, with_kwargs=True))
+        return target
+
+    monkeypatch.setattr(engine_compare, "open_target", open_target)
+    try:
+        report = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=4,
+                         out=tmp_path / "run").report.to_json()
+    finally:
+        for handle in handles:
+            handle.remove()
+    hit, prompt = report["engine"]["cache_hit_tokens"], report["engine"]["prompt_tokens"]
+    assert (hit, prompt) == (32, 35)
+    shift = [d for d in report["diagnoses"] if d["kind"] == "position_mismatch"]
+    assert [(d["positions"], d["offset"]) for d in shift] == [([hit, prompt - 1], -16)], report["diagnoses"]
+    assert report["first_operation"]["position"] == hit

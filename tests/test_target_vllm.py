@@ -195,6 +195,37 @@ def test_position_shift_of_cached_tokens(target, hf, ids, cold_trace, tmp_path):
     assert found[0].details["offset"] == 5
 
 
+def test_a_model_fed_wrong_positions_after_a_hit_is_a_position_mismatch(target, hf, ids, cold_trace, tmp_path,
+                                                                          monkeypatch):
+    """vLLM's model runner gives the rows after a cache hit positions from 0 (the query offset alone)
+    while its slots and sequence lengths stay right (red-team v3). The target used to record the
+    rows at the positions the model was given, and the run died ("vLLM sampled 8 tokens but the
+    target saw 7 logits rows"). Expected (written before the fix's first run): the rows recorded at
+    their places in the sequence, a position_mismatch from the first uncached position to the
+    prompt's end, offset -cached, and the engine's encoded positions in provenance."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    prepare = GPUModelRunner._prepare_inputs
+
+    def planted(self, scheduler_output, num_scheduled_tokens):
+        out = prepare(self, scheduler_output, num_scheduled_tokens)
+        start = 0
+        for r, n in enumerate(int(n) for n in num_scheduled_tokens[:self.input_batch.num_reqs]):
+            done = int(self.input_batch.num_computed_tokens_cpu[r])
+            if n > 1 and done:
+                self.positions[start:start + n] -= done
+            start += n
+        return out
+
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", planted)
+    cached, prompt = ids[2], len(ids[0])
+    div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5"))
+    shift = [d for d in div.diagnoses if d.kind == "position_mismatch"]
+    assert [(d.positions, d.details["offset"]) for d in shift] == [((cached, prompt - 1), -cached)], div.diagnoses
+    assert shift[0].details["provenance_encoded_positions"] == [0, prompt - 1 - cached]
+    assert div.first_divergence.position == cached
+
+
 def test_stale_cached_block(target, hf, ids, cold_trace, tmp_path):
     """After the primer, the cache block of positions 32..63 is overwritten with the block of 0..31
     in every layer. Expected (written before the first run): cache_content_mismatch over 32..63

@@ -12,7 +12,8 @@ graph tensor after it is computed: `embd` / `l_out-{i-1}` -> resid_pre, `attn_no
 `Qcur-i` (the ROPE node) -> q, `Kcur-i` (the projection) -> k_pre_rope and (the ROPE node) -> k,
 `Vcur-i` -> v, `kqv_out-i` -> z, `attn_out-i`, `ffn_inp-i` -> resid_mid, `ffn_norm-i` -> mlp_norm, `ffn_out-i` ->
 mlp_out, `l_out-i` -> resid_post, `result_norm` -> final_norm, `result_output` -> logits (every row:
-the context outputs all rows). Positions are the engine's batch `pos`. q and k of a GGUF with
+the context outputs all rows). A row's position is its place in the sequence (`Llama.n_tokens` before
+its batch, plus its index); the batch's `pos`, what RoPE encodes, goes into provenance. q and k of a GGUF with
 "normal" RoPE (adjacent pairs; the converter permuted the weights) are put back in the checkpoint's
 half-split head layout, as transformers un-permutes them. The KV cache is float32 (llama.cpp's
 default is f16, which would also round q inside attention), so `q`, `k` and `v` are what attention
@@ -151,8 +152,11 @@ class LlamaCppTarget:
     def _decode(self, inner):
         """LlamaContext.decode: one engine forward, bracketed with the batch's own positions."""
         def decode(batch):
-            b = batch.batch
-            self._fwd, self._error = _Forward([int(b.pos[i]) for i in range(b.n_tokens)]), None
+            # The rows' places in the sequence: the tokens the engine holds before this batch
+            # (Llama.n_tokens); the batch's `pos` is what RoPE encodes them at.
+            b, start = batch.batch, int(self.llm.n_tokens)
+            self._fwd = _Forward(list(range(start, start + b.n_tokens)), [int(b.pos[i]) for i in range(b.n_tokens)])
+            self._error = None
             try:
                 inner(batch)
                 if self._error is not None:
@@ -218,10 +222,11 @@ class LlamaCppTarget:
             if ("resid_post", i - 1) in rows:
                 rows[("resid_pre", i)] = rows[("resid_post", i - 1)]
         sink.begin_forward(pos)
-        for chunk, part in (("prompt", [p for p in pos if p < run.prompt_len]),
-                            ("decode", [p for p in pos if p >= run.prompt_len])):
+        for chunk, keep in (("prompt", lambda p: p < run.prompt_len), ("decode", lambda p: p >= run.prompt_len)):
+            part = [p for p in pos if keep(p)]
             if part:
-                sink.provenance(part, Provenance(chunk, run.forwards, part, False))
+                at = [e for p, e in zip(pos, fwd.encoded) if keep(p)]
+                sink.provenance(part, Provenance(chunk, run.forwards, at, False))
         last = self.num_layers - 1
         norms = {"attn_norm": "resid_pre", "mlp_norm": "resid_mid", "final_norm": "resid_post"}
         for layer, point in [(i, p) for i in range(self.num_layers) for p in LAYER_POINTS] + \
@@ -356,8 +361,8 @@ class LlamaCppTarget:
 
 
 class _Forward:
-    def __init__(self, positions: list[int]):
-        self.positions, self.rows = positions, {}       # (point, layer) -> rows (T, ...), engine layout
+    def __init__(self, positions: list[int], encoded: list[int]):
+        self.positions, self.encoded, self.rows = positions, encoded, {}     # rows: (point, layer) -> (T, ...)
 
 
 class _Run:

@@ -126,13 +126,16 @@ class RunProbes:
             req = self._bind(future.state)
             if req is None:
                 continue
-            positions = pos[cu[i]:cu[i + 1]]
+            # The rows' places in the sequence: the request's own count of tokens processed, which the
+            # batch's preparation has already moved past these rows; position_ids are what RoPE encodes.
+            end = future.state.position_offset
+            positions, encoded = list(range(end - (cu[i + 1] - cu[i]), end)), pos[cu[i]:cu[i + 1]]
             if req.forwards == 0:
                 self._cached(req, positions[0])
             if req.sink is not None:
                 req.sink.begin_forward(positions)
                 chunk = "prompt" if positions[0] < len(req.prompt) else "decode"
-                req.sink.provenance(positions, Provenance(chunk, req.forwards, positions, False))
+                req.sink.provenance(positions, Provenance(chunk, req.forwards, encoded, False))
                 self.views.append((req.sink, slice(cu[i], cu[i + 1]), positions))
             self.segments.append((req, cu[i + 1] - 1, positions, future.has_new_token))
             req.forwards += 1

@@ -122,20 +122,24 @@ class _Recording:
             return
         r = mine[0]
         lo, hi = int(md.query_start_loc[r]), int(md.query_start_loc[r + 1])
-        positions = args[0] if args else kwargs["positions"]
-        self.rows, self.positions = slice(lo, hi), positions[lo:hi].tolist()
+        # The rows' places in the sequence are the scheduler's count of tokens already computed on;
+        # the positions the model is given (RoPE's) are what the engine says it encoded them at.
+        done = int(self.t.runner.input_batch.num_computed_tokens_cpu[r])
+        encoded = (args[0] if args else kwargs["positions"])[lo:hi].tolist()
+        self.rows, self.positions = slice(lo, hi), list(range(done, done + hi - lo))
         self.block_ids = md.block_table[r].tolist()
-        if self.forwards == 0:                  # the first prefill: seq_len - q_len tokens came from the cache
-            served = range(int(md.seq_lens[r]) - (hi - lo))
+        if self.forwards == 0:                  # the first prefill: the tokens before it came from the cache
+            served = range(done)
             # a block wholly outside a sliding window is the engine's null block: it holds no K/V of ours
             bs, null = self.t.block_size, self.t.null_block
             self.cached = [p for p in served if self.block_ids[p // bs] != null]
             self.served = len(served)
         self.sink.begin_forward(self.positions)
-        for chunk, pos in (("prompt", [p for p in self.positions if p < self.prompt_len]),
-                           ("decode", [p for p in self.positions if p >= self.prompt_len])):
+        for chunk, keep in (("prompt", lambda p: p < self.prompt_len), ("decode", lambda p: p >= self.prompt_len)):
+            pos = [p for p in self.positions if keep(p)]
             if pos:
-                self.sink.provenance(pos, Provenance(chunk, self.forwards, pos, False))
+                at = [e for p, e in zip(self.positions, encoded) if keep(p)]
+                self.sink.provenance(pos, Provenance(chunk, self.forwards, at, False))
 
     def _end(self, module, args, kwargs, out) -> None:
         if self.rows is None:
