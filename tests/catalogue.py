@@ -503,6 +503,12 @@ CASES: list[Case] = [
          (p("decode_kv_zero"),), "cold", ATTENTION, 0, "P",
          (want("attention_mismatch", first="P", explanation="zeroed", since=X("P"), own_key_zeroed=True, layer=0),),
          NONE3),
+    Case("cb-qwen2-write-index-after-hit", "tiny-qwen2", CB,
+         "rows computed after a cache hit written one cache slot early (write index from past length - 1)",
+         "get_write_indices(past - 1) for a prefill after cached tokens",
+         (p("write_slot_shift", shift=-1, where="after hit"),), "warm-other", ATTENTION, 0, "H",
+         (want("attention_mismatch", first="H", explanation="shifted writes", since=X("H"), write_shift=-1, layer=0),),
+         NONE3),
     Case("cb-llama-kv-swapped-in-attention", "tiny-llama", CB,
          "K and V written to the cache in each other's place, so attention reads them swapped",
          "cache.update called with value and key exchanged", (p("kv_swap_in_attention"),), "cold", ATTENTION, 0, "0",
@@ -611,6 +617,11 @@ CASES: list[Case] = [
          "attention backend's do_kv_cache_update given zero rows where a forward computes one row",
          (p("decode_kv_zero"),), "cold", ATTENTION, 1, "P",
          (want("attention_mismatch", explanation="zeroed", since=X("P"), own_key_zeroed=True, layer=0),), NONE3),
+    Case("vllm-llama64-decode-slot-shift", VLLM_ARCH, VLLM,
+         "decode steps' K/V written one cache slot on (slot mapping + 1): each reads a zero row as its own key",
+         "model runner's slot_mapping + 1 for one-row forwards",
+         (p("write_slot_shift", shift=1, where="decode"),), "cold", ATTENTION, 1, "P",
+         (want("attention_mismatch", explanation="shifted writes", since=X("P"), write_shift=1, layer=1),), NONE3),
 ]
 
 # What kvdiff gets wrong, per case: filled in after the runs (the expectations above stay as written).
@@ -1315,6 +1326,40 @@ def plant_decode_kv_zero(ctx: Ctx) -> Undo:
     return _cache_write(ctx, lambda k, v, rows: (torch.zeros_like(k), torch.zeros_like(v)) if rows == 1 else (k, v))
 
 
+def plant_write_slot_shift(ctx: Ctx, shift: int, where: str) -> Undo:
+    """K/V written `shift` cache slots away from their own (an off-by-one slot mapping or write
+    index), in the forwards `where` says: "decode" (one-row forwards) or "after hit" (a prefill after
+    cached tokens). vLLM: the model runner's slot mapping; transformers: the allocator's write indices."""
+    if ctx.case.engine == VLLM:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        prepare = GPUModelRunner._prepare_inputs
+
+        def planted(self, scheduler_output, num_scheduled_tokens):
+            out, start = prepare(self, scheduler_output, num_scheduled_tokens), 0
+            for r, n in enumerate(int(n) for n in num_scheduled_tokens[:self.input_batch.num_reqs]):
+                done = int(self.input_batch.num_computed_tokens_cpu[r])
+                if (n == 1) if where == "decode" else (n > 1 and done > 0):
+                    for table in self.input_batch.block_table.block_tables:
+                        table.slot_mapping.gpu[start:start + n] += shift
+                start += n
+            return out
+
+        GPUModelRunner._prepare_inputs = planted
+        return lambda: setattr(GPUModelRunner, "_prepare_inputs", prepare)
+    from transformers.generation.continuous_batching.cache_allocators.full_attention import \
+        FullAttentionCacheAllocator as allocator
+
+    indices = allocator.get_write_indices
+
+    def write_indices(self, request_id, past, query):
+        moved = (query == 1) if where == "decode" else (past > 0 and query > 1)
+        return indices(self, request_id, past + shift if moved else past, query)
+
+    allocator.get_write_indices = write_indices
+    return lambda: setattr(allocator, "get_write_indices", indices)
+
+
 def plant_kv_swap_in_attention(ctx: Ctx) -> Undo:
     """K and V written to the cache in each other's place, so attention reads them swapped."""
     return _cache_write(ctx, lambda k, v, rows: (v, k))
@@ -1373,6 +1418,7 @@ PLANTS: dict[str, Callable[..., Undo]] = {
     "kv_heads_tiled": plant_kv_heads_tiled, "q_rope": plant_q_rope, "cache_swap_kv": plant_cache_swap_kv, "norm_one_plus_weight": plant_norm_one_plus_weight,
     "decode_kv_zero": plant_decode_kv_zero, "kv_swap_in_attention": plant_kv_swap_in_attention,
     "rope_twice": plant_rope_twice, "weight_residual": plant_weight_residual,
+    "write_slot_shift": plant_write_slot_shift,
 }
 
 

@@ -39,7 +39,8 @@ class Hypothesis:
 
     name: str                                  # "standard", "hidden", "scale", "next key", "chunk alone",
                                                # "not causal", "window", "own key hidden", "kv heads", "softcap",
-                                               # "zeroed", "not cached", "kv swapped", "lagged mask"
+                                               # "zeroed", "not cached", "kv swapped", "lagged mask",
+                                               # "shifted writes"
     text: str                                  # in words, for the evidence
     visible: Callable[[int, int], np.ndarray]
     scale: float = 1.0
@@ -53,13 +54,17 @@ class Hypothesis:
     own_zeroed: bool = False                   # "zeroed": the row's own key read as zero too
     swapped: bool = False                      # K and V in each other's place: scores from v, values from k
     lag: int | None = None                     # "lagged mask": each row sees the keys up to its position minus lag
+    # "shifted writes": at a row, the key row each cache slot 0..row holds (-1: never written, a zero row)
+    moved: Callable[[int], np.ndarray] | None = None
+    shift: int | None = None                   # "shifted writes": row r's K/V written at slot r + shift
 
     def fields(self) -> dict:
         """What a report says of this explanation beside its name: its fitted or chosen values."""
         by_name = {"scale": {"scale_factor": self.scale}, "window": {"window": self.window},
                    "kv heads": {"kv_head_of_query_head": list(self.kv_heads or ())}, "softcap": {"softcap": self.softcap},
                    "zeroed": {"since": self.since, "own_key_zeroed": self.own_zeroed},
-                   "not cached": {"since": self.since}, "lagged mask": {"mask_lag": self.lag}}
+                   "not cached": {"since": self.since}, "lagged mask": {"mask_lag": self.lag},
+                   "shifted writes": {"since": self.since, "write_shift": self.shift}}
         return by_name.get(self.name, {})
 
 
@@ -102,9 +107,10 @@ class AttentionRows:
 
     def attend(self, row: int, raw: np.ndarray, visible: np.ndarray, scale: float,
                kv_heads: tuple[int, ...] | None = None, softcap: float | None = None,
-               zeroed: np.ndarray | None = None) -> np.ndarray:
+               zeroed: np.ndarray | None = None, values: np.ndarray | None = None) -> np.ndarray:
         """Softmax over the visible keys, times v: the attention output before o_proj, (heads * dv,).
-        `zeroed` keys are read as zero rows: score 0 in the softmax, nothing added by their value."""
+        `zeroed` keys are read as zero rows: score 0 in the softmax, nothing added by their value;
+        `values`: the v row each key reads (default the key's own: rows 0..n-1)."""
         heads, d, n = self.q.shape[1], self.v.shape[2], raw.shape[1]
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             s = raw * (self.scale * scale)
@@ -117,8 +123,9 @@ class AttentionRows:
             if zeroed is not None:
                 w[:, zeroed] = 0.0
             z = np.empty((heads, d))
+            v = self.v[:n] if values is None else self.v[values]
             for g, group in self.groups(kv_heads):
-                z[group] = w[group] @ self.v[:n, g, :].astype(np.float64, copy=False)
+                z[group] = w[group] @ v[:, g, :].astype(np.float64, copy=False)
         return z.reshape(heads * d)
 
 
@@ -213,6 +220,8 @@ class AttentionTest:
     def predict(self, h: Hypothesis) -> np.ndarray:
         """The hypothesis's attention output before o_proj at every tested row (NaN where it reads
         keys the trace did not record)."""
+        if h.moved is not None:
+            return self._predict_moved(h)
         keys = [self.n_keys(r, h) for r in self.rows]
         if max(keys) > self.cand.k.shape[0] or (h.swapped and self.cand.k.shape != self.cand.v.shape):
             return np.full((self.rows.size, self.cand.q.shape[1] * self.cand.v.shape[2]), np.nan)
@@ -220,6 +229,19 @@ class AttentionTest:
         return np.stack([rows.attend(r, self.scores(r, n, h.kv_heads, h.swapped), h.visible(r, n), h.scale,
                                      h.kv_heads, h.softcap, None if h.zeroed is None else h.zeroed(r, n))
                           for r, n in zip(self.rows, keys)])
+
+    def _predict_moved(self, h: Hypothesis) -> np.ndarray:
+        """`predict` where each cache slot holds another row's K/V (`h.moved`), or a zero row."""
+        out = []
+        for r in self.rows:
+            order = h.moved(int(r))
+            n = int(order.max()) + 1
+            if n > self.cand.k.shape[0]:
+                return np.full((self.rows.size, self.cand.q.shape[1] * self.cand.v.shape[2]), np.nan)
+            src = np.maximum(order, 0)
+            raw = self.scores(int(r), max(n, 1))[:, src]
+            out.append(self.cand.attend(int(r), raw, np.ones(order.size, bool), h.scale, zeroed=order < 0, values=src))
+        return np.stack(out)
 
     def own_miss(self, h: Hypothesis) -> float:
         """With z recorded: the share of the candidate's own z at the tested rows that the hypothesis

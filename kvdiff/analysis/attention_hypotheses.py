@@ -1,9 +1,9 @@
 """The family of attention hypotheses attention_fit scores, and how it is searched: hidden keys
 (single keys and spans around the first tested row), each row's chunk alone, the next key, every
 later key of the forward, a sliding window, the row's own key hidden, the causal mask offset, keys
-never written to the cache (read as zeros, or not attended), K and V swapped, the KV heads tiled;
-the softmax scale and a logit soft-cap fitted by a grid and golden-section search; the finalists
-scored on every tested row."""
+never written to the cache (read as zeros, or not attended), K/V written one slot away, K and V
+swapped, the KV heads tiled; the softmax scale and a logit soft-cap fitted by a grid and
+golden-section search; the finalists scored on every tested row."""
 
 from __future__ import annotations
 
@@ -79,6 +79,7 @@ def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], i
                               f"causal mask offset by {m}, as one built from positions counted from another start)",
                               lambda row, n, m=m: np.arange(n) <= row - m, lag=m))
     out += unwritten_keys(first, boundaries)
+    out += shifted_writes(first, forward_end)
     out.append(Hypothesis("kv swapped", "K and V in each other's place where attention read them (scores from v, "
                           "values from k)", causal, swapped=True))
     query, kv = heads
@@ -108,6 +109,27 @@ def unwritten_keys(first: int, boundaries: list[int]) -> list[Hypothesis]:
                               f"K/V never reached the cache, the row's own key attended as computed",
                               lambda row, n, f=f: causal(row, n) & ~((np.arange(n) >= f) & (np.arange(n) < row)),
                               since=f))
+    return out
+
+
+def shifted_writes(first: int, forward_end: Callable[[int], int]) -> list[Hypothesis]:
+    """Each row's K/V written one slot away from its own from the first tested row f on (row r at
+    slot r + s, an off-by-one slot mapping or write index): attention reads at slot j the row j - s,
+    once that row was computed (by the end of the reading row's forward), else a zero row (a slot
+    never written); s = -1 overwrites the cached row before f."""
+    out = []
+    for s in (-1, 1):
+        def moved(row: int, f: int = first, s: int = s) -> np.ndarray:
+            slots = np.arange(row + 1)
+            src = np.where(slots >= min(f, f + s), slots - s, slots)
+            written = (src >= f) & (src < forward_end(row)) | (src < f) & (slots < min(f, f + s))
+            return np.where(written, src, -1)
+
+        where = "before" if s < 0 else "after"
+        out.append(Hypothesis("shifted writes", f"each row's K/V from position {first} on written one cache slot {where} "
+                              f"its own (slot r {s:+d}): attention reads another row's K/V in each slot from "
+                              f"{min(first, first + s)} on, and a slot never written as a zero row", causal,
+                              since=first, moved=moved, shift=s))
     return out
 
 

@@ -24,7 +24,7 @@ from kvdiff.analysis.diagnosis import DiagnosisInputs, fmt
 MARGIN = 0.5        # and at most this share of what the next-best explanation leaves,
 NESTED_MARGIN = 0.8  # or, where that one hides an overlapping span (one key more or less at an end), this
 _PREFER = ("standard", "hidden", "scale", "next key", "chunk alone", "not causal", "window", "own key hidden",
-           "kv heads", "softcap", "not cached", "zeroed", "kv swapped", "lagged mask")
+           "kv heads", "softcap", "not cached", "zeroed", "kv swapped", "lagged mask", "shifted writes")
 
 
 def _nested(a: Score, b: Score) -> bool:
