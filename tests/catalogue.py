@@ -509,6 +509,17 @@ CASES: list[Case] = [
          (p("write_slot_shift", shift=-1, where="after hit"),), "warm-other", ATTENTION, 0, "H",
          (want("attention_mismatch", first="H", explanation="shifted writes", since=X("H"), write_shift=-1, layer=0),),
          NONE3),
+    Case("cb-llama-kv-head-copied", "tiny-llama", CB,
+         "layer 1's KV head 0 written into head 1's place too: query heads 2-3 read head 0's K/V",
+         "cache.update at layer 1 given KV head 0's K/V in head 1", (p("kv_head_copy", layer=1, src=0, dst=1),),
+         "cold", ATTENTION, 1, "0",
+         (want("attention_mismatch", first="0", explanation="kv heads", kv_head_of_query_head=[0, 0, 0, 0],
+               layer=1),), NONE3),
+    Case("cb-qwen2-cached-head-copied", "tiny-qwen2", CB,
+         "the cached blocks' KV head 1 holds head 0's rows at layer 1",
+         "block_kv rows 0..H-1 of layer 1: head 0 written over head 1 after the fill",
+         (p("cache_copy_head", "cache", positions="range(0, H)", layer=1, src=0, dst=1),), "warm-other", K_CACHE, 1,
+         "0", (want(CC, positions=("0", "H - 1"), layer=1, head_map=[0, 0]),), (PM, MC)),
     Case("cb-llama-kv-swapped-in-attention", "tiny-llama", CB,
          "K and V written to the cache in each other's place, so attention reads them swapped",
          "cache.update called with value and key exchanged", (p("kv_swap_in_attention"),), "cold", ATTENTION, 0, "0",
@@ -1297,13 +1308,14 @@ def plant_vllm_softcap(ctx: Ctx, cap: float) -> Undo:
     return lambda: [setattr(i, "logits_soft_cap", o) for i, o in zip(impls, old)]
 
 
-def _cache_write(ctx: Ctx, change: Callable) -> Undo:
-    """Wrap what writes K/V into the engine's cache, `change(key, value, rows) -> (key, value)` with
-    `rows` the forward's new rows: vLLM's attention backend (`impl.do_kv_cache_update`, after the
-    probes' pre-hooks) or transformers' paged cache `update` (on the instance; the probes record k
-    before it)."""
+def _cache_write(ctx: Ctx, change: Callable, layer: int | None = None) -> Undo:
+    """Wrap what writes K/V into the engine's cache (of every layer, or of `layer`), `change(key,
+    value, rows) -> (key, value)` with `rows` the forward's new rows: vLLM's attention backend
+    (`impl.do_kv_cache_update`, after the probes' pre-hooks) or transformers' paged cache `update`
+    (on the instance; the probes record k before it)."""
     if ctx.case.engine == VLLM:
-        impls = [m.impl for m in ctx.vllm_modules("model.layers.{i}.self_attn.attn")]
+        impls = [m.impl for i, m in enumerate(ctx.vllm_modules("model.layers.{i}.self_attn.attn"))
+                 if layer in (None, i)]
         for impl in impls:
             def update(layer, key, value, *args, inner=impl.do_kv_cache_update, **kwargs):
                 return inner(layer, *change(key, value, key.shape[0]), *args, **kwargs)
@@ -1313,8 +1325,10 @@ def _cache_write(ctx: Ctx, change: Callable) -> Undo:
     cache = ctx.target.cache
     inner = cache.update
 
-    def update(key_states, value_states, *args, **kwargs):
-        return inner(*change(key_states, value_states, key_states.shape[2]), *args, **kwargs)
+    def update(key_states, value_states, layer_idx, *args, **kwargs):
+        if layer in (None, layer_idx):
+            key_states, value_states = change(key_states, value_states, key_states.shape[2])
+        return inner(key_states, value_states, layer_idx, *args, **kwargs)
 
     cache.update = update
     return lambda: cache.__dict__.pop("update", None)
@@ -1358,6 +1372,26 @@ def plant_write_slot_shift(ctx: Ctx, shift: int, where: str) -> Undo:
 
     allocator.get_write_indices = write_indices
     return lambda: setattr(allocator, "get_write_indices", indices)
+
+
+def plant_kv_head_copy(ctx: Ctx, layer: int, src: int, dst: int) -> Undo:
+    """KV head `src`'s K/V written into head `dst`'s place too at `layer` (a head index off where the
+    cache is written): the probes record the rows as computed, attention reads the cache's."""
+    def copy(k: torch.Tensor, v: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = k.clone(), v.clone()
+        k[:, dst], v[:, dst] = k[:, src], v[:, src]
+        return k, v
+    return _cache_write(ctx, copy, layer)
+
+
+def plant_cache_copy_head(ctx: Ctx, positions: str, layer: int, src: int, dst: int) -> Undo:
+    """Cached K/V rows of `positions` at `layer`: KV head `src`'s rows written over head `dst`'s."""
+    pos = ev(positions, ctx.names)
+    with torch.no_grad():
+        k, v = ctx.rows(layer, pos)
+        k, v = k.clone(), v.clone()
+        k[:, dst], v[:, dst] = k[:, src], v[:, src]
+        ctx.write(layer, pos, k, v)
 
 
 def plant_kv_swap_in_attention(ctx: Ctx) -> Undo:
@@ -1418,7 +1452,8 @@ PLANTS: dict[str, Callable[..., Undo]] = {
     "kv_heads_tiled": plant_kv_heads_tiled, "q_rope": plant_q_rope, "cache_swap_kv": plant_cache_swap_kv, "norm_one_plus_weight": plant_norm_one_plus_weight,
     "decode_kv_zero": plant_decode_kv_zero, "kv_swap_in_attention": plant_kv_swap_in_attention,
     "rope_twice": plant_rope_twice, "weight_residual": plant_weight_residual,
-    "write_slot_shift": plant_write_slot_shift,
+    "write_slot_shift": plant_write_slot_shift, "kv_head_copy": plant_kv_head_copy,
+    "cache_copy_head": plant_cache_copy_head,
 }
 
 

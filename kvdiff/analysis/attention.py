@@ -46,3 +46,14 @@ def span_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.nd
             without = _grouped(q[row], v, n, kept / kept.sum(axis=1, keepdims=True))
             shift[i] = np.linalg.norm(without - full) / np.linalg.norm(full)
     return mass, shift
+
+
+def differing_heads(ref: np.ndarray, cand: np.ndarray, rows: np.ndarray, heads: int, atol: float,
+                    rtol: float) -> np.ndarray | None:
+    """The query heads whose attention output (rows (n, heads * dv)) differs beyond tolerance at
+    `rows`, where that is some heads but not all; else None (every head, or none, differs)."""
+    r = ref[rows].reshape(rows.size, heads, -1).astype(np.float64)
+    c = cand[rows].reshape(rows.size, heads, -1).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.abs(c - r) <= atol + rtol * np.abs(r)).all(axis=(0, 2))
+    return np.flatnonzero(bad) if 0 < bad.sum() < heads else None

@@ -175,6 +175,7 @@ class AttentionTest:
     rows: np.ndarray                            # tested candidate rows (computed there, the output differs)
     fit: OProjFit | RecordedOutput
     raw: dict = field(default_factory=dict, repr=False)   # row -> q k^T (float32), shared by `on`
+    heads: np.ndarray | None = None             # with z recorded: the query heads compared, where only they differ
 
     @property
     def point(self) -> str:
@@ -199,7 +200,13 @@ class AttentionTest:
 
     def on(self, rows: np.ndarray, most: int = MAX_ROWS) -> "AttentionTest":
         """The same test (o_proj fit, q k^T computed so far) on other candidate rows (at most `most`)."""
-        return AttentionTest(self.ref, self.cand, cap_rows(rows, most), self.fit, self.raw)
+        return AttentionTest(self.ref, self.cand, cap_rows(rows, most), self.fit, self.raw, self.heads)
+
+    def compared(self, x: np.ndarray) -> np.ndarray:
+        """Rows (n, heads * dv) of attention outputs: the columns of the heads compared."""
+        if self.heads is None:
+            return x
+        return x.reshape(x.shape[0], self.cand.q.shape[1], -1)[:, self.heads].reshape(x.shape[0], -1)
 
     def keys_and_values(self, swapped: bool) -> AttentionRows:
         """The candidate's rows, or (`swapped`) with its k and v in each other's place."""
@@ -246,17 +253,17 @@ class AttentionTest:
     def own_miss(self, h: Hypothesis) -> float:
         """With z recorded: the share of the candidate's own z at the tested rows that the hypothesis
         misses, against no reference row (rows past a token flip have none to compare)."""
-        z = self.predict(h)
-        out = self.cand.out[self.rows].astype(np.float64)
+        z = self.compared(self.predict(h))
+        out = self.compared(self.cand.out[self.rows].astype(np.float64))
         power = float(np.linalg.norm(out))
         if not np.isfinite(z).all() or power == 0:
             return np.inf
         return float(np.linalg.norm(out - z)) / power
 
     def score(self, h: Hypothesis) -> Score:
-        z = self.predict(h)
-        out = self.cand.out[self.rows].astype(np.float64)
-        change = np.linalg.norm(out - self.ref.out[self.rows].astype(np.float64), axis=1)
+        z = self.compared(self.predict(h))
+        out = self.compared(self.cand.out[self.rows].astype(np.float64))
+        change = np.linalg.norm(out - self.compared(self.ref.out[self.rows].astype(np.float64)), axis=1)
         if not np.isfinite(z).all():
             return Score(h, np.inf, np.inf)
         err = np.linalg.norm(self.fit.unexplained(z, out), axis=1)

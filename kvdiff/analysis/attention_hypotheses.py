@@ -39,13 +39,14 @@ def key_candidates(first: int, extra: list[int]) -> list[int]:
 
 def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], int | None],
                same_forward: Callable[[int, int], bool], forward_end: Callable[[int], int],
-               heads: tuple[int, int] = (1, 1)) -> list[Hypothesis]:
+               heads: tuple[int, int] = (1, 1), differing: np.ndarray | None = None) -> list[Hypothesis]:
     """Every hypothesis but the fitted ones (scale, soft-cap): the reference's attention, hidden keys
     (one key, spans ending before the first tested row, spans from 0), each row's chunk alone, the next
     key visible, every later key of the row's forward visible (`forward_end(row)`: one past its
     forward's last row), sliding windows, the row's own key hidden, the causal mask offset by m, keys
     never written to the cache (`unwritten_keys`), K and V swapped, and (`heads`: query and KV heads)
-    the KV heads tiled over the query heads."""
+    the KV heads tiled over the query heads, and, where the query heads that differ (`differing`) are
+    one KV head's, those reading another KV head."""
     out = [Hypothesis("standard", "every earlier position attended, as the reference does", causal)]
     keys = key_candidates(first, boundaries)
     spans = {(j, j) for j in keys} | {(a, first - 1) for a in keys} | {(0, b) for b in keys}
@@ -87,7 +88,22 @@ def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], i
         out.append(Hypothesis("kv heads", f"query head h reading KV head h mod {kv} (the KV heads tiled) where the "
                               f"model gives each KV head {query // kv} consecutive query heads", causal,
                               kv_heads=tuple(h % kv for h in range(query))))
-    return out
+    return out + other_kv_head(query, kv, differing)
+
+
+def other_kv_head(query: int, kv: int, differing: np.ndarray | None) -> list[Hypothesis]:
+    """Where the query heads that differ are exactly KV head g's: those reading KV head g' instead,
+    for each other g' (g's rows written or read in g''s place)."""
+    per = query // max(kv, 1)
+    if differing is None or kv < 2 or len({int(h) // per for h in differing}) != 1:
+        return []
+    g = int(differing[0]) // per
+    if sorted(int(h) for h in differing) != list(range(g * per, (g + 1) * per)):
+        return []
+    return [Hypothesis("kv heads", f"query heads {g * per}-{(g + 1) * per - 1} reading KV head {other} where the model "
+                       f"gives them KV head {g} (KV head {other}'s K/V written or read in {g}'s place)", causal,
+                       kv_heads=tuple(other if h // per == g else h // per for h in range(query)))
+            for other in range(kv) if other != g]
 
 
 def unwritten_keys(first: int, boundaries: list[int]) -> list[Hypothesis]:

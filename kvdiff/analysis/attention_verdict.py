@@ -140,7 +140,7 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
         return reach[col]
 
     family = hypotheses(first, starts + [s - 1 for s in starts], chunk_start, same_forward, forward_end,
-                        tests[0][0].cand.dims[:2])
+                        tests[0][0].cand.dims[:2], tests[0][0].heads)
     scores, owner = [], {}
     for test, note in tests:
         found = [test.score(replace(h, text=h.text + note)) for h in finalists(test, family)]

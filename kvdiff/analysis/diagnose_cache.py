@@ -63,20 +63,25 @@ def same_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return rel <= EXACT
 
 
-def head_order(ref: np.ndarray, cand: np.ndarray) -> list[int] | None:
-    """Rows (n, heads, d) of the same positions: `order` with candidate head i equal to the
-    reference's head order[i] in every row, where that is a permutation other than the identity;
-    else None."""
+def head_map(ref: np.ndarray, cand: np.ndarray) -> list[int] | None:
+    """Rows (n, heads, d) of the same positions: `m` with candidate head i equal to the reference's
+    head m[i] in every row (the first such, where heads are equal), where that is not the identity;
+    else None (some candidate head equals no reference head, or every head its own)."""
     if ref.ndim != 3 or ref.shape != cand.shape or ref.shape[1] < 2 or not ref.shape[0]:
         return None
-    heads = ref.shape[1]
-    order = []
+    heads, found = ref.shape[1], []
     for i in range(heads):
-        match = [j for j in range(heads) if same_rows(ref[:, j], cand[:, i]).all()]
+        match = [j for j in ([i] + [j for j in range(heads) if j != i]) if same_rows(ref[:, j], cand[:, i]).all()]
         if not match:
             return None
-        order.append(match[0])
-    return order if sorted(order) == list(range(heads)) and order != list(range(heads)) else None
+        found.append(match[0])
+    return found if found != list(range(heads)) else None
+
+
+def head_order(ref: np.ndarray, cand: np.ndarray) -> list[int] | None:
+    """`head_map` where it is a permutation (the heads in another order), else None."""
+    found = head_map(ref, cand)
+    return found if found is not None and sorted(found) == list(range(ref.shape[1])) else None
 
 
 # formats a cache may store K/V in, with their mantissa bits (one step: 2^(exponent - bits))

@@ -5,14 +5,15 @@ differ at the next may have been computed from other hidden states (a missing co
 diagnose_cached_context.py) or be other content. Only a proof is claimed here: where the
 candidate's K and V rows of that layer equal, exactly, the reference's rows of another layer at
 the same positions, the cache's layer holds that layer's K/V (a layer index off when the cache
-was written or read).
+was written or read); where its KV heads equal the reference's heads of the same layer in
+another arrangement, exactly, the cache's heads are arranged otherwise (`head_map`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvdiff.analysis.diagnose_cache import EXACT, same_rows
+from kvdiff.analysis.diagnose_cache import EXACT, head_map, same_rows
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
 from kvdiff.analysis.latent import value_point
 
@@ -64,7 +65,7 @@ def diagnose_cache_layers(inputs: DiagnosisInputs) -> list[Diagnosis]:
     layer, before = inputs.comparison.layers[row], inputs.comparison.layers[row - 1]
     source = _source_layer(inputs, points, row, cols)
     if source is None:
-        return []
+        return _other_heads(inputs, points, row, cols, before)
     out = []
     for chunk, group in group_by_chunk(inputs, al.positions[cols]):
         gcols = cols[np.isin(al.positions[cols], group)]
@@ -81,6 +82,42 @@ def diagnose_cache_layers(inputs: DiagnosisInputs) -> list[Diagnosis]:
                  f"rows (relative distance <= {EXACT:g}), and differ from its layer {layer} beyond tolerance")
         details = {"layer": layer, "source_layer": source, "source_positions": [int(p) for p in group],
                    "points": points, "rounding": None}
+        out.append(Diagnosis("cache_content_mismatch", chunk, (lo, hi), evidence, details, confidence=1.0,
+                             proof=proof))
+    return out
+
+
+def _other_heads(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarray,
+                 before: int) -> list[Diagnosis]:
+    """Cached K/V whose KV heads are the reference's heads of the same layer in another arrangement
+    (`head_map`: one head's rows in another's place, or duplicated), exactly, at every differing
+    row; nothing where they are not."""
+    al, layer = inputs.comparison.alignment, inputs.comparison.layers[row]
+    maps = {}
+    for point in points:
+        ref, cand = (r[cols] for r in inputs.rows(layer, point))
+        mapped = head_map(ref, cand)
+        if mapped is None and not same_rows(ref, cand).all():
+            return []
+        if mapped is not None:
+            maps[point] = mapped
+    if len({tuple(m) for m in maps.values()}) != 1:
+        return []
+    mapped = next(iter(maps.values()))
+    moved = [i for i, j in enumerate(mapped) if i != j]
+    out = []
+    for chunk, group in group_by_chunk(inputs, al.positions[cols]):
+        gcols = cols[np.isin(al.positions[cols], group)]
+        lo, hi = int(group[0]), int(group[-1])
+        held = ", ".join(f"head {i} holds head {mapped[i]}'s" for i in moved)
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)} whose K/V came from the cache: "
+                    f"{' and '.join(maps)} differ while at layer {before} they match; each of their KV heads equals one of "
+                    f"the reference's heads of this layer exactly, but not its own ({held} rows): the cache's KV heads "
+                    f"at layer {layer} are arranged otherwise (a head index off where the cache was written or read)")
+        proof = (f"{' and '.join(maps)} at layer {layer}: each candidate head i equals the reference's head "
+                 f"head_map[i] (head_map {mapped}) at all {gcols.size} rows (relative distance <= {EXACT:g})")
+        details = {"layer": layer, "source_positions": [int(p) for p in group], "points": list(maps),
+                   "rounding": None, "head_map": mapped}
         out.append(Diagnosis("cache_content_mismatch", chunk, (lo, hi), evidence, details, confidence=1.0,
                              proof=proof))
     return out

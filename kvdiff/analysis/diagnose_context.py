@@ -27,7 +27,7 @@ import logging
 
 import numpy as np
 
-from kvdiff.analysis.attention import span_attention
+from kvdiff.analysis.attention import differing_heads, span_attention
 from kvdiff.analysis.attention_fit import AttentionRows, AttentionTest
 from kvdiff.analysis.attention_verdict import Verdict, explain
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
@@ -86,6 +86,9 @@ def _test(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> list[tuple[A
     test = AttentionTest.build(ref, cand, cols, noise, recorded=point == "z")
     if test is None:
         return None
+    if point == "z":        # where only some heads differ, the others only dilute what a hypothesis explains
+        tol = inputs.comparison.tolerances.for_point(point)
+        test.heads = differing_heads(ref.out, cand.out, test.rows, ref.dims[0], tol.atol, tol.rtol)
     tests = [(test, "")]
     rope = rope_columns(dims)
     delta = _frame_shift(inputs, {"q": (ref.q[..., rope], cand.q[..., rope]), "k": inputs.rows(layer, "k")}, test.rows)
@@ -94,7 +97,7 @@ def _test(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> list[tuple[A
         q[test.rows, ..., rope] = rotate(q[test.rows, ..., rope], delta.astype(np.float64), inputs.thetas)
         moved = AttentionRows(q, cand.k, cand.v, cand.out, scale)
         shifts = ", ".join(f"{int(d):+d}" for d in np.unique(delta[delta != 0]))
-        tests.append((AttentionTest(ref, moved, test.rows, test.fit),
+        tests.append((AttentionTest(ref, moved, test.rows, test.fit, heads=test.heads),
                       f" (with q rotated {shifts} positions to its keys' RoPE offset)"))
     return tests
 
@@ -146,9 +149,14 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
     spans = runs(positions[cols])
     where = f"layer {layer}, positions {', '.join(span_text(a, b) for a, b in spans)}"
     fit = {} if verdict is None else verdict.fields()
+    heads = None if verdict is None or verdict.test.heads is None else [int(x) for x in verdict.test.heads]
+    if heads is not None:
+        where += f" (query heads {', '.join(map(str, heads))} only: the others match the reference there)"
     # rows between the runs match the reference: the claim is not theirs
     only = {"rows": [list(r) for r in spans]} if len(spans) > 1 else {}
     fit = {**only, **fit}
+    only = {**only, **({} if heads is None else {"heads": heads})}
+    fit.update(only)
     if h is not None and h.name in ("hidden", "chunk alone"):
         start = inputs.chunks.span(lo)
         unattended = h.hidden if h.name == "hidden" else (int(positions[0]), (start[0] if start else lo) - 1)
@@ -189,6 +197,8 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
                  "cache, K and V swapped, the mask offset) accounts for it"
                  if verdict is not None else "") + _rounding_note(inputs, attn_rel, details)
     itself = "(mask, scale or softmax)" if point == "z" else "(mask, scale, softmax or o_proj)"
+    if heads is not None and h is None:
+        itself = "of those heads (the K/V their KV head read from the cache, or their mask or softmax)"
     evidence = f"{where}: {same}, but {point} differs (rel {fmt(attn_rel)}): the attention itself {itself} differs{found}"
     if h is not None:
         return Diagnosis("attention_mismatch", chunk, (lo, hi), evidence, details, confidence=verdict.confidence,
