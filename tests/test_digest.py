@@ -325,6 +325,38 @@ def test_the_zoom_run_not_repeating_the_first_is_reported_with_where(tiny_llama,
     assert finding.positions == (0, 0) and finding.confidence == 1.0
 
 
+def test_a_run_not_repeating_itself_only_after_the_first_difference_leaves_the_diagnoses_there_standing(
+        tiny_llama, tmp_path):
+    """Red-team t4: an engine whose later rows did not repeat led the report with `nondeterministic`
+    ("nothing else can be trusted") though every row up to the first difference repeated bitwise."""
+    from kvdiff.analysis.diagnosis import Diagnosis, top_diagnosis
+    from kvdiff.run.zoom import diagnoses_with
+
+    model, tokenizer = tiny_llama
+    clean = _record(model, tokenizer, tmp_path / "clean.h5", trace_mode="full")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] += 1e-2
+        try:
+            changed = _record(model, tokenizer, tmp_path / "changed.h5", trace_mode="full")
+        finally:
+            model.model.layers[1].mlp.down_proj.weight[0, 0] -= 1e-2
+    div = kvdiff.diff(clean, changed)
+    first = div.first_bit_difference
+    assert (first.layer, first.position) == (1, 0) and div.diagnoses
+
+    def finding(layer, position):
+        return Diagnosis("nondeterministic", None, (position, position), "the candidate's zoom run is not its first run",
+                         {"side": "candidate", "layer": layer, "tensor": "q"}, confidence=1.0)
+
+    diagnoses_with(div, [finding(1, 3)])
+    (later,) = [d for d in div.diagnoses if d.kind == "nondeterministic"]
+    assert later.details["after_first_difference"] and "what is diagnosed there stands" in later.evidence
+    assert top_diagnosis(div.diagnoses).kind != "nondeterministic"
+    diagnoses_with(div, [finding(0, 0)])
+    top = top_diagnosis(div.diagnoses)
+    assert top.kind == "nondeterministic" and "after_first_difference" not in top.details
+
+
 def test_a_repeat_whose_statistics_differ_under_equal_hashes_is_not_its_first_run(tiny_llama, tmp_path):
     """A 2^-32 hash collision between the two runs of one side: the statistics still tell them apart."""
     import h5py

@@ -55,9 +55,11 @@ PRIORITY = ("nondeterministic", "tokenization_mismatch", "non_finite", "sampling
 
 
 def top_diagnosis(diagnoses: list[Diagnosis]) -> Diagnosis | None:
-    """The diagnosis the report leads with: the highest kind in `PRIORITY`, the earliest of it."""
+    """The diagnosis the report leads with: the highest kind in `PRIORITY`, the earliest of it; a run
+    that did not repeat itself only after the first difference comes last (the rest stands)."""
     rank = {kind: i for i, kind in enumerate(PRIORITY)}
-    return min(diagnoses, key=lambda d: rank.get(d.kind, len(PRIORITY)), default=None)
+    return min(diagnoses, key=lambda d: len(PRIORITY) if d.details.get("after_first_difference")
+               else rank.get(d.kind, len(PRIORITY)), default=None)
 
 
 @dataclass

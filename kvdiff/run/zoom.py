@@ -13,7 +13,7 @@ pass's, the engine did not repeat itself, a finding reported as `nondeterministi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -120,8 +120,20 @@ def checked_repeat(first_pass: tuple[Path, ...], zoom: tuple[Path, ...],
 
 
 def diagnoses_with(divergence: Divergence, findings: list[Diagnosis]) -> None:
-    """Add `findings` to the divergence's diagnoses, in position order."""
-    divergence.diagnoses = sorted(divergence.diagnoses + findings,
+    """Add `findings` to the divergence's diagnoses, in position order. A run that did not repeat
+    itself only after the runs' first bit difference (a later position, or a later layer of it)
+    repeated everything up to it: that finding says so (`after_first_difference`), and the
+    diagnoses made there stand."""
+    first, placed = divergence.first_bit_difference, []
+    for finding in findings:
+        layer, position = finding.details.get("layer"), finding.positions[0]
+        if first is not None and (position > first.position or (
+                position == first.position and layer is not None and first.layer is not None and layer > first.layer)):
+            finding = replace(finding, details={**finding.details, "after_first_difference": True}, evidence=(
+                f"{finding.evidence}; after the runs' first bit difference (layer {first.layer}, position "
+                f"{first.position}), which both runs repeated: what is diagnosed there stands"))
+        placed.append(finding)
+    divergence.diagnoses = sorted(divergence.diagnoses + placed,
                                   key=lambda d: d.positions[0] if d.positions else -1)
 
 
