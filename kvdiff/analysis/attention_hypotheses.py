@@ -129,23 +129,27 @@ def unwritten_keys(first: int, boundaries: list[int]) -> list[Hypothesis]:
 
 
 def shifted_writes(first: int, forward_end: Callable[[int], int]) -> list[Hypothesis]:
-    """Each row's K/V written one slot away from its own from the first tested row f on (row r at
-    slot r + s, an off-by-one slot mapping or write index): attention reads at slot j the row j - s,
-    once that row was computed (by the end of the reading row's forward), else a zero row (a slot
-    never written); s = -1 overwrites the cached row before f."""
+    """Each row's K/V written one slot away from its own from row f on (row r at slot r + s, an
+    off-by-one slot mapping or write index): attention reads at slot j the row j - s, once that
+    row was computed (by the end of the reading row's forward), else a zero row (a slot never
+    written). f is the first tested row; for s = -1 also the row before (its own output may have
+    stayed within tolerance), tried first: its write lands on the cached slot before it, which the
+    cache read back after the forward shows, so where both predict the same the data back the
+    earlier. For s = +1 the row before f would only trade the zero row and its neighbour's places,
+    which attention cannot see."""
     out = []
-    for s in (-1, 1):
-        def moved(row: int, f: int = first, s: int = s) -> np.ndarray:
+    for f, s in [(f, -1) for f in sorted({max(first - 1, 1), first})] + [(first, 1)]:
+        def moved(row: int, f: int = f, s: int = s) -> np.ndarray:
             slots = np.arange(row + 1)
             src = np.where(slots >= min(f, f + s), slots - s, slots)
             written = (src >= f) & (src < forward_end(row)) | (src < f) & (slots < min(f, f + s))
             return np.where(written, src, -1)
 
         where = "before" if s < 0 else "after"
-        out.append(Hypothesis("shifted writes", f"each row's K/V from position {first} on written one cache slot {where} "
+        out.append(Hypothesis("shifted writes", f"each row's K/V from position {f} on written one cache slot {where} "
                               f"its own (slot r {s:+d}): attention reads another row's K/V in each slot from "
-                              f"{min(first, first + s)} on, and a slot never written as a zero row", causal,
-                              since=first, moved=moved, shift=s))
+                              f"{min(f, f + s)} on, and a slot never written as a zero row", causal,
+                              since=f, moved=moved, shift=s))
     return out
 
 

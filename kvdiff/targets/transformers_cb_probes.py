@@ -32,6 +32,8 @@ class RunProbes:
         self.cache_update = None          # the cache whose `update` is wrapped on the instance
         self.views: list[tuple[ProbeSink, slice, list[int]]] = []     # (sink, its rows, positions) this forward
         self.segments: list[tuple[RunRequest, int, list[int], bool]] = []
+        # requests whose first forward follows a cache hit: (request, cached positions, blocks, layer -> (k, v))
+        self.reads: list[tuple[RunRequest, list[int], list[int], dict]] = []
 
     def __enter__(self) -> "RunProbes":
         model, add = self.t.model, self.handles.append
@@ -103,7 +105,11 @@ class RunProbes:
         def update(key_states, value_states, layer_idx, *args, **kwargs):
             if self.views:
                 self._capture("k", layer_idx, key_states.transpose(1, 2))
-            return inner(key_states, value_states, layer_idx, *args, **kwargs)
+            out = inner(key_states, value_states, layer_idx, *args, **kwargs)
+            for req, cached, blocks, rows in self.reads:       # what attention reads, this forward's writes made
+                k, v = zip(*(self.t.block_kv(layer_idx, b) for b in blocks))
+                rows[layer_idx] = (torch.cat(k)[:len(cached)].clone(), torch.cat(v)[:len(cached)].clone())
+            return out
 
         cache.update = self._guard(update)
         self.cache_update = cache
@@ -141,27 +147,33 @@ class RunProbes:
             req.forwards += 1
 
     def _cached(self, req: RunRequest, first: int) -> None:
-        """Before a request's first forward: K/V of the prompt positions the prefix cache served,
-        read through its block table, in a reads-only bracket."""
-        hit, sink = self.t.hits.get(req.rid, 0), req.sink
+        """Before a request's first forward: the prompt positions the prefix cache served and their
+        blocks, whose K/V each layer's cache update then reads back (`_emit_reads`)."""
+        hit = self.t.hits.get(req.rid, 0)
         if first != hit:
             log.warning("request %s: first forward at position %d, but the prefix cache served %d tokens",
                         req.rid, first, hit)
-        if sink is None or hit == 0:
+        if req.sink is None or hit == 0:
             return
         alloc = self.t.cache.layer_to_allocator[0]       # prefix sharing needs one full-attention group
-        cached, size = list(range(hit)), alloc.tokens_per_page
-        blocks = alloc.block_table[req.rid][:-(-hit // size)]
-        sink.begin_forward(cached, reads_only=True)
-        for layer in range(self.t.model.config.num_hidden_layers):
-            for point, index in (("k", 0), ("v", 1)):
-                if sink.wants(point, layer):
-                    rows = torch.cat([self.t.block_kv(layer, b)[index] for b in blocks])[:hit]
-                    sink.capture(point, layer, rows, cached)
-        for n, block in enumerate(blocks):
-            span = cached[n * size:(n + 1) * size]
-            sink.provenance(span, Provenance("cache", int(block), span, True))
-        sink.end_forward()
+        self.reads.append((req, list(range(hit)), alloc.block_table[req.rid][:-(-hit // alloc.tokens_per_page)], {}))
+
+    def _emit_reads(self) -> None:
+        """After the forward: each cached position's K/V as attention read them (once the forward
+        wrote its own rows), in a reads-only bracket per request."""
+        size = self.t.cache.layer_to_allocator[0].tokens_per_page
+        for req, cached, blocks, rows in self.reads:
+            sink = req.sink
+            sink.begin_forward(cached, reads_only=True)
+            for layer, kv in sorted(rows.items()):
+                for point, row in zip(("k", "v"), kv):
+                    if sink.wants(point, layer):
+                        sink.capture(point, layer, row, cached)
+            for n, block in enumerate(blocks):
+                span = cached[n * size:(n + 1) * size]
+                sink.provenance(span, Provenance("cache", int(block), span, True))
+            sink.end_forward()
+        self.reads = []
 
     def _capture(self, point: str, layer: int | None, rows: torch.Tensor, norm_input: torch.Tensor | None = None):
         """Each request's rows (1, T, ...) of the packed `rows` to its sink (and norm statistics)."""
@@ -175,6 +187,7 @@ class RunProbes:
         for sink, _, _ in self.views:
             sink.end_forward()
         self.views = []
+        self._emit_reads()
         index = kwargs["logits_indices"].tolist()
         rows = output.logits[0] if "logits_to_keep" in kwargs else output.logits[0, index]
         for req, last, positions, has_token in self.segments:

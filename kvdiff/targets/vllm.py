@@ -5,8 +5,9 @@ Probe points come from hooks on vLLM's own modules, per request rows of each pac
 pairs, q/k/v are attention's inputs (k_pre_rope is the qkv_proj output, cloned before RoPE
 rotates it in place), the norms are the fused add-RMSNorm modules. Positions a request read
 from the prefix cache are recorded in a `reads_only` bracket, from `attn.kv_cache` through the
-request's block table, when attention reads them. `logits` is not a point: vLLM computes the
-logits of sampled rows only; each step's row goes to `sink.capture_step`.
+request's block table, as the cache holds them once attention ran (after the forward's own
+writes). `logits` is not a point: vLLM computes the logits of sampled rows only; each step's row
+goes to `sink.capture_step`.
 
 Longer than ~300 lines because vLLM's paged-cache layout, its per-request forward metadata and
 its start-up checks (head sizes, block size, the cache layout read back) belong to this one
@@ -79,7 +80,7 @@ class _Recording:
             a = layer.self_attn
             for module, pre, post, name in ((layer, self._resid_pre, self._resid_post, None),
                                             (layer.input_layernorm, None, self._norm, "attn_norm"),
-                                            (a.qkv_proj, None, self._qkv, None), (a.attn, self._attn, None, None),
+                                            (a.qkv_proj, None, self._qkv, None), (a.attn, self._attn, self._read, None),
                                             (a.o_proj, self._z, self._out, "attn_out"),
                                             (layer.post_attention_layernorm, None, self._norm, "mlp_norm"),
                                             (layer.mlp, None, self._out, "mlp_out")):
@@ -198,6 +199,11 @@ class _Recording:
         self._cap("q", layer, q, t.num_heads, t.head_dim)
         self._cap("k", layer, k, t.num_kv_heads, t.head_dim)
         self._cap("v", layer, v, t.num_kv_heads, t.head_dim)
+
+    def _read(self, layer, args, out, name) -> None:
+        """After attention: the cached positions' K/V as the cache holds them once this forward wrote
+        its own rows, which is what attention read (a write that lands on a cached slot shows)."""
+        t = self.t
         if self.cached and (self.sink.wants("k", layer) or self.sink.wants("v", layer)):
             slots = torch.tensor([self.block_ids[p // t.block_size] * t.block_size + p % t.block_size
                                   for p in self.cached])
