@@ -365,3 +365,31 @@ def test_a_model_fed_wrong_positions_after_a_hit_is_a_position_mismatch(tmp_path
     shift = [d for d in report["diagnoses"] if d["kind"] == "position_mismatch"]
     assert [(d["positions"], d["offset"]) for d in shift] == [([hit, prompt - 1], -16)], report["diagnoses"]
     assert report["first_operation"]["position"] == hit
+
+
+def test_logits_taken_from_the_wrong_row_after_a_hit_are_a_logits_mismatch(tmp_path, monkeypatch):
+    """transformers' continuous batching samples the first token after a cache hit from the row before
+    the prompt's last (red-team t2). kvdiff's probe crashed inside the engine ("23 is not in list");
+    every row it compares is equal, the first token's logits are not its final-norm row's."""
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+
+    prepare = ContinuousBatchingIOs.prepare_batch_tensors
+
+    def planted(self, requests_in_batch, *args, **kwargs):
+        before = [(f.state.position_offset, f.query_length, f.has_new_token) for f in requests_in_batch]
+        out = prepare(self, requests_in_batch, *args, **kwargs)
+        taking = 0
+        for past, query, new in before:
+            if new:
+                if past > 0 and query > 1:
+                    self.logits_indices[taking] -= 1
+                taking += 1
+        return out
+
+    monkeypatch.setattr(ContinuousBatchingIOs, "prepare_batch_tensors", planted)
+    report = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=4,
+                     out=tmp_path / "run").report.to_json()
+    prompt = report["engine"]["prompt_tokens"]
+    assert report["engine"]["cache_hit_tokens"] == 32 and not report["tokens_identical"]
+    (found,) = [d for d in report["diagnoses"] if d["kind"] == "logits_mismatch"]
+    assert found["positions"] == [prompt - 1, prompt - 1] and found["computed_row"] is True

@@ -182,3 +182,52 @@ def test_a_gate_case_runs_an_adapted_engine(tmp_path):
     result = CliRunner().invoke(app, ["-q", "gate", str(cases), "--out", str(tmp_path / "o")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "o").exists()
+
+
+def test_a_whole_prompt_hit_answered_from_stale_logits_is_a_logits_mismatch(tmp_path, engine_class, monkeypatch):
+    """A planted bug (red-team e1): when the cache holds the whole prompt, the engine skips the forward
+    and samples its first token from the logits its last forward left. kvdiff crashed ("-1 is not a
+    valid Tier"); every row it compares is equal, so only the first token's logits can tell."""
+    forward, last = engine_class.forward, {}
+
+    def kept_forward(self, token_ids, start):
+        logits = last["logits"] = forward(self, token_ids, start)
+        return logits
+
+    def reuse(self, prompt_ids):        # the whole prompt may match
+        common = 0
+        for cached, new in zip(self.cached_ids, prompt_ids):
+            if cached != new:
+                break
+            common += 1
+        if common == 0 or self.cache is None:
+            self.cache, common = DynamicCache(), 0
+        elif common < self.cache.get_seq_length():
+            self.cache.crop(common - self.cache.get_seq_length())
+        self.cached_ids = self.cached_ids[:common]
+        return common
+
+    def generate(self, prompt_ids, max_new_tokens):
+        hit = self.reuse(list(prompt_ids))
+        logits = last["logits"] if hit == len(prompt_ids) else self.forward(list(prompt_ids)[hit:], hit)
+        tokens = []
+        for step in range(max_new_tokens):
+            position = len(prompt_ids) + step - 1
+            tokens.append(int(logits[-1].argmax()))
+            self.on_token(step, position, logits[-1], tokens[-1])
+            if step < max_new_tokens - 1:
+                logits = self.forward([tokens[-1]], position + 1)
+        return Generation(tokens, hit)
+
+    from prompt_cache_engine import Generation
+    from transformers import DynamicCache
+
+    monkeypatch.setattr(engine_class, "forward", kept_forward)
+    monkeypatch.setattr(engine_class, "reuse", reuse)
+    monkeypatch.setattr(engine_class, "generate", generate)
+    report = _run(tmp_path, warm=True).report.to_json()
+    prompt = report["engine"]["prompt_tokens"]
+    assert report["engine"]["cache_hit_tokens"] == prompt and not report["tokens_identical"]
+    (found,) = [d for d in report["diagnoses"] if d["kind"] == "logits_mismatch"]
+    assert found["positions"] == [prompt - 1, prompt - 1] and found["step"] == 0 and found["computed_row"] is False
+    assert report["diagnoses"][report["top_diagnosis"]]["kind"] == "logits_mismatch"

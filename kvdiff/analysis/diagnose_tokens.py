@@ -1,4 +1,4 @@
-"""tokenization_mismatch, sampling_mismatch, numerical_noise (all within tolerance, or a benign near-tie)
+"""tokenization_mismatch, sampling_mismatch, logits_mismatch, numerical_noise (all within tolerance, or a benign near-tie)
 and non_finite."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt
+from kvdiff.analysis.compare import Comparison
 from kvdiff.analysis.search import Location, all_maps
 from kvdiff.analysis.tolerance import Tier
 
@@ -60,6 +61,50 @@ def diagnose_sampling(inputs: DiagnosisInputs) -> list[Diagnosis]:
                       {"step": td.step, "chosen_token": inputs.token_text(chosen), "own_top_token": inputs.token_text(top),
                        "steps_not_argmax": others}, confidence=1.0,
                       proof=f"the candidate's recorded step {td.step}: token id {chosen}, its own top-1 id {top}")]
+
+
+def diagnose_logits(inputs: DiagnosisInputs, whole: Comparison) -> list[Diagnosis]:
+    """logits_mismatch: at the first token flip both runs took the greedy argmax of their own logits,
+    by a margin no rounding of the LM head makes up (1e-3 of the largest logit), yet the candidate's
+    final-norm row at that position equals the reference's bitwise or within rounding noise, or the
+    candidate computed no row there at all: the
+    logits it chose from were not computed from that row (another row's logits taken, logits kept
+    from an earlier forward, or the LM head differs). `whole`: the comparison of every row (a digest
+    trace's digests too), not only the zoom window's."""
+    td, al = whole.alignment.first_token_divergence, whole.alignment
+    if td is None or td.candidate_token is None or td.reference_token is None:
+        return []
+    own = []
+    for steps in (inputs.reference.steps, inputs.candidate.steps):
+        at = np.flatnonzero(steps.step == td.step)
+        if not at.size or steps.topk_ids.ndim != 2 or not steps.topk_ids.shape[1] or \
+                steps.token_id[at[0]] != steps.topk_ids[at[0], 0]:
+            return []           # no top-k, or a token that is not its own argmax: sampling_mismatch's
+        own.append((float(steps.margin[at[0]]), float(np.abs(steps.topk_values[at[0]]).max())))
+    (margin, top), col = own[0], np.flatnonzero(al.positions == td.position)
+    if not np.isfinite(margin) or margin <= max(1e-4, 1e-3 * top):
+        return []
+    final_norm = whole.final.get("final_norm")
+    if col.size and al.computed[col[0]]:
+        tier = None if final_norm is None else int(final_norm.tier[0, col[0]])
+        if tier not in (Tier.BITWISE, Tier.NOISE):
+            return []
+        where = (f"its final-norm row at position {td.position} equals the reference's "
+                 + ("bitwise" if tier == Tier.BITWISE else
+                    f"within rounding noise (rel {fmt(float(final_norm.rel[0, col[0]]))}), far less than moves a margin "
+                    f"of {fmt(margin)}"))
+    else:
+        where = f"it computed no row at position {td.position} (the request's last prompt token came from its cache)"
+    evidence = (f"step {td.step} (position {td.position}): both runs took the greedy argmax of their own logits, "
+                f"{td.reference_token!r} (reference, margin {fmt(margin)}) and {td.candidate_token!r} (candidate), yet "
+                f"{where}: the logits the candidate chose from were not computed from that row (another row's logits "
+                f"taken, logits kept from an earlier forward, or the LM head differs)")
+    return [Diagnosis("logits_mismatch", inputs.chunks.chunk_of(td.position), (td.position, td.position), evidence,
+                      {"step": td.step, "computed_row": bool(col.size and al.computed[col[0]])}, confidence=1.0,
+                      proof=f"final_norm at position {td.position}: "
+                            f"{'within tolerance' if col.size and al.computed[col[0]] else 'no candidate row'}; both "
+                            f"recorded steps' tokens are their own top-1; the reference's top-1/top-2 margin "
+                            f"{fmt(margin)} exceeds 1e-3 of its largest logit")]
 
 
 def _near_tie(inputs: DiagnosisInputs, first_divergence: Location | None) -> Diagnosis | None:

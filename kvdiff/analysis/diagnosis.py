@@ -49,9 +49,9 @@ class Diagnosis:
 
 
 # Which diagnosis a report leads with when several are made: causes before their consequences.
-PRIORITY = ("nondeterministic", "tokenization_mismatch", "non_finite", "sampling_mismatch", "position_mismatch",
-            "rope_mismatch", "cache_content_mismatch", "missing_context", "attention_mismatch", "expert_flip", "operation_mismatch", "norm_consistency",
-            "numerical_noise")
+PRIORITY = ("nondeterministic", "tokenization_mismatch", "non_finite", "sampling_mismatch", "logits_mismatch",
+            "position_mismatch", "rope_mismatch", "cache_content_mismatch", "missing_context", "attention_mismatch",
+            "expert_flip", "operation_mismatch", "norm_consistency", "numerical_noise")
 
 
 def top_diagnosis(diagnoses: list[Diagnosis]) -> Diagnosis | None:

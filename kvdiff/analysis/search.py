@@ -44,10 +44,11 @@ def all_maps(comparison: Comparison) -> list[PointMap]:
 
 
 def location(comparison: Comparison, chunks: ChunkLookup, pmap: PointMap, row: int, col: int) -> Location:
-    """The Location of one cell of a point map."""
+    """The Location of one cell of a point map (tier "not compared" where one side holds no row)."""
+    tier = int(pmap.tier[row, col])
     return Location(
         layer=pmap.layers[row], position=int(pmap.positions[col]), tensor=pmap.point,
-        chunk=chunks.chunk_of(int(pmap.positions[col])), tier=Tier(int(pmap.tier[row, col])).label,
+        chunk=chunks.chunk_of(int(pmap.positions[col])), tier=Tier(tier).label if tier >= 0 else "not compared",
         max_abs=_num(pmap.max_abs[row, col]), rel=_num(pmap.rel[row, col]), cosine=_num(pmap.cosine[row, col]))
 
 

@@ -190,6 +190,9 @@ class RunProbes:
         self._emit_reads()
         index = kwargs["logits_indices"].tolist()
         rows = output.logits[0] if "logits_to_keep" in kwargs else output.logits[0, index]
-        for req, last, positions, has_token in self.segments:
+        # the engine takes one logits row per request that gets a token, in batch order: the row it
+        # samples from, whichever row of the request's it is (a wrong index is the engine's to answer for)
+        picked = iter(rows)
+        for req, _, positions, has_token in self.segments:
             if has_token:
-                req.steps.append((positions[-1], rows[index.index(last)].detach().float().clone()))
+                req.steps.append((positions[-1], next(picked).detach().float().clone()))
