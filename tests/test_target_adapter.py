@@ -188,24 +188,14 @@ def test_a_whole_prompt_hit_answered_from_stale_logits_is_a_logits_mismatch(tmp_
     """A planted bug (red-team e1): when the cache holds the whole prompt, the engine skips the forward
     and samples its first token from the logits its last forward left. kvdiff crashed ("-1 is not a
     valid Tier"); every row it compares is equal, so only the first token's logits can tell."""
-    forward, last = engine_class.forward, {}
+    forward, reuse, last = engine_class.forward, engine_class.reuse, {}
 
     def kept_forward(self, token_ids, start):
         logits = last["logits"] = forward(self, token_ids, start)
         return logits
 
-    def reuse(self, prompt_ids):        # the whole prompt may match
-        common = 0
-        for cached, new in zip(self.cached_ids, prompt_ids):
-            if cached != new:
-                break
-            common += 1
-        if common == 0 or self.cache is None:
-            self.cache, common = DynamicCache(), 0
-        elif common < self.cache.get_seq_length():
-            self.cache.crop(common - self.cache.get_seq_length())
-        self.cached_ids = self.cached_ids[:common]
-        return common
+    def whole_prompt_reuse(self, prompt_ids):        # the last prompt token may match too
+        return reuse(self, list(prompt_ids) + [-1])
 
     def generate(self, prompt_ids, max_new_tokens):
         hit = self.reuse(list(prompt_ids))
@@ -220,10 +210,9 @@ def test_a_whole_prompt_hit_answered_from_stale_logits_is_a_logits_mismatch(tmp_
         return Generation(tokens, hit)
 
     from prompt_cache_engine import Generation
-    from transformers import DynamicCache
 
     monkeypatch.setattr(engine_class, "forward", kept_forward)
-    monkeypatch.setattr(engine_class, "reuse", reuse)
+    monkeypatch.setattr(engine_class, "reuse", whole_prompt_reuse)
     monkeypatch.setattr(engine_class, "generate", generate)
     report = _run(tmp_path, warm=True).report.to_json()
     prompt = report["engine"]["prompt_tokens"]
