@@ -226,6 +226,33 @@ def test_a_model_fed_wrong_positions_after_a_hit_is_a_position_mismatch(target, 
     assert div.first_divergence.position == cached
 
 
+def test_a_null_block_in_a_hit_table_without_a_window_is_read_as_cached_rows(target, hf, ids, cold_trace, tmp_path,
+                                                                               monkeypatch):
+    """The warm request's attention metadata names vLLM's null block in place of its first cached block
+    (red-team v8). The target took the null block for a sliding window's gap, recorded nothing there and
+    the report claimed attention's inputs matched. Expected (written before the fix's first run): those
+    positions read as the zero rows the null block holds, a cache_content_mismatch naming them."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+    build = CPUAttentionMetadataBuilder.build
+
+    def planted(self, common_prefix_len, metadata, fast_build=False):
+        query = int(metadata.query_start_loc_cpu[1] - metadata.query_start_loc_cpu[0])
+        if metadata.num_reqs == 1 and query > 1 and int(metadata.seq_lens[0]) > query:    # the prefill after a hit
+            table = metadata.block_table_tensor.clone()
+            table[0, 0] = target.null_block
+            metadata = dataclasses.replace(metadata, block_table_tensor=table)
+        return build(self, common_prefix_len, metadata, fast_build)
+
+    monkeypatch.setattr(CPUAttentionMetadataBuilder, "build", planted)
+    div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5"))
+    cache = [d for d in div.diagnoses if d.kind == "cache_content_mismatch"]
+    assert [d.positions for d in cache] == [(0, BLOCK - 1)], div.diagnoses
+    assert cache[0].details["zero_rows"] == ["k", "v"]
+
+
 def test_stale_cached_block(target, hf, ids, cold_trace, tmp_path):
     """After the primer, the cache block of positions 32..63 is overwritten with the block of 0..31
     in every layer. Expected (written before the first run): cache_content_mismatch over 32..63

@@ -210,8 +210,10 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
         sel = np.isin(positions[cols], group)
         gcols = cols[sel]
         lo, hi = int(group[0]), int(group[-1])
+        # k where the rows were read from a cache (no k_pre_rope there), or holds other key content
         differing = [name for name in ("k_pre_rope", "v", "k") if inputs.divergent(name, 0) is not None
-                     and (inputs.divergent(name, 0)[gcols].any() if name != "k" else k_only[gcols].any())]
+                     and (inputs.divergent(name, 0)[gcols].any() if name != "k" else
+                          k_only[gcols].any() or (inputs.divergent(name, 0) & al.kv_only)[gcols].any())]
         point = "v" if "v" in differing else differing[0]
         ref_rows, cand_rows = inputs.rows(layer, point)
         src, dist = _row_sources(inputs, point, gcols)
@@ -263,7 +265,13 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
                 evidence += (f"; the candidate's {point} rows are the reference's rounded to {dtype} ({100 * share:.1f}% "
                              f"of the elements exactly, the rest within one {dtype} step): the cache stored them in {dtype}")
                 proof += f"; equal to the reference's rows rounded to {dtype} at {100 * share:.1f}% of the elements"
-        if "k" in differing and keys is not None and not swapped:
+        zero = [name for name in ("k", "v") if name in differing and not inputs.rows(layer, name)[1][gcols].any()]
+        if zero:
+            details["zero_rows"] = zero
+            evidence += (f"; the candidate's {' and '.join(zero)} rows there are all zeros: cache slots never written, "
+                         f"or an empty block read in their place")
+            proof += f"; every {'/'.join(zero)} row is zero"
+        if k_only[gcols].any() and keys is not None and not swapped:
             ksel = np.isin(keys.cols, gcols)
             scaled = keys.kind[ksel] == SCALED
             if scaled.all() and keys.exact[ksel].all() and (keys.encoded[ksel] == positions[keys.cols[ksel]]).all():

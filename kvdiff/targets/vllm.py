@@ -132,7 +132,7 @@ class _Recording:
         if self.forwards == 0:                  # the first prefill: the tokens before it came from the cache
             served = range(done)
             # a block wholly outside a sliding window is the engine's null block: it holds no K/V of ours
-            bs, null = self.t.block_size, self.t.null_block
+            bs, null = self.t.block_size, self.t.null_block if self.t.windowed else None
             self.cached = [p for p in served if self.block_ids[p // bs] != null]
             self.served = len(served)
         self.sink.begin_forward(self.positions)
@@ -259,6 +259,9 @@ class VllmTarget:
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)      # in process: the EngineCore
         pool = getattr(getattr(getattr(core, "scheduler", None), "kv_cache_manager", None), "block_pool", None)
         self.null_block = pool.null_block.block_id if pool is not None else 0    # vLLM's BlockPool takes block 0
+        # with a sliding window, the blocks a hit skips stand as the null block; without one, the null
+        # block in a table is read as any block (its rows are what attention reads there)
+        self.windowed = any(getattr(layer.self_attn.attn, "sliding_window", None) for layer in self.runner.model.model.layers)
         self.info = TargetInfo("vllm", vllm.__version__, folder)
         self.block_size = args["block_size"]
         layers = self.model.model.layers
