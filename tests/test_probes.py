@@ -466,3 +466,16 @@ def test_taps_run_around_a_forward_after_the_modules_own_hooks_and_come_off():
     bare.forward = lambda *args: inner(*args) * 2          # wrapped again after the tap, as accelerate would
     taps.remove()
     assert torch.equal(bare(x), 2 * torch.nn.functional.linear(x, bare.weight, bare.bias)) and seen == []  # inert
+
+
+def test_a_forward_past_the_request_is_refused_as_the_engines_count(tiny_llama, tmp_path):
+    """An engine whose own count of the tokens it holds was off (red-team l3: llama.cpp's whole-prompt
+    shortcut) wrote rows past the sequence, and the reader then blamed the trace's writer."""
+    model, tokenizer = tiny_llama
+    recorder = TraceRecorder.for_model(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=2)
+    prompt = recorder.max_positions - 2
+    with pytest.raises(ProbeIntegrityError, match=rf"positions {prompt + 2}-{prompt + 2}, outside the request's "
+                                                  rf"0-{prompt + 1} .*: the engine's count of the tokens it holds is off"):
+        recorder.begin_forward([prompt + 2])
+    recorder.abort()
+    assert not (tmp_path / "t.h5").exists()

@@ -110,10 +110,13 @@ class TraceRecorder:
     """
 
     def __init__(self, writer: TraceWriter, dims: ModelDims, selection: Selection, top_k: int = 5,
-                 digested: Selection | None = None):
+                 digested: Selection | None = None, max_positions: int | None = None):
         """`selection`: the rows written in full. `digested`: in a digest trace, the rows digested
-        (every position of its points and layers); `selection` is then its zoom window."""
+        (every position of its points and layers); `selection` is then its zoom window.
+        `max_positions`: the prompt's tokens plus the most new ones, where known: a forward past them
+        is refused as it begins."""
         self.writer = writer
+        self.max_positions = max_positions
         self.dims = dims
         self.selection = selection
         self.top_k = top_k
@@ -193,7 +196,8 @@ class TraceRecorder:
         if "router_logits" in selection.points:      # what DeepSeek's choice adds to the router's scores
             for layer, bias in router_biases(model, selection.layers).items():
                 writer.write_router_bias(layer, bias)
-        return cls(writer, dims, selection, top_k, digested)
+        return cls(writer, dims, selection, top_k, digested,
+                   max_positions=None if max_new_tokens is None else len(ids) + max_new_tokens)
 
     # -- ProbeSink ---------------------------------------------------------------------------
 
@@ -207,6 +211,11 @@ class TraceRecorder:
             raise ProbeIntegrityError("begin_forward over no positions: bracket only a forward that computes (or "
                                       "reads) rows of this request, with their positions")
         self._positions = [int(p) for p in positions]
+        if self.max_positions is not None and not 0 <= min(self._positions) <= max(self._positions) < self.max_positions:
+            bad, self._positions = (min(self._positions), max(self._positions)), None
+            raise ProbeIntegrityError(f"a forward over positions {bad[0]}-{bad[1]}, outside the request's 0-"
+                                      f"{self.max_positions - 1} (its prompt and the most new tokens): the engine's "
+                                      f"count of the tokens it holds is off")
         self._run_end = max(self._run_end, self._positions[-1] + 1)
         self._reads_only = reads_only
         self._kept_for = None
