@@ -42,6 +42,7 @@ class Verdict:
     aligned: bool               # the best hides exactly the positions before its rows' chunk (the chunk table's)
     tied: list = field(default_factory=list)   # other kinds of explanation predicting the same rows
     split: str | None = None    # how rows past the first token flip told tied explanations apart
+    shared: bool = False        # the reference's own rows fit the best as well: not what differs
 
     @property
     def rival(self) -> Score | None:
@@ -56,7 +57,8 @@ class Verdict:
     @property
     def decisive(self) -> bool:
         rival, boundary = self.rival, self.boundary
-        return (self.best.residual <= EXPLAINS and (rival is None or self.best.residual <= MARGIN * rival.residual)
+        return (not self.shared and self.best.residual <= EXPLAINS
+                and (rival is None or self.best.residual <= MARGIN * rival.residual)
                 and (boundary is None or self.best.residual <= (1.0 if self.aligned else NESTED_MARGIN) * boundary.residual))
 
     @property
@@ -160,11 +162,25 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
     if split is not None:
         best, text = split
         return Verdict(best, scores[0], owner[id(best)], others, False, [], text)
-    return Verdict(best, scores[0], owner[id(best)], others, aligned, tied[:3])
+    return Verdict(best, scores[0], owner[id(best)], others, aligned, tied[:3],
+                   shared=_reference_shares(owner[id(best)], best, scores[0]))
+
+
+def _reference_shares(test: AttentionTest, best: Score, standard: Score) -> bool:
+    """With z recorded: whether the reference's own rows depart from the standard attention the way
+    `best` says the candidate's do (it misses at most MARGIN of what the standard misses of their z,
+    which misses more than rounding does, SHARED_MISS): then both runs compute attention so, and it
+    is not what differs between them."""
+    if test.point != "z" or best.hypothesis.name == "standard":
+        return False
+    own = AttentionTest(test.ref, test.ref, test.rows, RecordedOutput(), heads=test.heads)
+    standard_miss = own.own_miss(standard.hypothesis)
+    return bool(standard_miss > SHARED_MISS and own.own_miss(best.hypothesis) <= MARGIN * standard_miss)
 
 
 PAST_FLIP_ROWS = 8      # the candidate's rows past the first token flip a tie is tested on
 OWN_MISS = 1e-2         # the most of those rows' own z an explanation may miss
+SHARED_MISS = 1e-4      # a reference's z its own q, k and v miss by more than rounding does
 
 
 def _past_flip(inputs: DiagnosisInputs, test: AttentionTest, tied: list[Score]) -> tuple[Score, str] | None:

@@ -7,7 +7,9 @@ the first layer, the same offset at later layers) hold the same content, and v, 
 not touch, decides. The claim that the chunk was computed without the positions before it is
 tested where the data allow: a chunk whose first token is the conversation's first token, computed
 alone, holds at every layer the reference's v of position 0 at its first row (a row that attends
-only itself does not depend on its position).
+only itself does not depend on its position). Where no such test applies, or it fails, only what
+the data prove is claimed: a cache_content_mismatch of rows computed from other hidden states
+(`computed_otherwise`), whatever they attended otherwise.
 """
 
 from __future__ import annotations
@@ -81,13 +83,14 @@ def diagnose_missing_context_in_cache(inputs: DiagnosisInputs) -> list[Diagnosis
     for chunk, group in group_by_chunk(inputs, positions[cols]):
         gcols = cols[np.isin(positions[cols], group)]
         span = inputs.chunks.span(int(group[0]))
-        if span is None or span[0] <= int(positions[0]):
-            continue
-        unattended = (int(positions[0]), span[0] - 1)
-        mass, _ = span_attention(ref_q, ref_k, ref_v, positions, gcols, unattended, inputs.reference.meta.dims.attn_scale)
         _, k_rel = inputs.worst("k", row, gcols)
         _, v_rel = inputs.worst(vp, row, gcols)
         lo, hi = int(group[0]), int(group[-1])
+        if span is None or span[0] <= int(positions[0]):        # no context before the chunk to have missed
+            out.append(_computed_otherwise(inputs, chunk, (lo, hi), before, layer, vp, k_rel, v_rel, None))
+            continue
+        unattended = (int(positions[0]), span[0] - 1)
+        mass, _ = span_attention(ref_q, ref_k, ref_v, positions, gcols, unattended, inputs.reference.meta.dims.attn_scale)
         evidence = (f"positions {span_text(lo, hi)}, read from the cache: their k and {vp} match the reference at layer "
                     f"{before} (k up to RoPE), and so do K/V at every earlier position, but differ at layer "
                     f"{layer} (k rel {fmt(k_rel)}, {vp} rel {fmt(v_rel)}), so the cached chunk {chunk!r} was computed "
@@ -96,21 +99,35 @@ def diagnose_missing_context_in_cache(inputs: DiagnosisInputs) -> list[Diagnosis
                     f"positions' attention mass there (mean over heads and positions; min {fmt(100 * float(mass.min()))}%)")
         proof = (f"{vp} at layer {before} within tolerance at positions 0-{hi}, {vp} or k at layer {layer} divergent "
                  f"at {gcols.size} rows read from the cache ({vp} rel up to {fmt(v_rel)})")
-        confidence = 0.5
         first = _first_row(inputs, row, span[0], vp)
-        if first is not None:
-            same, rel = first
-            confidence = 1.0 if same else 0.25
-            note = (f"its first row, position {span[0]} (the conversation's first token again), holds at layer {layer} "
-                    f"the reference's {vp} of position 0 (rel {fmt(rel)}): it attended only itself, as a chunk computed "
-                    f"alone does" if same else
-                    f"its first row, position {span[0]} (the conversation's first token again), does not hold the "
-                    f"reference's {vp} of position 0 at layer {layer} (rel {fmt(rel)}): not computed alone, but after "
-                    f"other content")
-            evidence += "; " + note
-            proof += "; " + note
-        out.append(Diagnosis("missing_context", chunk, (lo, hi), evidence, {
+        if first is None or not first[0]:
+            out.append(_computed_otherwise(inputs, chunk, (lo, hi), before, layer, vp, k_rel, v_rel, first))
+            continue
+        note = (f"its first row, position {span[0]} (the conversation's first token again), holds at layer {layer} "
+                f"the reference's {vp} of position 0 (rel {fmt(first[1])}): it attended only itself, as a chunk computed "
+                f"alone does")
+        out.append(Diagnosis("missing_context", chunk, (lo, hi), f"{evidence}; {note}", {
             "unattended": list(unattended), "layer": layer, "cached": True,
             "reference_attention_mass": float(mass.mean()), "reference_attention_mass_min": float(mass.min())},
-            confidence=confidence, proof=proof))
+            confidence=1.0, proof=f"{proof}; {note}"))
     return out
+
+
+def _computed_otherwise(inputs: DiagnosisInputs, chunk: str | None, span: tuple[int, int], before: int, layer: int,
+                        vp: str, k_rel: float, v_rel: float, first: tuple[bool, float] | None) -> Diagnosis:
+    """What the data prove of cached rows whose K/V match at one layer and differ at the next, where
+    no test tells which context they lacked: they were computed from other hidden states."""
+    lo, hi = span
+    note = "" if first is None else (
+        f"; its first row, position {lo} (the conversation's first token again), does not hold the reference's {vp} of "
+        f"position 0 at layer {layer} (rel {fmt(first[1])}): not computed alone")
+    evidence = (f"layer {layer}, positions {span_text(lo, hi)}, read from the cache: their k and {vp} match the reference "
+                f"at layer {before} (k up to RoPE), and so do K/V at every earlier position, but differ at layer {layer} "
+                f"(k rel {fmt(k_rel)}, {vp} rel {fmt(v_rel)}): the rows were computed from other hidden states than the "
+                f"reference's, so what they attended when the cache was written differed (other positions before them, "
+                f"keys after them in the forward that computed them, another mask or scale); the data here do not tell "
+                f"which{note}")
+    return Diagnosis("cache_content_mismatch", chunk, (lo, hi), evidence,
+                     {"layer": layer, "computed_otherwise": True, "points": ["k", vp], "rounding": None},
+                     confidence=1.0, proof=f"{vp} at layer {before} within tolerance at positions 0-{hi}, {vp} or k at "
+                                           f"layer {layer} divergent at the rows read from the cache{note}")
