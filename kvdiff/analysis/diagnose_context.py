@@ -152,11 +152,10 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
     heads = None if verdict is None or verdict.test.heads is None else [int(x) for x in verdict.test.heads]
     if heads is not None:
         where += f" (query heads {', '.join(map(str, heads))} only: the others match the reference there)"
-    # rows between the runs match the reference: the claim is not theirs
-    only = {"rows": [list(r) for r in spans]} if len(spans) > 1 else {}
-    fit = {**only, **fit}
-    only = {**only, **({} if heads is None else {"heads": heads})}
-    fit.update(only)
+    # rows between the runs match the reference (the claim is not theirs), as do the other heads
+    only = {**({"rows": [list(r) for r in spans]} if len(spans) > 1 else {}),
+            **({} if heads is None else {"heads": heads})}
+    fit = {**fit, **only}
     if h is not None and h.name in ("hidden", "chunk alone"):
         start = inputs.chunks.span(lo)
         unattended = h.hidden if h.name == "hidden" else (int(positions[0]), (start[0] if start else lo) - 1)
