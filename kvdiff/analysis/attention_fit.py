@@ -231,11 +231,15 @@ class AttentionTest:
             return self._predict_moved(h)
         keys = [self.n_keys(r, h) for r in self.rows]
         if max(keys) > self.cand.k.shape[0] or (h.swapped and self.cand.k.shape != self.cand.v.shape):
-            return np.full((self.rows.size, self.cand.q.shape[1] * self.cand.v.shape[2]), np.nan)
+            return self._untestable()
         rows = self.keys_and_values(h.swapped)
         return np.stack([rows.attend(r, self.scores(r, n, h.kv_heads, h.swapped), h.visible(r, n), h.scale,
                                      h.kv_heads, h.softcap, None if h.zeroed is None else h.zeroed(r, n))
                           for r, n in zip(self.rows, keys)])
+
+    def _untestable(self) -> np.ndarray:
+        """`predict`'s answer where a hypothesis reads what the trace did not record: NaN rows."""
+        return np.full((self.rows.size, self.cand.q.shape[1] * self.cand.v.shape[2]), np.nan)
 
     def _predict_moved(self, h: Hypothesis) -> np.ndarray:
         """`predict` where each cache slot holds another row's K/V (`h.moved`), or a zero row."""
@@ -244,7 +248,7 @@ class AttentionTest:
             order = h.moved(int(r))
             n = int(order.max()) + 1
             if n > self.cand.k.shape[0]:
-                return np.full((self.rows.size, self.cand.q.shape[1] * self.cand.v.shape[2]), np.nan)
+                return self._untestable()
             src = np.maximum(order, 0)
             raw = self.scores(int(r), max(n, 1))[:, src]
             out.append(self.cand.attend(int(r), raw, np.ones(order.size, bool), h.scale, zeroed=order < 0, values=src))

@@ -174,8 +174,7 @@ def _row_sources(inputs: DiagnosisInputs, point: str, cols: np.ndarray) -> tuple
 
 def _prompt_tokens(inputs: DiagnosisInputs, positions: np.ndarray) -> list[int]:
     """The reference's token ids at `positions` (prompt, then generated)."""
-    meta = inputs.reference.meta
-    sequence = np.concatenate([meta.input_ids, meta.generated_ids])
+    sequence = inputs.sequence
     return [int(sequence[p]) if p < sequence.size else -1 for p in positions]
 
 

@@ -95,8 +95,7 @@ def diagnose_expert_flip(inputs: DiagnosisInputs) -> list[Diagnosis]:
     input_tier, logits_tier = _tier(inputs, "mlp_norm", row, col), _tier(inputs, "router_logits", row, col)
     matching = (Tier.BITWISE.label, Tier.NOISE.label)
     cause = ("upstream" if input_tier not in matching else "near_tie" if logits_tier in matching else "router")
-    meta = inputs.reference.meta
-    sequence = np.concatenate([meta.input_ids, meta.generated_ids])
+    sequence = inputs.sequence
     token = inputs.token_text(int(sequence[position])) if position < sequence.size else None
     cells = sum(cols.size for _, cols in flips)
     tokens = np.unique(np.concatenate([cols for _, cols in flips])).size

@@ -74,6 +74,12 @@ class DiagnosisInputs:
     _rows: dict = field(default_factory=dict, repr=False)
 
     @functools.cached_property
+    def sequence(self) -> np.ndarray:
+        """The reference's token ids, prompt then generated: the token at each position."""
+        meta = self.reference.meta
+        return np.concatenate([meta.input_ids, meta.generated_ids])
+
+    @functools.cached_property
     def first_layer(self) -> int | None:
         return self.comparison.layers[0] if self.comparison.layers else None
 

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from kvdiff.errors import InputError, KvdiffError
-from kvdiff.targets.protocol import TargetInfo, TargetRun, refuse_fixed
+from kvdiff.targets.protocol import TargetInfo, TargetRun, computed_provenance, refuse_fixed
 from kvdiff.trace.points import ALL_POINTS, LAYER_POINTS
 from kvdiff.trace.sink import ProbeSink, Provenance
 
@@ -222,11 +222,7 @@ class LlamaCppTarget:
             if ("resid_post", i - 1) in rows:
                 rows[("resid_pre", i)] = rows[("resid_post", i - 1)]
         sink.begin_forward(pos)
-        for chunk, keep in (("prompt", lambda p: p < run.prompt_len), ("decode", lambda p: p >= run.prompt_len)):
-            part = [p for p in pos if keep(p)]
-            if part:
-                at = [e for p, e in zip(pos, fwd.encoded) if keep(p)]
-                sink.provenance(part, Provenance(chunk, run.forwards, at, False))
+        computed_provenance(sink, pos, fwd.encoded, run.prompt_len, run.forwards)
         last = self.num_layers - 1
         norms = {"attn_norm": "resid_pre", "mlp_norm": "resid_mid", "final_norm": "resid_post"}
         for layer, point in [(i, p) for i in range(self.num_layers) for p in LAYER_POINTS] + \

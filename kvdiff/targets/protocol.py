@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
 from kvdiff.errors import InputError
-from kvdiff.trace.sink import ProbeSink
+from kvdiff.trace.sink import ProbeSink, Provenance
 
 
 @dataclass(frozen=True)
@@ -72,3 +72,13 @@ def refuse_fixed(options: Mapping[str, Any] | None, fixed: Mapping[str, str], en
     given = sorted(set(options or {}) & set(fixed))
     if given:
         raise InputError(f"--engine-option {given[0]}: kvdiff sets it for the {engine} target ({fixed[given[0]]})")
+
+
+def computed_provenance(sink: ProbeSink, positions: Sequence[int], encoded: Sequence[int], prompt_len: int,
+                        forward: int) -> None:
+    """The provenance of one forward's computed rows: chunk "prompt" before `prompt_len`, "decode"
+    from it, each with the positions the engine handed its model (`encoded`, what RoPE encoded)."""
+    for chunk, keep in (("prompt", lambda p: p < prompt_len), ("decode", lambda p: p >= prompt_len)):
+        part = [p for p in positions if keep(p)]
+        if part:
+            sink.provenance(part, Provenance(chunk, forward, [e for p, e in zip(positions, encoded) if keep(p)], False))

@@ -28,7 +28,7 @@ import torch
 
 from kvdiff.errors import InputError, KvdiffError
 from kvdiff.files import stderr_silenced
-from kvdiff.targets.protocol import TargetInfo, TargetRun, refuse_fixed
+from kvdiff.targets.protocol import TargetInfo, TargetRun, computed_provenance, refuse_fixed
 from kvdiff.trace.points import ALL_POINTS, LAYER_POINTS
 from kvdiff.trace.sink import ProbeSink, Provenance
 
@@ -136,11 +136,7 @@ class _Recording:
             self.cached = [p for p in served if self.block_ids[p // bs] != null]
             self.served = len(served)
         self.sink.begin_forward(self.positions)
-        for chunk, keep in (("prompt", lambda p: p < self.prompt_len), ("decode", lambda p: p >= self.prompt_len)):
-            pos = [p for p in self.positions if keep(p)]
-            if pos:
-                at = [e for p, e in zip(self.positions, encoded) if keep(p)]
-                self.sink.provenance(pos, Provenance(chunk, self.forwards, at, False))
+        computed_provenance(self.sink, self.positions, encoded, self.prompt_len, self.forwards)
 
     def _end(self, module, args, kwargs, out) -> None:
         if self.rows is None:
@@ -259,12 +255,12 @@ class VllmTarget:
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)      # in process: the EngineCore
         pool = getattr(getattr(getattr(core, "scheduler", None), "kv_cache_manager", None), "block_pool", None)
         self.null_block = pool.null_block.block_id if pool is not None else 0    # vLLM's BlockPool takes block 0
-        # with a sliding window, the blocks a hit skips stand as the null block; without one, the null
-        # block in a table is read as any block (its rows are what attention reads there)
-        self.windowed = any(getattr(layer.self_attn.attn, "sliding_window", None) for layer in self.runner.model.model.layers)
         self.info = TargetInfo("vllm", vllm.__version__, folder)
         self.block_size = args["block_size"]
         layers = self.model.model.layers
+        # with a sliding window, the blocks a hit skips stand as the null block; without one, the null
+        # block in a table is read as any block (its rows are what attention reads there)
+        self.windowed = any(getattr(layer.self_attn.attn, "sliding_window", None) for layer in layers)
         if any(hasattr(layer.self_attn, "k_norm") for layer in layers):
             raise InputError(f"{folder}: attention with q/k norms is not supported by the vLLM target "
                              "(Llama-family models only)")
