@@ -470,6 +470,41 @@ def test_stale_cached_rows(target, hf, ids, cold_trace, tmp_path):
     assert report["first_operation"]["position"] == 48 and report["first_operation"]["tensor"] in ("k", "v")
 
 
+def test_a_write_landing_on_a_kept_cell_shows_in_the_cached_rows(target, hf, ids, cold_trace, tmp_path):
+    """During the warm request's first forward (the suffix after the hit), the row it writes for
+    position `cached` lands on the kept cell of position 20 as well, in every layer (a write index into
+    the kept prefix). The cached rows are read after that forward, so they show it. Expected (written
+    before the first run): a cache_content_mismatch over exactly 20..20 (chunk "cache") whose row is
+    the token at `cached` computed there. Written first as `computed_at` == [cached]; the first run
+    named it `source_positions` == [cached], the more exact claim (the row is bitwise the cold run's
+    row at `cached`: the same token in the same context), so that is what is asserted."""
+    cached, ctx = ids[2], target.llm._ctx
+    engine_decode, forwards = type(ctx).decode.__get__(ctx), []
+
+    def decode_writing_a_kept_cell(batch):
+        engine_decode(batch)
+        if forwards:
+            return
+        forwards.append(batch)
+        state = target.read_cache()
+        cells = {int(p): i for i, p in enumerate(state.positions)}
+        for k, v in zip(state.k, state.v):
+            k[cells[20]], v[cells[20]] = k[cells[cached]], v[cells[cached]]
+        target.write_cache(state)
+
+    def plant(target):
+        target.llm._ctx.decode = target._decode(decode_writing_a_kept_cell)
+
+    try:
+        div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5", after_primer=plant))
+    finally:
+        target.llm._ctx.decode = target._decode(engine_decode)
+    found = _cached_diagnoses(div, cached)
+    assert [d.kind for d in found] == ["cache_content_mismatch"], div.diagnoses
+    assert found[0].chunk == "cache" and found[0].positions == (20, 20), found[0]
+    assert found[0].details["source_positions"] == [cached], found[0].details
+
+
 # -- errors ----------------------------------------------------------------------------------------
 
 

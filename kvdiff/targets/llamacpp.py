@@ -19,8 +19,10 @@ half-split head layout, as transformers un-permutes them. The KV cache is float3
 default is f16, which would also round q inside attention), so `q`, `k` and `v` are what attention
 reads. Weight repacking (extra buffer types) is off: native builds crash in its AMX path.
 K/V of prompt positions kept from an earlier request are read from the engine's own sequence state
-(`llama_state_seq_get_data`) in a `reads_only` bracket; the engine does not tell which cache cell
-holds them, so their provenance names no forward (prefill_id -1).
+(`llama_state_seq_get_data`) once the request's first forward has written its own rows (what that
+forward's attention read, so a write landing on a kept cell shows) and recorded in a `reads_only`
+bracket; the engine does not tell which cache cell holds them, so their provenance names no forward
+(prefill_id -1).
 
 Longer than ~300 lines because the ctypes side (ggml's tensor accessors, the callback, the parser of
 llama.cpp's sequence-state layout) belongs to this one adapter.
@@ -144,8 +146,6 @@ class LlamaCppTarget:
             run = self._run
             if run is not None and run.hit is None:
                 run.hit = int(self.llm.n_tokens)
-                if run.sink is not None and run.hit:
-                    self._emit_reads(run)
             return inner(tokens)
         return evaluate
 
@@ -166,6 +166,8 @@ class LlamaCppTarget:
             run = self._run
             if run is not None and run.sink is not None:
                 self._emit_forward(run, fwd)
+                if run.forwards == 0 and run.hit:
+                    self._emit_reads(run)
                 run.forwards += 1
         return decode
 
@@ -237,7 +239,8 @@ class LlamaCppTarget:
         sink.end_forward()
 
     def _emit_reads(self, run: "_Run") -> None:
-        """The reads-only bracket of the kept prefix: K/V as the engine's sequence state holds them."""
+        """The reads-only bracket of the kept prefix: K/V as the engine's sequence state holds them
+        after the request's first forward."""
         state = self.read_cache()
         keep = np.flatnonzero(state.positions < run.hit)
         cached = [int(p) for p in state.positions[keep]]
