@@ -479,6 +479,12 @@ CASES: list[Case] = [
          "attention norm epsilon changed at layer 1 (1e-6 -> 1e-2)", "input_layernorm.variance_epsilon = 1e-2",
          (p("set_attr", module="model.layers.1.input_layernorm", name="variance_epsilon", value=1e-2),), "cold",
          "attention norm", 1, "0", (want(NC, source="norm"),), NONE3),
+    Case("cb-qwen2-kv-int4", "tiny-qwen2", CB,
+         "cached K and V stored as int4 with a zero point (min/max scale per token and KV head)",
+         "paged cache K/V rows 0..H-1 -> 4-bit min/max per row and head -> fp32 after the primer",
+         (p("cache_quantize", "cache", positions="range(0, H)", bits=4, scheme="asymmetric"),), "warm-other",
+         K_CACHE, 0, "0", (want(CC, positions=("0", "H - 1"), rounding="int4",
+                               quantization={"bits": 4, "scheme": "asymmetric", "group": "row and head"}),), (PM, MC)),
     Case("cb-qwen2-v-bf16", "tiny-qwen2", CB,
          "cached V rounded through bf16", "block_kv V rows 0..H-1 -> bf16 -> fp32 after the fill",
          (p("cache_round_v", "cache", positions="range(0, H)"),), "warm-other", V_CACHE, 0, "0",
@@ -547,6 +553,12 @@ CASES: list[Case] = [
          "cached V rounded through float8 (e4m3)", "paged cache V rows 0..H-1 -> float8_e4m3fn -> fp32 after the primer",
          (p("cache_round_v", "cache", positions="range(0, H)", dtype=torch.float8_e4m3fn),), "warm-other", V_CACHE, 0,
          "0", (want(CC, positions=("0", "H - 1"), rounding="float8_e4m3fn"),), (PM, MC), (NO_STALE,)),
+    Case("vllm-llama64-kv-int8", VLLM_ARCH, VLLM,
+         "cached K and V stored as int8 (absmax scale per token and KV head)",
+         "paged cache K/V rows 0..H-1 -> int8 per row and head -> fp32 after the primer",
+         (p("cache_quantize", "cache", positions="range(0, H)", bits=8, scheme="symmetric"),), "warm-other",
+         K_CACHE, 0, "0", (want(CC, positions=("0", "H - 1"), rounding="int8",
+                               quantization={"bits": 8, "scheme": "symmetric", "group": "row and head"}),), (PM, MC)),
     Case("vllm-llama64-cache-kv-swapped", VLLM_ARCH, VLLM,
          "the cache holds the cached block's K and V in each other's place", "paged cache rows 0..H-1: K and V "
          "exchanged after the primer", (p("cache_swap_kv", "cache", positions="range(0, H)"),), "warm-other",
@@ -1265,6 +1277,25 @@ def plant_cache_round_v(ctx: Ctx, positions: str, dtype: torch.dtype = torch.bfl
             ctx.write(layer, pos, k, v.to(dtype).to(v.dtype))
 
 
+def plant_cache_quantize(ctx: Ctx, positions: str, bits: int, scheme: str) -> Undo:
+    """Cached K and V rows of `positions` (every layer) quantized to `bits`-bit integers, one scale per
+    row and KV head (absmax, or min/max for "asymmetric"), and back: a cache stored in integers."""
+    pos = ev(positions, ctx.names)
+
+    def quantized(x: torch.Tensor) -> torch.Tensor:
+        if scheme == "symmetric":
+            step = x.abs().amax(-1, keepdim=True) / (2 ** (bits - 1) - 1)
+            return (x / step).round() * step
+        lo = x.amin(-1, keepdim=True)
+        step = (x.amax(-1, keepdim=True) - lo) / (2 ** bits - 1)
+        return ((x - lo) / step).round() * step + lo
+
+    with torch.no_grad():
+        for layer in range(ctx.layers):
+            k, v = ctx.rows(layer, pos)
+            ctx.write(layer, pos, quantized(k), quantized(v))
+
+
 def plant_vllm_scale(ctx: Ctx, factor: float) -> Undo:
     """vLLM attention's softmax scale (its backend's `impl.scale`) x factor at every layer."""
     impls = [m.impl for m in ctx.vllm_modules("model.layers.{i}.self_attn.attn")]
@@ -1460,7 +1491,7 @@ PLANTS: dict[str, Callable[..., Undo]] = {
     "decode_kv_zero": plant_decode_kv_zero, "kv_swap_in_attention": plant_kv_swap_in_attention,
     "rope_twice": plant_rope_twice, "weight_residual": plant_weight_residual,
     "write_slot_shift": plant_write_slot_shift, "kv_head_copy": plant_kv_head_copy,
-    "cache_copy_head": plant_cache_copy_head,
+    "cache_copy_head": plant_cache_copy_head, "cache_quantize": plant_cache_quantize,
 }
 
 

@@ -21,7 +21,8 @@ import kvdiff
 from kvdiff.analysis.api import _compare
 from kvdiff.analysis.chunks import ChunkLookup
 from kvdiff.analysis.contradictions import consistent, contradictions
-from kvdiff.analysis.diagnose_cache import _sources, head_order, round_to
+from kvdiff.analysis.diagnose_cache import _sources, head_order
+from kvdiff.analysis.rounding import round_to
 from kvdiff.analysis.diagnose_operation import diagnose_operation
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs
 from kvdiff.analysis.search import first_tolerance_breach
@@ -193,6 +194,46 @@ def test_values_rounded_through_bfloat16_in_a_cache_are_named_by_their_rounding(
              if d["kind"] == "cache_content_mismatch"]
     assert cc["rounding"] == "bfloat16" and cc["positions"] == [0, 15] and cc["points"] == ["v"]
     assert "wrong slot or stale entry" not in cc["evidence"] and "rounded to bfloat16" in cc["proof"]
+
+
+def _quantized(x: np.ndarray, bits: int, scheme: str, axes: tuple) -> np.ndarray:
+    """x quantized to `bits`-bit integers with one scale over `axes` (absmax or min/max) and back."""
+    if scheme == "symmetric":
+        step = np.abs(x).max(axes, keepdims=True) / (2 ** (bits - 1) - 1)
+        return (np.round(x / step) * step).astype(np.float32)
+    lo = x.min(axes, keepdims=True)
+    step = (x.max(axes, keepdims=True) - lo) / (2 ** bits - 1)
+    return (np.round((x - lo) / step) * step + lo).astype(np.float32)
+
+
+@pytest.mark.parametrize("bits,scheme,axes,group", [(8, "symmetric", (2,), "row and head"),
+                                                    (4, "asymmetric", (1, 2), "row"),
+                                                    (8, "asymmetric", (2,), "row and head")])
+def test_values_quantized_to_integers_in_a_cache_are_named_by_their_format(traces, tmp_path, bits, scheme, axes, group):
+    cand = tmp_path / "int.h5"
+    cand.write_bytes(traces["offset"].read_bytes())
+    with h5py.File(traces["reference"], "r") as ref, h5py.File(cand, "r+") as f:
+        f["layers/0/v"][:16] = _quantized(ref["layers/0/v"][:16], bits, scheme, axes)
+        f["layers/0/k"][:16] = ref["layers/0/k"][:16]
+    (cc,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"]
+             if d["kind"] == "cache_content_mismatch"]
+    assert cc["rounding"] == f"int{bits}" and cc["positions"] == [0, 15] and cc["points"] == ["v"]
+    assert cc["quantization"] == {"bits": bits, "scheme": scheme, "group": group}, cc
+    assert "wrong slot or stale entry" not in cc["evidence"] and f"int{bits} grid" in cc["proof"]
+
+
+def test_rows_off_an_integer_grid_are_named_no_quantization(traces, tmp_path):
+    cand = tmp_path / "noise.h5"
+    cand.write_bytes(traces["offset"].read_bytes())
+    with h5py.File(traces["reference"], "r") as ref, h5py.File(cand, "r+") as f:
+        v = ref["layers/0/v"][:16]
+        quarter_step = np.abs(v).max(2, keepdims=True) / 127 / 4
+        off = np.where(np.arange(v.shape[2]) % 2 == 1, quarter_step, 0)      # every other element a quarter step off
+        f["layers/0/v"][:16] = (_quantized(v, 8, "symmetric", (2,)) + off).astype(np.float32)
+        f["layers/0/k"][:16] = ref["layers/0/k"][:16]
+    (cc,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"]
+             if d["kind"] == "cache_content_mismatch"]
+    assert cc["rounding"] is None and "quantization" not in cc, cc
 
 
 def test_a_changed_projection_is_an_operation_mismatch_at_every_position(traces, tmp_path):

@@ -6,17 +6,17 @@ or block, a stale entry) or were computed or stored otherwise. Where K/V were re
 (no k_pre_rope recorded there), k is tested instead: with v matching, keys whose rotate_half
 pairs do not keep the reference's magnitudes are other content, not a rotation (keys.py). The
 rows are matched against every reference row to name the source, and against the reference's
-rows rounded to bfloat16 and float16 to name a rounding that explains them.
+rows stored in a narrower format (rounding.py) to name a rounding that explains them.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.keys import CONTENT, ROTATION, SCALED
 from kvdiff.analysis.metrics import row_metrics
+from kvdiff.analysis.rounding import quantization, rounding
 
 EXACT = 1e-6      # a relative distance this small: the same row
 
@@ -82,39 +82,6 @@ def head_order(ref: np.ndarray, cand: np.ndarray) -> list[int] | None:
     """`head_map` where it is a permutation (the heads in another order), else None."""
     found = head_map(ref, cand)
     return found if found is not None and sorted(found) == list(range(ref.shape[1])) else None
-
-
-# formats a cache may store K/V in, with their mantissa bits (one step: 2^(exponent - bits))
-ROUNDINGS = (("bfloat16", 7), ("float16", 10), ("float8_e4m3fn", 3), ("float8_e5m2", 2))
-
-
-def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 values rounded to `dtype` (round to nearest even) and back."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if dtype == "float16":
-        with np.errstate(over="ignore"):
-            return x.astype(np.float16).astype(np.float32)
-    if dtype.startswith("float8"):      # through torch (numpy has no float8)
-        return torch.from_numpy(x).to(getattr(torch, dtype)).to(torch.float32).numpy()
-    bits = x.view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.astype(np.uint32).view(np.float32)
-
-
-def rounding(ref: np.ndarray, cand: np.ndarray) -> tuple[str | None, float]:
-    """The dtype whose rounding of the reference's rows gives the candidate's: at least 99% of the
-    elements exactly and every other within one step of that dtype (the traces may differ by
-    float32 noise before the rounding, which moves a value across a rounding boundary), with the
-    share of elements equal."""
-    for dtype, mantissa in ROUNDINGS:
-        rounded = round_to(ref, dtype)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            equal = float((rounded == cand).mean()) if cand.size else 0.0
-            step = np.exp2(np.floor(np.log2(np.maximum(np.abs(rounded), 1e-30))) - mantissa)
-            within = bool((np.abs(cand - rounded) <= step).all())
-        if equal >= 0.99 and within and (rounded != ref).any():
-            return dtype, equal
-    return None, 0.0
 
 
 def _swapped(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> bool:
@@ -264,6 +231,12 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
                 evidence += (f"; the candidate's {point} rows are the reference's rounded to {dtype} ({100 * share:.1f}% "
                              f"of the elements exactly, the rest within one {dtype} step): the cache stored them in {dtype}")
                 proof += f"; equal to the reference's rows rounded to {dtype} at {100 * share:.1f}% of the elements"
+            elif (quant := quantization(ref_rows[gcols], cand_rows[gcols])) is not None:
+                details["rounding"], details["quantization"] = quant.name, quant.to_json()
+                evidence += (f"; the candidate's {point} rows are the reference's quantized to {quant.name} ({quant.scheme}, "
+                             f"one scale per {quant.group}): the cache stored them as {quant.bits}-bit integers")
+                proof += (f"; every element lies on its {quant.group}'s {quant.name} grid ({quant.scheme} scale from the "
+                          f"group's extremes) and within half a step of the reference's")
         zero = [name for name in ("k", "v") if name in differing and not inputs.rows(layer, name)[1][gcols].any()]
         if zero:
             details["zero_rows"] = zero
