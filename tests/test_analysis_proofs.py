@@ -338,3 +338,17 @@ def test_rope_is_judged_on_the_candidates_own_keys_whatever_came_before_it(trace
     assert rope and {d["kind"] for d in rope} == {"rope_mismatch"}
     assert rope[0]["base"] == pytest.approx(20000.0, rel=1e-3)
     assert [(d["chunk"], d["positions"]) for d in rope] == [("user", [16, 27])]   # the rows it computed (0-15: a hit)
+
+
+def test_a_reference_whose_attention_departs_is_named_the_side_that_departs(traces):
+    """The traces of the softmax-scale fault the other way round: the reference (a cold run, say)
+    attends with scale x1.25, the candidate as the model does. The candidate's z is its own q, k and v
+    attended as the model does; the reference's is not, and the fitted scale is the reference's."""
+    report = kvdiff.diff(traces["scale"], traces["reference"]).to_json()
+    found = [d for d in report["diagnoses"] if d["kind"] == "attention_mismatch"]
+    assert found and found[0]["side"] == "reference" and found[0]["explanation"] == "scale", report["diagnoses"]
+    assert found[0]["scale_factor"] == pytest.approx(1.25, rel=1e-3) and found[0]["candidate_standard_residual"] < 1e-3
+    assert "reference's attention that departs" in found[0]["evidence"] and "the reference's attention recomputed" in found[0]["proof"]
+    assert not contradictions(report["diagnoses"])
+    forward = diagnoses(traces, "scale", "attention_mismatch")
+    assert forward and "side" not in forward[0]

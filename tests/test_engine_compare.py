@@ -393,3 +393,47 @@ def test_logits_taken_from_the_wrong_row_after_a_hit_are_a_logits_mismatch(tmp_p
     assert report["engine"]["cache_hit_tokens"] == 32 and not report["tokens_identical"]
     (found,) = [d for d in report["diagnoses"] if d["kind"] == "logits_mismatch"]
     assert found["positions"] == [prompt - 1, prompt - 1] and found["computed_row"] is True
+
+
+def test_a_bug_of_the_cold_path_alone_is_named_on_the_cold_side(tmp_path, monkeypatch):
+    """transformers' continuous batching attends with the softmax scale x1.05 in forwards that prefill a
+    request from position 0 (a cold path's kernel; red-team v12 planted it in vLLM), and as the model
+    does after a cache hit and in decode steps. The cold run is then the one that departs: cold vs warm
+    had no attention diagnosis (the warm candidate's attention is the model's). Expected (written before
+    the first run): cold vs warm, attention_mismatch at layer 0 from the first row after the hit with
+    side "reference", explanation "scale", factor 1.05; against kvdiff's reference the candidate-side
+    scale 1.05 at layer 0."""
+    from kvdiff.run import engine_compare
+
+    opened, handles = engine_compare.open_target, []
+
+    def open_target(*args, **kwargs):
+        target = opened(*args, **kwargs)
+        attentions = [layer.self_attn for layer in target.model.model.layers]
+        model_scale = attentions[0].scaling
+
+        def cold_path_scale(module, args, kwargs):
+            cold = False
+            if "cu_seq_lens_q" in kwargs:               # the engine's forwards (kvdiff's reference runs the model too)
+                cu, flat = kwargs["cu_seq_lens_q"].tolist(), kwargs["position_ids"].view(-1)
+                cold = any(hi - lo > 1 and int(flat[lo]) == 0 for lo, hi in zip(cu, cu[1:]))
+            for attention in attentions:
+                attention.scaling = model_scale * (1.05 if cold else 1.0)
+
+        handles.append(target.model.register_forward_pre_hook(cold_path_scale, with_kwargs=True))
+        return target
+
+    monkeypatch.setattr(engine_compare, "open_target", open_target)
+    try:
+        report = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=4,
+                         out=tmp_path / "run").report.to_json()
+    finally:
+        for handle in handles:
+            handle.remove()
+    hit = report["engine"]["cache_hit_tokens"]
+    found = [d for d in report["diagnoses"] if d["kind"] == "attention_mismatch"]
+    assert found and found[0]["side"] == "reference" and found[0]["explanation"] == "scale", report["diagnoses"]
+    assert found[0]["layer"] == 0 and found[0]["positions"][0] == hit
+    assert found[0]["scale_factor"] == pytest.approx(1.05, rel=1e-3)
+    against = [d for d in report["engine_vs_reference"]["diagnoses"] if d["kind"] == "attention_mismatch"]
+    assert against and "side" not in against[0] and against[0]["scale_factor"] == pytest.approx(1.05, rel=1e-3)

@@ -43,6 +43,7 @@ class Verdict:
     tied: list = field(default_factory=list)   # other kinds of explanation predicting the same rows
     split: str | None = None    # how rows past the first token flip told tied explanations apart
     shared: bool = False        # the reference's own rows fit the best as well: not what differs
+    side: str = "candidate"     # whose attention the hypotheses were tested on ("reference": explain_reference)
 
     @property
     def rival(self) -> Score | None:
@@ -96,7 +97,7 @@ class Verdict:
                      + "; ".join(t.hypothesis.text for t in self.tied))
         if self.split:
             rest += f"; {self.split}"
-        return (f"the candidate's attention recomputed from its own q, k and v at {self.test.rows.size} rows: "
+        return (f"the {self.side}'s attention recomputed from its own q, k and v at {self.test.rows.size} rows: "
                 f"{self.best.hypothesis.text} leaves {fmt(self.best.residual)} of the change in {self.test.point} unexplained "
                 f"(median per row {fmt(self.best.median)}){rest}; {o_proj}")
 
@@ -145,17 +146,10 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
                         tests[0][0].cand.dims[:2], tests[0][0].heads)
     scores, owner = [], {}
     for test, note in tests:
-        found = [test.score(replace(h, text=h.text + note)) for h in finalists(test, family)]
-        scale, cap = fit_scale(test), fit_softcap(test)
-        fitted = [f for f, kept in ((scale, abs(np.log(scale.hypothesis.scale)) >= 0.01),
-                                    (cap, cap.hypothesis.softcap < 0.9 * SOFTCAP_HI)) if kept]
-        found += [Score(replace(f.hypothesis, text=f.hypothesis.text + note), f.residual, f.median) for f in fitted]
+        found = _scores(test, family, note)
         owner.update({id(f): test for f in found})
         scores += found
-    ordered = sorted(scores, key=lambda s: s.residual)
-    ties = [s for s in ordered if np.isclose(s.residual, ordered[0].residual, rtol=1e-9, atol=0)]
-    best = min(ties, key=lambda s: _PREFER.index(s.hypothesis.name))
-    others = [s for s in ordered if s not in ties]
+    best, ties, others = _ranked(scores)
     aligned = any(s.hypothesis.name == "chunk alone" for s in ties) and best.hypothesis.name == "hidden"
     tied = [s for s in ties if s.hypothesis.name not in (best.hypothesis.name, "chunk alone")]
     split = _past_flip(inputs, owner[id(best)], [best] + tied) if tied else None
@@ -164,6 +158,45 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
         return Verdict(best, scores[0], owner[id(best)], others, False, [], text)
     return Verdict(best, scores[0], owner[id(best)], others, aligned, tied[:3],
                    shared=_reference_shares(owner[id(best)], best, scores[0]))
+
+
+def _scores(test: AttentionTest, family: list, note: str = "") -> list[Score]:
+    """Every finalist of `family` and the fitted scale and soft-cap (where they move from the model's)
+    scored on `test`, the standard first."""
+    found = [test.score(replace(h, text=h.text + note)) for h in finalists(test, family)]
+    scale, cap = fit_scale(test), fit_softcap(test)
+    fitted = [f for f, kept in ((scale, abs(np.log(scale.hypothesis.scale)) >= 0.01),
+                                (cap, cap.hypothesis.softcap < 0.9 * SOFTCAP_HI)) if kept]
+    return found + [Score(replace(f.hypothesis, text=f.hypothesis.text + note), f.residual, f.median) for f in fitted]
+
+
+def _ranked(scores: list[Score]) -> tuple[Score, list[Score], list[Score]]:
+    """The best (the simplest of those with the least residual), its ties, and the others best first."""
+    ordered = sorted(scores, key=lambda s: s.residual)
+    ties = [s for s in ordered if np.isclose(s.residual, ordered[0].residual, rtol=1e-9, atol=0)]
+    best = min(ties, key=lambda s: _PREFER.index(s.hypothesis.name))
+    return best, ties, [s for s in ordered if s not in ties]
+
+
+def explain_reference(test: AttentionTest, first: int) -> Verdict | None:
+    """Where the candidate's rows are its own q, k and v attended as the model does and the traces hold
+    z: the same hypotheses tested on the reference's rows against its own z (the reference is then the
+    run whose attention departs, such as a cold run in a cold-vs-warm compare). None where the
+    reference's z misses its own standard attention by no more than rounding does (SHARED_MISS) or
+    than OWN_MARGIN times what the candidate's misses (both computed in a narrow format)."""
+    if test.point != "z":
+        return None
+    rev = AttentionTest(test.cand, test.ref, test.rows, RecordedOutput(), heads=test.heads)
+    # the reference's forwards are not known here: no hypothesis spans a forward or a chunk
+    family = hypotheses(first, [], lambda col: None, lambda a, b: False, lambda col: col + 1,
+                        test.ref.dims[:2], test.heads)
+    scores = _scores(rev, family)
+    standard = next(s for s in scores if s.hypothesis.name == "standard")
+    if rev.own_miss(standard.hypothesis) <= max(SHARED_MISS, OWN_MARGIN * test.own_miss(standard.hypothesis)):
+        return None
+    best, ties, others = _ranked(scores)
+    tied = [s for s in ties if s.hypothesis.name != best.hypothesis.name]
+    return Verdict(best, standard, rev, others, False, tied[:3], side="reference")
 
 
 def _reference_shares(test: AttentionTest, best: Score, standard: Score) -> bool:
@@ -181,6 +214,7 @@ def _reference_shares(test: AttentionTest, best: Score, standard: Score) -> bool
 PAST_FLIP_ROWS = 8      # the candidate's rows past the first token flip a tie is tested on
 OWN_MISS = 1e-2         # the most of those rows' own z an explanation may miss
 SHARED_MISS = 1e-4      # a reference's z its own q, k and v miss by more than rounding does
+OWN_MARGIN = 4.0        # and by this many times what the candidate's own z misses, to be the side that departs
 
 
 def _past_flip(inputs: DiagnosisInputs, test: AttentionTest, tied: list[Score]) -> tuple[Score, str] | None:

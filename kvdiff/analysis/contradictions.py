@@ -27,8 +27,8 @@ _EXCLUSIVE = {frozenset(p) for p in (("position_mismatch", "rope_mismatch"),
                                      ("rope_mismatch", "cache_content_mismatch"),
                                      ("missing_context", "attention_mismatch"))}
 # Per kind, the fields two claims over the same positions must agree on.
-_SAME = {"position_mismatch": ("offset",), "missing_context": ("unattended",), "attention_mismatch": ("explanation",
-         "scale_factor"), "rope_mismatch": ("scaling_factor", "base", "magnitude_factor")}
+_SAME = {"position_mismatch": ("offset",), "missing_context": ("unattended",), "attention_mismatch": ("side",
+         "explanation", "scale_factor"), "rope_mismatch": ("scaling_factor", "base", "magnitude_factor")}
 
 
 def _overlap(a: dict, b: dict) -> bool:

@@ -12,7 +12,10 @@ half of what the next-best one leaves) names the cause:
 - another softmax scale or soft-cap, a mask otherwise (the next position visible, not causal, a
   window, the row's own key hidden, offset), keys never written to the cache, K and V swapped, the
   KV heads tiled: attention_mismatch with that explanation;
-- the reference's own causal attention: nothing (q, k or v differ, and explain attn_out).
+- the reference's own causal attention: nothing where q, k or v differ (they explain the output);
+  where they match, the reference's attention is the one that departs from the model's, and the
+  same hypotheses are tested on its rows against its own z (attention_mismatch, `side` "reference":
+  a cold run's bug seen from a warm candidate).
 
 When none does but q, k and v match the reference where attention read them, the attention
 (mask, scale, softmax or o_proj) differs, shown by the tiers alone: attention_mismatch without an
@@ -29,7 +32,7 @@ import numpy as np
 
 from kvdiff.analysis.attention import differing_heads, span_attention
 from kvdiff.analysis.attention_fit import AttentionRows, AttentionTest
-from kvdiff.analysis.attention_verdict import Verdict, explain
+from kvdiff.analysis.attention_verdict import Verdict, explain, explain_reference
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.latent import attention_points, attention_rows, rope_columns, value_point
 from kvdiff.analysis.operation import attention_point
@@ -207,6 +210,35 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
     return Diagnosis("attention_mismatch", chunk, (lo, hi), evidence, details, confidence=1.0, proof=proof)
 
 
+def _emit_reference(inputs: DiagnosisInputs, row: int, cols: np.ndarray, own: Verdict, chunk: str | None) -> Diagnosis | None:
+    """attention_mismatch on the reference's side: its inputs match, the candidate's z is its own q, k
+    and v attended as the model does (`own`), the reference's is not (`explain_reference`)."""
+    positions = inputs.comparison.alignment.positions
+    verdict = explain_reference(own.test, int(positions[cols[0]]))
+    if verdict is None:
+        return None
+    layer, point = inputs.comparison.layers[row], attention_point(inputs.comparison)
+    _, attn_rel = inputs.worst(point, row, cols)
+    spans = runs(positions[cols])
+    h = verdict.best.hypothesis if verdict.decisive else None
+    details: dict = {"layer": layer, "side": "reference", "explanation": None, "inputs_match": True,
+                     "candidate_standard_residual": own.best.residual,
+                     **({"rows": [list(r) for r in spans]} if len(spans) > 1 else {})}
+    if h is not None:
+        details.update(verdict.fields(), explanation=h.name, **h.fields())
+        found = (f"; {h.text} explains the reference's (leaves {fmt(verdict.best.residual)} of the change unexplained"
+                 f"{_same_note(verdict)})")
+    else:
+        found = "; no tested explanation accounts for the reference's" + _rounding_note(inputs, attn_rel, details)
+    evidence = (f"layer {layer}, positions {', '.join(span_text(a, b) for a, b in spans)}: q, k and v match the reference "
+                f"where attention read them, but {point} differs (rel {fmt(attn_rel)}), and it is the reference's attention "
+                f"that departs from the model's: the candidate's {point} is its own q, k and v attended as the model does "
+                f"(leaves {fmt(own.best.residual)} of the change unexplained), the reference's is not{found}")
+    proof = (f"{own.proof()}; {verdict.proof()}")
+    return Diagnosis("attention_mismatch", chunk, (int(positions[cols[0]]), int(positions[cols[-1]])), evidence,
+                     details, confidence=verdict.confidence if h is not None else 1.0, proof=proof)
+
+
 # unit roundoff of the formats an attention kernel may compute in, narrowest first
 _ROUNDOFF = (("float16", 2.0 ** -11), ("bfloat16", 2.0 ** -8))
 
@@ -250,7 +282,11 @@ def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
         start = int(gcols[0])
         while start > 0 and bad[start - 1]:
             start -= 1
-        diagnosis = _emit(inputs, row, gcols, verdict, chunk, _inputs_match(inputs, row, gcols), int(positions[start]))
+        proved = _inputs_match(inputs, row, gcols)
+        if proved and verdict is not None and verdict.decisive and verdict.best.hypothesis.name == "standard":
+            diagnosis = _emit_reference(inputs, row, gcols, verdict, chunk)
+        else:
+            diagnosis = _emit(inputs, row, gcols, verdict, chunk, proved, int(positions[start]))
         if diagnosis is not None:
             out.append(diagnosis)
     return out
