@@ -327,39 +327,44 @@ def test_warm_with_another_conversation_hits_only_the_blocks_they_share(tmp_path
     assert result.exit_code == 0
 
 
-def test_a_model_fed_wrong_positions_after_a_hit_is_a_position_mismatch(tmp_path, monkeypatch):
-    """transformers' continuous batching hands its model the rows after a cache hit at position_ids
-    16 too low (red-team t2). The target recorded the rows at those positions and the warm trace was
-    refused as malformed ("step 0 holds 18, not 34"). Expected (written before the fix's first run):
-    the rows at their places in the sequence, a position_mismatch over the rows after the hit,
-    offset -16."""
+def _compare_with_engine_pre_hook(tmp_path, monkeypatch, make_hook) -> dict:
+    """report.json of `compare SEEDS --engine transformers` on tiny-llama where the engine's model runs
+    `make_hook(target)` as a forward pre-hook (with kwargs) on each of its forwards."""
     from kvdiff.run import engine_compare
 
     opened, handles = engine_compare.open_target, []
 
     def open_target(*args, **kwargs):
         target = opened(*args, **kwargs)
-
-        def shifted(module, args, kwargs):
-            if "cu_seq_lens_q" not in kwargs:        # kvdiff's reference path runs the same model
-                return None
-            cu, pos = kwargs["cu_seq_lens_q"].tolist(), kwargs["position_ids"].clone()
-            flat = pos.view(-1)
-            for lo, hi in zip(cu, cu[1:]):
-                if hi - lo > 1 and int(flat[lo]) > 0:         # a prefill after cached tokens
-                    flat[lo:hi] -= 16
-            return args, {**kwargs, "position_ids": pos}
-
-        handles.append(target.model.register_forward_pre_hook(shifted, with_kwargs=True))
+        handles.append(target.model.register_forward_pre_hook(make_hook(target), with_kwargs=True))
         return target
 
     monkeypatch.setattr(engine_compare, "open_target", open_target)
     try:
-        report = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=4,
-                         out=tmp_path / "run").report.to_json()
+        return compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=4,
+                       out=tmp_path / "run").report.to_json()
     finally:
         for handle in handles:
             handle.remove()
+
+
+def test_a_model_fed_wrong_positions_after_a_hit_is_a_position_mismatch(tmp_path, monkeypatch):
+    """transformers' continuous batching hands its model the rows after a cache hit at position_ids
+    16 too low (red-team t2). The target recorded the rows at those positions and the warm trace was
+    refused as malformed ("step 0 holds 18, not 34"). Expected (written before the fix's first run):
+    the rows at their places in the sequence, a position_mismatch over the rows after the hit,
+    offset -16."""
+    def shifted(module, args, kwargs):
+        if "cu_seq_lens_q" not in kwargs:        # kvdiff's reference path runs the same model
+            return None
+        cu, pos = kwargs["cu_seq_lens_q"].tolist(), kwargs["position_ids"].clone()
+        flat = pos.view(-1)
+        for lo, hi in zip(cu, cu[1:]):
+            if hi - lo > 1 and int(flat[lo]) > 0:         # a prefill after cached tokens
+                flat[lo:hi] -= 16
+        return args, {**kwargs, "position_ids": pos}
+
+    report = _compare_with_engine_pre_hook(tmp_path, monkeypatch, lambda target: shifted)
     hit, prompt = report["engine"]["cache_hit_tokens"], report["engine"]["prompt_tokens"]
     assert (hit, prompt) == (32, 35)
     shift = [d for d in report["diagnoses"] if d["kind"] == "position_mismatch"]
@@ -403,33 +408,20 @@ def test_a_bug_of_the_cold_path_alone_is_named_on_the_cold_side(tmp_path, monkey
     the first run): cold vs warm, attention_mismatch at layer 0 from the first row after the hit with
     side "reference", explanation "scale", factor 1.05; against kvdiff's reference the candidate-side
     scale 1.05 at layer 0."""
-    from kvdiff.run import engine_compare
-
-    opened, handles = engine_compare.open_target, []
-
-    def open_target(*args, **kwargs):
-        target = opened(*args, **kwargs)
+    def cold_path_scale(target):
         attentions = [layer.self_attn for layer in target.model.model.layers]
         model_scale = attentions[0].scaling
 
-        def cold_path_scale(module, args, kwargs):
+        def hook(module, args, kwargs):
             cold = False
             if "cu_seq_lens_q" in kwargs:               # the engine's forwards (kvdiff's reference runs the model too)
                 cu, flat = kwargs["cu_seq_lens_q"].tolist(), kwargs["position_ids"].view(-1)
                 cold = any(hi - lo > 1 and int(flat[lo]) == 0 for lo, hi in zip(cu, cu[1:]))
             for attention in attentions:
                 attention.scaling = model_scale * (1.05 if cold else 1.0)
+        return hook
 
-        handles.append(target.model.register_forward_pre_hook(cold_path_scale, with_kwargs=True))
-        return target
-
-    monkeypatch.setattr(engine_compare, "open_target", open_target)
-    try:
-        report = compare(SEEDS, engine="transformers", model="tiny-llama", max_new_tokens=4,
-                         out=tmp_path / "run").report.to_json()
-    finally:
-        for handle in handles:
-            handle.remove()
+    report = _compare_with_engine_pre_hook(tmp_path, monkeypatch, cold_path_scale)
     hit = report["engine"]["cache_hit_tokens"]
     found = [d for d in report["diagnoses"] if d["kind"] == "attention_mismatch"]
     assert found and found[0]["side"] == "reference" and found[0]["explanation"] == "scale", report["diagnoses"]
