@@ -42,6 +42,7 @@ class AttentionFaults(Faults):
     hidden: dict[int, tuple[int, int]] = field(default_factory=dict)   # first query -> (lo, hi) hidden from it on
     scale: float = 1.0
     next_key: bool = False
+    window: tuple[int, int] | None = None         # (first query, w): from it on, a sliding window of w keys
 
 
 class AttentionModel(SyntheticModel):
@@ -60,6 +61,9 @@ class AttentionModel(SyntheticModel):
                 allowed &= ~((pos[:, None] >= first) & (pos[None, :] >= lo) & (pos[None, :] <= hi))
             if faults.next_key:
                 allowed |= pos[None, :] == pos[:, None] + 1
+            if faults.window is not None:
+                first, w = faults.window
+                allowed &= ~((pos[:, None] >= first) & (pos[None, :] <= pos[:, None] - w))
         scale = self.attn_scale * (faults.scale if isinstance(faults, AttentionFaults) else 1.0)
         out: dict = {"layers": [], "norms": []}
         x = self.embed[torch.tensor(ids)]
@@ -103,6 +107,7 @@ def traces(tmp_path_factory, model):
         "late": (model, AttentionFaults(hidden={16: (0, 15)}), None),           # context missing, no chunk table
         "scale": (model, AttentionFaults(scale=1.25), CHUNKS),
         "next": (model, AttentionFaults(next_key=True), CHUNKS),
+        "window": (model, AttentionFaults(window=(16, 11)), CHUNKS),       # 11: none of the windows tried first
         "offset": (model, Faults(encoded={p: p + 5 for p in USER}), CHUNKS),
         "local": (model, Faults(encoded={p: p - 16 for p in USER}, context_start={p: 16 for p in USER}), CHUNKS),
         "scaling": (model, Faults(encoded={p: p / 2 for p in range(64)}), CHUNKS),
@@ -352,3 +357,11 @@ def test_a_reference_whose_attention_departs_is_named_the_side_that_departs(trac
     assert not contradictions(report["diagnoses"])
     forward = diagnoses(traces, "scale", "attention_mismatch")
     assert forward and "side" not in forward[0]
+
+
+def test_a_sliding_window_of_a_size_not_tried_first_is_fitted(traces):
+    """From the user chunk on (position 16), each row sees its own key and the 10 before it: the window
+    candidates near the first row (15-17) and the powers of two do not hold 11; the fitted window does."""
+    (am,) = diagnoses(traces, "window", "attention_mismatch")
+    assert am["explanation"] == "window" and am["window"] == 11 and am["positions"][0] == 16, am
+    assert am["fit_residual"] < 1e-3 and am["confidence"] > 0.99

@@ -2,8 +2,8 @@
 (single keys and spans around the first tested row), each row's chunk alone, the next key, every
 later key of the forward, a sliding window, the row's own key hidden, the causal mask offset, keys
 never written to the cache (read as zeros, or not attended), K/V written one slot away, K and V
-swapped, the KV heads tiled; the softmax scale and a logit soft-cap fitted by a grid and
-golden-section search; the finalists scored on every tested row."""
+swapped, the KV heads tiled; the softmax scale, a logit soft-cap and a sliding window of any size
+fitted by a grid and golden-section search; the finalists scored on every tested row."""
 
 from __future__ import annotations
 
@@ -72,9 +72,7 @@ def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], i
                           "not causal)", lambda row, n: np.ones(n, bool), reach=forward_end))
     out.append(Hypothesis("own key hidden", "each row attending every earlier position but not its own (the mask's "
                           "diagonal hidden: < where <= is meant)", lambda row, n: np.arange(n) < max(row, 1)))
-    for w in window_candidates(first):
-        out.append(Hypothesis("window", f"each row attending only its own and the {w - 1} positions before it (a "
-                              f"sliding window of {w})", sliding_window(w), window=w))
+    out += [window_hypothesis(w) for w in window_candidates(first)]
     for m in sorted({2, 3, 4, first, *(b for b in boundaries if 1 < b < first)} - {0, 1}):
         out.append(Hypothesis("lagged mask", f"each row attending only the keys up to {m} positions before its own (the "
                               f"causal mask offset by {m}, as one built from positions counted from another start)",
@@ -174,6 +172,37 @@ def fit_softcap(test: AttentionTest, lo: float = 0.5, hi: float = SOFTCAP_HI) ->
     compute them) that explains the rows best (`_fitted`)."""
     return _fitted(test, lambda c: Hypothesis("softcap", f"attention scores soft-capped at {c:.4g} (c * tanh(s / c))",
                                                causal, softcap=float(c)), lo, hi)
+
+
+def window_hypothesis(w: int) -> Hypothesis:
+    return Hypothesis("window", f"each row attending only its own and the {w - 1} positions before it (a sliding "
+                      f"window of {w})", sliding_window(w), window=w)
+
+
+def fit_window(test: AttentionTest) -> Score:
+    """The sliding window that explains the rows best, of any size up to the last tested row: a
+    geometric grid on a few rows brackets it, a golden-section search over the integers between the
+    best's neighbours refines it (a window far off either way hides or shows keys it should not)."""
+    last = int(test.rows.max())
+    quick = test.on(test.rows, QUICK_ROWS)
+    grid = np.unique(np.geomspace(1, max(last, 1), 24).round().astype(int))
+    residual = {int(w): quick.score(window_hypothesis(int(w))).residual for w in grid}
+    i = int(np.argmin([residual[int(w)] for w in grid]))
+    a, b = int(grid[max(i - 1, 0)]), int(grid[min(i + 1, grid.size - 1)])
+
+    def at(w: int) -> float:
+        if w not in residual:
+            residual[w] = quick.score(window_hypothesis(w)).residual
+        return residual[w]
+
+    while b - a > 2:
+        c, d = a + (b - a) // 3, b - (b - a) // 3
+        if at(c) <= at(d):
+            b = d
+        else:
+            a = c
+    best = min(range(a, b + 1), key=at)
+    return test.score(window_hypothesis(best))
 
 
 def _fitted(test: AttentionTest, make: Callable[[float], Hypothesis], lo: float, hi: float) -> Score:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kvdiff.analysis.attention_fit import UNRECORDED, AttentionTest, RecordedOutput, Score
-from kvdiff.analysis.attention_hypotheses import SOFTCAP_HI, finalists, fit_scale, fit_softcap, hypotheses
+from kvdiff.analysis.attention_hypotheses import SOFTCAP_HI, finalists, fit_scale, fit_softcap, fit_window, hypotheses
 from kvdiff.analysis.contradictions import EXPLAINS
 from kvdiff.analysis.diagnosis import DiagnosisInputs, fmt
 
@@ -161,12 +161,14 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
 
 
 def _scores(test: AttentionTest, family: list, note: str = "") -> list[Score]:
-    """Every finalist of `family` and the fitted scale and soft-cap (where they move from the model's)
-    scored on `test`, the standard first."""
+    """Every finalist of `family` and the fitted scale, soft-cap and sliding window (where they move from
+    the model's, and the window is not one of the family's) scored on `test`, the standard first."""
     found = [test.score(replace(h, text=h.text + note)) for h in finalists(test, family)]
-    scale, cap = fit_scale(test), fit_softcap(test)
+    scale, cap, window = fit_scale(test), fit_softcap(test), fit_window(test)
+    tried = {h.window for h in family if h.name == "window"}
     fitted = [f for f, kept in ((scale, abs(np.log(scale.hypothesis.scale)) >= 0.01),
-                                (cap, cap.hypothesis.softcap < 0.9 * SOFTCAP_HI)) if kept]
+                                (cap, cap.hypothesis.softcap < 0.9 * SOFTCAP_HI),
+                                (window, window.hypothesis.window not in tried)) if kept]
     return found + [Score(replace(f.hypothesis, text=f.hypothesis.text + note), f.residual, f.median) for f in fitted]
 
 
