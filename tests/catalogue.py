@@ -527,6 +527,18 @@ CASES: list[Case] = [
          "block_kv rows 0..H-1 of layer 1: head 0 written over head 1 after the fill",
          (p("cache_copy_head", "cache", positions="range(0, H)", layer=1, src=0, dst=1),), "warm-other", K_CACHE, 1,
          "0", (want(CC, positions=("0", "H - 1"), layer=1, head_map=[0, 0]),), (PM, MC)),
+    Case("cb-qwen2-v-bf16-layer1", "tiny-qwen2", CB,
+         "the cached blocks' V rounded through bf16 at layer 1 only (K and the other layers exact)",
+         "block_kv V rows 0..H-1 of layer 1 -> bf16 -> fp32 after the fill",
+         (p("cache_layer_storage", "cache", positions="range(0, H)", layer=1, point="v", how="bf16"),), "warm-other",
+         V_CACHE, 1, "0", (want(CC, positions=("0", "H - 1"), layer=1, points=["v"], rounding="bfloat16"),),
+         (PM, MC)),
+    Case("cb-llama-k-stride-layer1", "tiny-llama", CB,
+         "the cached blocks' K at layer 1 laid out with the wrong stride (elements moved across heads)",
+         "block_kv K rows 0..H-1 of layer 1: (heads, head_dim) reshaped as (head_dim, heads) after the fill",
+         (p("cache_layer_storage", "cache", positions="range(0, H)", layer=1, point="k", how="stride"),), "warm-other",
+         K_CACHE, 1, "0", (want(CC, positions=("0", "H - 1"), layer=1, points=["k"], layout_permuted=True),),
+         (PM, MC)),
     Case("cb-llama-kv-swapped-in-attention", "tiny-llama", CB,
          "K and V written to the cache in each other's place, so attention reads them swapped",
          "cache.update called with value and key exchanged", (p("kv_swap_in_attention"),), "cold", ATTENTION, 0, "0",
@@ -1432,6 +1444,22 @@ def plant_cache_copy_head(ctx: Ctx, positions: str, layer: int, src: int, dst: i
         ctx.write(layer, pos, k, v)
 
 
+def plant_cache_layer_storage(ctx: Ctx, positions: str, layer: int, point: str, how: str) -> Undo:
+    """Cached `point` rows of `positions` at `layer` alone stored otherwise: rounded through bfloat16
+    ("bf16"), or (heads, head_dim) laid out as (head_dim, heads) by a reshape with the wrong stride
+    ("stride")."""
+    pos = ev(positions, ctx.names)
+    with torch.no_grad():
+        k, v = ctx.rows(layer, pos)
+        rows = {"k": k, "v": v}[point]
+        if how == "bf16":
+            rows = rows.to(torch.bfloat16).to(rows.dtype)
+        else:
+            n, heads, dim = rows.shape
+            rows = rows.reshape(n, dim, heads).transpose(1, 2).reshape(n, heads, dim)
+        ctx.write(layer, pos, *((rows, v) if point == "k" else (k, rows)))
+
+
 def plant_kv_swap_in_attention(ctx: Ctx) -> Undo:
     """K and V written to the cache in each other's place, so attention reads them swapped."""
     return _cache_write(ctx, lambda k, v, rows: (v, k))
@@ -1492,6 +1520,7 @@ PLANTS: dict[str, Callable[..., Undo]] = {
     "rope_twice": plant_rope_twice, "weight_residual": plant_weight_residual,
     "write_slot_shift": plant_write_slot_shift, "kv_head_copy": plant_kv_head_copy,
     "cache_copy_head": plant_cache_copy_head, "cache_quantize": plant_cache_quantize,
+    "cache_layer_storage": plant_cache_layer_storage,
 }
 
 

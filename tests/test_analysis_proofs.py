@@ -22,7 +22,7 @@ from kvdiff.analysis.api import _compare
 from kvdiff.analysis.chunks import ChunkLookup
 from kvdiff.analysis.contradictions import consistent, contradictions
 from kvdiff.analysis.diagnose_cache import _sources, head_order
-from kvdiff.analysis.rounding import round_to
+from kvdiff.analysis.storage import round_to
 from kvdiff.analysis.diagnose_operation import diagnose_operation
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs
 from kvdiff.analysis.search import first_tolerance_breach
@@ -365,3 +365,17 @@ def test_a_sliding_window_of_a_size_not_tried_first_is_fitted(traces):
     (am,) = diagnoses(traces, "window", "attention_mismatch")
     assert am["explanation"] == "window" and am["window"] == 11 and am["positions"][0] == 16, am
     assert am["fit_residual"] < 1e-3 and am["confidence"] > 0.99
+
+
+def test_values_whose_elements_the_cache_reordered_are_named_a_layout(traces, tmp_path):
+    """v rows 0-15 at layer 0 as a reshape with the wrong stride leaves them: (heads, head_dim) read as
+    (head_dim, heads). Every row holds the reference's elements in another order."""
+    cand = tmp_path / "layout.h5"
+    cand.write_bytes(traces["offset"].read_bytes())
+    with h5py.File(traces["reference"], "r") as ref, h5py.File(cand, "r+") as f:
+        v = ref["layers/0/v"][:16]
+        f["layers/0/v"][:16] = v.reshape(16, v.shape[2], v.shape[1]).swapaxes(1, 2).reshape(v.shape)
+    (cc,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"]
+             if d["kind"] == "cache_content_mismatch"]
+    assert cc["positions"] == [0, 15] and cc["points"] == ["v"] and cc["layout_permuted"] is True, cc
+    assert cc["rounding"] is None and "another order" in cc["evidence"]

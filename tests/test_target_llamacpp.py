@@ -397,7 +397,7 @@ def test_cached_values_rounded_to_bfloat16(target, hf, ids, cold_trace, tmp_path
     """While the primer runs, every layer's V rows are rounded to bfloat16 (a cache that stores V in
     bf16). Expected: one cache_content_mismatch over the cached positions 0..cached-1 (chunk "cache"),
     rounding "bfloat16", no source position; no position_mismatch or missing_context over them."""
-    from kvdiff.analysis.rounding import round_to
+    from kvdiff.analysis.storage import round_to
 
     def rounded(name, op, rows, positions):
         return round_to(rows, "bfloat16") if name.startswith("Vcur-") else None

@@ -6,7 +6,8 @@ or block, a stale entry) or were computed or stored otherwise. Where K/V were re
 (no k_pre_rope recorded there), k is tested instead: with v matching, keys whose rotate_half
 pairs do not keep the reference's magnitudes are other content, not a rotation (keys.py). The
 rows are matched against every reference row to name the source, and against the reference's
-rows stored in a narrower format (rounding.py) to name a rounding that explains them.
+rows stored otherwise (storage.py: a narrower format, integers, another element order) to name
+how the cache stored them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.keys import CONTENT, ROTATION, SCALED
 from kvdiff.analysis.metrics import row_metrics
-from kvdiff.analysis.rounding import quantization, rounding
+from kvdiff.analysis.storage import permuted, quantization, rounding
 
 EXACT = 1e-6      # a relative distance this small: the same row
 
@@ -237,6 +238,11 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
                              f"one scale per {quant.group}): the cache stored them as {quant.bits}-bit integers")
                 proof += (f"; every element lies on its {quant.group}'s {quant.name} grid ({quant.scheme} scale from the "
                           f"group's extremes) and within half a step of the reference's")
+            elif permuted(ref_rows[gcols], cand_rows[gcols]):
+                details["layout_permuted"] = True
+                evidence += (f"; every {point} row holds exactly the reference's elements in another order: the cache's "
+                             f"layout differs (a reshape or stride that moves elements across heads or dimensions)")
+                proof += f"; every {point} row's elements are the reference row's, reordered"
         zero = [name for name in ("k", "v") if name in differing and not inputs.rows(layer, name)[1][gcols].any()]
         if zero:
             details["zero_rows"] = zero

@@ -1,10 +1,11 @@
-"""Storage formats that explain cached rows: the reference's rows rounded to a narrower float, or
-quantized to a few integer levels with a scale per group, give the candidate's.
+"""How a cache stored rows otherwise: the reference's rows rounded to a narrower float, quantized to
+a few integer levels with a scale per group, or laid out in another element order give the
+candidate's.
 
 Each test is a proof on the rows themselves: a float format where (nearly) every element equals the
 reference's rounded to it; an integer format where every candidate element lies on the grid of one
 scale per group (absmax over qmax levels, or min/max over 2^bits - 1 levels) and within half a step
-of the reference's value.
+of the reference's value; a layout where every row holds exactly the reference's elements.
 """
 
 from __future__ import annotations
@@ -103,3 +104,10 @@ def _on_grid(ref: np.ndarray, cand: np.ndarray, bits: int, scheme: str) -> bool:
     q = (c - o) / s
     noise = 1e-5 * np.abs(r).max(1, keepdims=True)
     return bool((np.abs(q - np.round(q)) <= ON_GRID).all() and (np.abs(c - r) <= 0.5 * s * (1 + ON_GRID) + noise).all())
+
+
+def permuted(ref: np.ndarray, cand: np.ndarray) -> bool:
+    """Every candidate row holds exactly the reference row's elements, in another order somewhere
+    (a reshape or stride that moves elements across heads or dimensions)."""
+    r, c = ref.reshape(ref.shape[0], -1), cand.reshape(cand.shape[0], -1)
+    return bool(r.size and not np.array_equal(r, c) and np.array_equal(np.sort(r, 1), np.sort(c, 1)))
