@@ -505,6 +505,35 @@ def test_a_write_landing_on_a_kept_cell_shows_in_the_cached_rows(target, hf, ids
     assert found[0].details["source_positions"] == [cached], found[0].details
 
 
+def test_a_kept_cell_evicted_as_the_suffix_begins_is_a_key_not_attended(target, hf, ids, cold_trace, tmp_path):
+    """As the warm request's suffix is about to be evaluated, the engine removes the kept cell of
+    position 40 (`kv_cache_seq_rm`) while `n_tokens` still counts it (red-team l3: kvdiff stopped with
+    "kept 65 prompt tokens but its cache holds positions ..."). Its K/V are recorded as the cache held
+    them before the forward; the rows after the hit attend every kept key but 40: missing_context
+    unattended [40, 40] from the first row after the hit."""
+    cached, llm = ids[2], target.llm
+    engine_eval, evicted = type(llm).eval.__get__(llm), []
+
+    def evicting_eval(tokens):
+        if not evicted and llm.n_tokens > 40:
+            evicted.append(int(llm.n_tokens))
+            llm._ctx.kv_cache_seq_rm(0, 40, 41)
+        return engine_eval(tokens)
+
+    def plant(target):
+        evicted.clear()
+        target.llm.eval = target._evaluate(evicting_eval)
+
+    try:
+        div = kvdiff.diff(cold_trace, _warm(target, hf, ids, tmp_path / "warm.h5", after_primer=plant))
+    finally:
+        target.llm.eval = target._evaluate(engine_eval)
+    assert evicted == [cached]
+    found = [d for d in div.diagnoses if d.kind in ("missing_context", "attention_mismatch", "cache_content_mismatch")]
+    assert [d.kind for d in found][:1] == ["missing_context"], div.diagnoses
+    assert found[0].details["unattended"] == [40, 40] and found[0].positions[0] == cached
+
+
 # -- errors ----------------------------------------------------------------------------------------
 
 

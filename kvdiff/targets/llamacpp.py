@@ -146,6 +146,8 @@ class LlamaCppTarget:
             run = self._run
             if run is not None and run.hit is None:
                 run.hit = int(self.llm.n_tokens)
+                if run.sink is not None and run.hit:
+                    run.kept = self.read_cache()
             return inner(tokens)
         return evaluate
 
@@ -240,20 +242,28 @@ class LlamaCppTarget:
 
     def _emit_reads(self, run: "_Run") -> None:
         """The reads-only bracket of the kept prefix: K/V as the engine's sequence state holds them
-        after the request's first forward."""
-        state = self.read_cache()
-        keep = np.flatnonzero(state.positions < run.hit)
-        cached = [int(p) for p in state.positions[keep]]
+        after the request's first forward; a kept position that left the cache during it (evicted,
+        so attention did not read it) as the state held it before."""
+        after, before = self.read_cache(), run.kept
+        cells = {}
+        for state in (before, after):
+            cells.update({int(p): (state, c) for c, p in enumerate(state.positions) if p < run.hit})
+        cached = sorted(cells)
         if cached != list(range(run.hit)):
             raise KvdiffError(f"llama.cpp kept {run.hit} prompt tokens but its cache holds positions "
                               f"{cached[:3]}...{cached[-3:]}")
+        gone = [p for p in cached if cells[p][0] is before]
+        if gone:
+            log.warning("llama.cpp: kept positions %s left the cache during the request's first forward; recorded "
+                        "as the cache held them before it", gone[:8])
         sink = run.sink
         sink.begin_forward(cached, reads_only=True)
         sink.provenance(cached, Provenance("cache", -1, cached, True))
         for layer in range(self.num_layers):
-            for point, arrays in (("k", state.k), ("v", state.v)):
+            for point in ("k", "v"):
                 if sink.wants(point, layer):
-                    sink.capture(point, layer, self._shaped(point, arrays[layer][keep]), cached)
+                    rows = np.stack([getattr(cells[p][0], point)[layer][cells[p][1]] for p in cached])
+                    sink.capture(point, layer, self._shaped(point, rows), cached)
         sink.end_forward()
 
     # -- the engine's sequence state --------------------------------------------------------------
@@ -367,6 +377,7 @@ class _Forward:
 class _Run:
     def __init__(self, sink: ProbeSink | None, prompt_len: int):
         self.sink, self.prompt_len, self.hit, self.forwards = sink, prompt_len, None, 0    # hit: kept prefix
+        self.kept: CacheState | None = None         # the sequence state as the first forward found it
 
 
 @contextlib.contextmanager
