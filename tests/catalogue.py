@@ -173,7 +173,13 @@ def _positions_halved(report: dict, names: dict) -> str | None:
 
 
 NOT_FROM_NORMS = Check("any norm_consistency says source inputs", _norm_from_inputs)
+def _no_other_hidden_states(report: dict, names: dict) -> str | None:
+    bad = [d for d in report["diagnoses"] if d.get("computed_otherwise")]
+    return f"kvdiff says the rows were computed from other hidden states: {summary(bad[0])}" if bad else None
+
+
 NO_STALE = Check("no evidence names a wrong slot or stale entry", _no_stale_words)
+STORED = Check("no claim that the cached rows were computed from other hidden states", _no_other_hidden_states)
 HALVED = Check("a position_mismatch, if any, gives encoded positions p/2", _positions_halved)
 
 
@@ -526,19 +532,30 @@ CASES: list[Case] = [
          "the cached blocks' KV head 1 holds head 0's rows at layer 1",
          "block_kv rows 0..H-1 of layer 1: head 0 written over head 1 after the fill",
          (p("cache_copy_head", "cache", positions="range(0, H)", layer=1, src=0, dst=1),), "warm-other", K_CACHE, 1,
-         "0", (want(CC, positions=("0", "H - 1"), layer=1, head_map=[0, 0]),), (PM, MC)),
+         "0", (want(CC, positions=("0", "H - 1"), layer=1, head_map=[0, 0]),), (PM, MC), (STORED,)),
     Case("cb-qwen2-v-bf16-layer1", "tiny-qwen2", CB,
          "the cached blocks' V rounded through bf16 at layer 1 only (K and the other layers exact)",
          "block_kv V rows 0..H-1 of layer 1 -> bf16 -> fp32 after the fill",
          (p("cache_layer_storage", "cache", positions="range(0, H)", layer=1, point="v", how="bf16"),), "warm-other",
          V_CACHE, 1, "0", (want(CC, positions=("0", "H - 1"), layer=1, points=["v"], rounding="bfloat16"),),
-         (PM, MC)),
+         (PM, MC), (STORED,)),
     Case("cb-llama-k-stride-layer1", "tiny-llama", CB,
          "the cached blocks' K at layer 1 laid out with the wrong stride (elements moved across heads)",
          "block_kv K rows 0..H-1 of layer 1: (heads, head_dim) reshaped as (head_dim, heads) after the fill",
          (p("cache_layer_storage", "cache", positions="range(0, H)", layer=1, point="k", how="stride"),), "warm-other",
          K_CACHE, 1, "0", (want(CC, positions=("0", "H - 1"), layer=1, points=["k"], layout_permuted=True),),
-         (PM, MC)),
+         (PM, MC), (STORED,)),
+    Case("cb-qwen2-kv-swapped-layer1", "tiny-qwen2", CB,
+         "the cached blocks' K and V in each other's place at layer 1 only",
+         "block_kv rows 0..H-1 of layer 1: K and V exchanged after the fill",
+         (p("cache_layer_storage", "cache", positions="range(0, H)", layer=1, point="kv", how="swap"),), "warm-other",
+         K_CACHE, 1, "0", (want(CC, positions=("0", "H - 1"), layer=1, swapped_kv=True),), (PM, MC), (STORED,)),
+    Case("cb-llama-k-head-halved", "tiny-llama", CB,
+         "the cached blocks' K of KV head 1 stored at half its value (every layer; V and the other head exact)",
+         "block_kv K rows 0..H-1, KV head 1 x 0.5, every layer, after the fill",
+         (p("cache_layer_storage", "cache", positions="range(0, H)", layer=None, point="k", how="head1x0.5"),),
+         "warm-other", K_CACHE, 0, "0", (want(CC, positions=("0", "H - 1"), layer=0,
+                                              head_scale={"point": "k", "factors": [1.0, 0.5]}),), (PM, MC), (STORED,)),
     Case("cb-llama-kv-swapped-in-attention", "tiny-llama", CB,
          "K and V written to the cache in each other's place, so attention reads them swapped",
          "cache.update called with value and key exchanged", (p("kv_swap_in_attention"),), "cold", ATTENTION, 0, "0",
@@ -1444,20 +1461,26 @@ def plant_cache_copy_head(ctx: Ctx, positions: str, layer: int, src: int, dst: i
         ctx.write(layer, pos, k, v)
 
 
-def plant_cache_layer_storage(ctx: Ctx, positions: str, layer: int, point: str, how: str) -> Undo:
-    """Cached `point` rows of `positions` at `layer` alone stored otherwise: rounded through bfloat16
-    ("bf16"), or (heads, head_dim) laid out as (head_dim, heads) by a reshape with the wrong stride
-    ("stride")."""
+def plant_cache_layer_storage(ctx: Ctx, positions: str, layer: int | None, point: str, how: str) -> Undo:
+    """Cached `point` rows of `positions` at `layer` (None: every layer) stored otherwise: rounded through
+    bfloat16 ("bf16"); (heads, head_dim) laid out as (head_dim, heads) by a reshape with the wrong
+    stride ("stride"); KV head 1 times 0.5 ("head1x0.5"); with `point` "kv", K and V exchanged ("swap")."""
     pos = ev(positions, ctx.names)
     with torch.no_grad():
-        k, v = ctx.rows(layer, pos)
-        rows = {"k": k, "v": v}[point]
-        if how == "bf16":
-            rows = rows.to(torch.bfloat16).to(rows.dtype)
-        else:
-            n, heads, dim = rows.shape
-            rows = rows.reshape(n, dim, heads).transpose(1, 2).reshape(n, heads, dim)
-        ctx.write(layer, pos, *((rows, v) if point == "k" else (k, rows)))
+        for at in range(ctx.layers) if layer is None else (layer,):
+            k, v = ctx.rows(at, pos)
+            if how == "swap":
+                ctx.write(at, pos, v, k)
+                continue
+            rows = {"k": k, "v": v}[point].clone()
+            if how == "bf16":
+                rows = rows.to(torch.bfloat16).to(rows.dtype)
+            elif how == "stride":
+                n, heads, dim = rows.shape
+                rows = rows.reshape(n, dim, heads).transpose(1, 2).reshape(n, heads, dim)
+            else:
+                rows[:, 1] *= 0.5
+            ctx.write(at, pos, *((rows, v) if point == "k" else (k, rows)))
 
 
 def plant_kv_swap_in_attention(ctx: Ctx) -> Undo:

@@ -17,7 +17,7 @@ import numpy as np
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.keys import CONTENT, ROTATION, SCALED
 from kvdiff.analysis.metrics import row_metrics
-from kvdiff.analysis.storage import permuted, quantization, rounding
+from kvdiff.analysis.storage import fmt_factors, head_scales, permuted, quantization, rounding, scaled_heads_text
 
 EXACT = 1e-6      # a relative distance this small: the same row
 
@@ -85,7 +85,7 @@ def head_order(ref: np.ndarray, cand: np.ndarray) -> list[int] | None:
     return found if found is not None and sorted(found) == list(range(ref.shape[1])) else None
 
 
-def _swapped(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> bool:
+def swapped_kv(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> bool:
     """The candidate's k rows at `cols` are the reference's v rows and its v rows the reference's k
     rows, within tolerance (the cache's K and V in each other's place)."""
     points = inputs.comparison.points
@@ -199,7 +199,7 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
             details["rows"] = [list(r) for r in runs(group)]
         exact, moved = dist <= EXACT, src != group
         proof = f"{point} at {group.size} rows differs (rel up to {fmt(inputs.worst(point, 0, gcols)[1])}) with {same}"
-        swapped = _swapped(inputs, layer, gcols)
+        swapped = swapped_kv(inputs, layer, gcols)
         if swapped:
             details["swapped_kv"] = True
             evidence += ("; at every one of these positions the candidate's k rows are the reference's v rows and its v "
@@ -243,6 +243,10 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
                 evidence += (f"; every {point} row holds exactly the reference's elements in another order: the cache's "
                              f"layout differs (a reshape or stride that moves elements across heads or dimensions)")
                 proof += f"; every {point} row's elements are the reference row's, reordered"
+            elif (scales := head_scales(ref_rows[gcols], cand_rows[gcols])) is not None:
+                details["head_scale"] = {"point": point, "factors": scales}
+                evidence += f"; {scaled_heads_text(point, scales)}"
+                proof += f"; every {point} row is the reference's times one factor per head ({fmt_factors(scales)})"
         zero = [name for name in ("k", "v") if name in differing and not inputs.rows(layer, name)[1][gcols].any()]
         if zero:
             details["zero_rows"] = zero

@@ -1,4 +1,4 @@
-"""cache_content_mismatch past the first layer: cached K/V that hold another layer's rows.
+"""cache_content_mismatch past the first layer: cached K/V the cache holds otherwise.
 
 At positions the candidate read from its cache, K/V that match the reference at one layer and
 differ at the next may have been computed from other hidden states (a missing context:
@@ -6,16 +6,21 @@ diagnose_cached_context.py) or be other content. Only a proof is claimed here: w
 candidate's K and V rows of that layer equal, exactly, the reference's rows of another layer at
 the same positions, the cache's layer holds that layer's K/V (a layer index off when the cache
 was written or read); where its KV heads equal the reference's heads of the same layer in
-another arrangement, exactly, the cache's heads are arranged otherwise (`head_map`).
+another arrangement, exactly, the cache's heads are arranged otherwise (`head_map`); where k is the
+reference's v and v its k, they were stored in each other's place; where one of k and v differs
+while the other matches (other hidden states move both), or each differing one is the reference's
+in a narrower format, another element order or scaled per head, the cache stored it otherwise.
+`explains` tells diagnose_cached_context which rows are claimed here.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvdiff.analysis.diagnose_cache import EXACT, head_map, same_rows
+from kvdiff.analysis.diagnose_cache import EXACT, head_map, same_rows, swapped_kv
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
 from kvdiff.analysis.latent import value_point
+from kvdiff.analysis.storage import head_scales, permuted, quantization, rounding, scaled_heads_text
 
 
 def _kv_points(inputs: DiagnosisInputs) -> list[str]:
@@ -61,11 +66,21 @@ def diagnose_cache_layers(inputs: DiagnosisInputs) -> list[Diagnosis]:
     found = _first_bad_layer(inputs, points, cached)
     if found is None:
         return []
-    row, cols = found
+    return _claims(inputs, points, *found)
+
+
+def explains(inputs: DiagnosisInputs, row: int, cols: np.ndarray) -> bool:
+    """Whether the cached rows `cols` at layer row `row` are claimed here (what the cache holds)."""
+    points = _kv_points(inputs)
+    return bool(points) and bool(_claims(inputs, points, row, cols))
+
+
+def _claims(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarray) -> list[Diagnosis]:
     layer, before = inputs.comparison.layers[row], inputs.comparison.layers[row - 1]
     source = _source_layer(inputs, points, row, cols)
     if source is None:
-        return _other_heads(inputs, points, row, cols, before)
+        return _other_heads(inputs, points, row, cols, before) or _stored_otherwise(inputs, points, row, cols)
+    al = inputs.comparison.alignment
     out = []
     for chunk, group in group_by_chunk(inputs, al.positions[cols]):
         gcols = cols[np.isin(al.positions[cols], group)]
@@ -120,4 +135,54 @@ def _other_heads(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.
                    "rounding": None, "head_map": mapped}
         out.append(Diagnosis("cache_content_mismatch", chunk, (lo, hi), evidence, details, confidence=1.0,
                              proof=proof))
+    return out
+
+
+def _stored_otherwise(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarray) -> list[Diagnosis]:
+    """Cached rows whose K/V at this layer differ in a way other hidden states do not give: K and V in
+    each other's place, one of k and v differing while the other matches (a hidden state moves both),
+    or every differing one the reference's in a narrower format, another element order or scaled per
+    head. Nothing where both differ and none of that is shown."""
+    al, layer = inputs.comparison.alignment, inputs.comparison.layers[row]
+    out = []
+    for chunk, group in group_by_chunk(inputs, al.positions[cols]):
+        gcols = cols[np.isin(al.positions[cols], group)]
+        differ = [p for p in points if not inputs.ok(p, row)[gcols].all()]
+        details: dict = {"layer": layer, "points": differ, "rounding": None}
+        found = []
+        if len(differ) == 2 and swapped_kv(inputs, layer, gcols):
+            details["swapped_kv"] = True
+            found.append("k is the reference's v and v its k at every row, within tolerance: K and V stored in each "
+                         "other's place")
+        for point in differ if not found else ():
+            ref, cand = (rows[gcols] for rows in inputs.rows(layer, point))
+            dtype, share = rounding(ref, cand)
+            quant = None if dtype is not None else quantization(ref, cand)
+            scales = None if dtype or quant or permuted(ref, cand) else head_scales(ref, cand)
+            if dtype is not None or quant is not None:
+                details["rounding"] = dtype or quant.name
+                if quant is not None:
+                    details["quantization"] = quant.to_json()
+                found.append(f"its {point} rows are the reference's " + (
+                    f"rounded to {dtype} ({100 * share:.1f}% of the elements exactly, the rest within one step)"
+                    if dtype is not None else f"quantized to {quant.name} ({quant.scheme}, one scale per {quant.group})"))
+            elif permuted(ref, cand):
+                details["layout_permuted"] = True
+                found.append(f"every {point} row holds exactly the reference's elements in another order (the cache's "
+                             f"layout differs: a reshape or stride that moves elements across heads or dimensions)")
+            elif scales is not None:
+                details["head_scale"] = {"point": point, "factors": scales}
+                found.append(scaled_heads_text(point, scales))
+        if len(found) < len(differ) and len(differ) > 1 and "swapped_kv" not in details:
+            continue
+        if len(differ) == 1 and not found:
+            other = next(p for p in points if p != differ[0])
+            found.append(f"its {differ[0]} rows differ while its {other} rows match: other hidden states would move "
+                         f"both, so the {differ[0]} rows were stored or transformed otherwise")
+        lo, hi = int(group[0]), int(group[-1])
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)} whose K/V came from the cache: they match the "
+                    f"reference at the layer before, and at layer {layer} {' and '.join(differ)} differ: " + "; ".join(found))
+        out.append(Diagnosis("cache_content_mismatch", chunk, (lo, hi), evidence, details, confidence=1.0,
+                             proof=f"{' and '.join(differ)} divergent at layer {layer} at {gcols.size} rows read from "
+                                   f"the cache; " + "; ".join(found)))
     return out

@@ -9,10 +9,9 @@ tested where the data allow: a chunk whose first token is the conversation's fir
 alone, holds at every layer the reference's v of position 0 at its first row (a row that attends
 only itself does not depend on its position). Where no such test applies, or it fails, only what
 the data prove is claimed: a cache_content_mismatch of rows computed from other hidden states
-(`computed_otherwise`), whatever they attended otherwise. Before either, rows whose k or v alone
-differ, or whose differing points are the reference's stored in a narrower format, are what the
-cache stored otherwise (other hidden states move both k and v): a cache_content_mismatch naming
-the rounding, or the elements' order, where the data show it.
+(`computed_otherwise`), whatever they attended otherwise. Neither is claimed of rows whose content
+diagnose_cache_layers proves stored otherwise (another layer's, heads rearranged, K and V swapped,
+one of them alone differing, a narrower format).
 """
 
 from __future__ import annotations
@@ -20,12 +19,12 @@ from __future__ import annotations
 import numpy as np
 
 from kvdiff.analysis.attention import span_attention
+from kvdiff.analysis.diagnose_cache_layers import explains
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
 from kvdiff.analysis.keys import ROTATION
 from kvdiff.analysis.latent import attention_points, attention_rows, value_point
 from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.rope import rotate
-from kvdiff.analysis.storage import permuted, quantization, rounding
 
 
 def _k_ok(inputs: DiagnosisInputs, row: int) -> np.ndarray:
@@ -90,9 +89,7 @@ def diagnose_missing_context_in_cache(inputs: DiagnosisInputs) -> list[Diagnosis
         _, k_rel = inputs.worst("k", row, gcols)
         _, v_rel = inputs.worst(vp, row, gcols)
         lo, hi = int(group[0]), int(group[-1])
-        stored = _stored_otherwise(inputs, chunk, (lo, hi), row, vp, gcols)
-        if stored is not None:
-            out.append(stored)
+        if explains(inputs, row, gcols):          # what the cache holds is claimed there (diagnose_cache_layers)
             continue
         if span is None or span[0] <= int(positions[0]):        # no context before the chunk to have missed
             out.append(_computed_otherwise(inputs, chunk, (lo, hi), before, layer, vp, k_rel, v_rel, None))
@@ -119,44 +116,6 @@ def diagnose_missing_context_in_cache(inputs: DiagnosisInputs) -> list[Diagnosis
             "reference_attention_mass": float(mass.mean()), "reference_attention_mass_min": float(mass.min())},
             confidence=1.0, proof=f"{proof}; {note}"))
     return out
-
-
-def _stored_otherwise(inputs: DiagnosisInputs, chunk: str | None, span: tuple[int, int], row: int, vp: str,
-                      cols: np.ndarray) -> Diagnosis | None:
-    """Cached rows whose K/V at this layer differ in a way other hidden states do not give: one of k
-    and v differs while the other matches (a hidden state moves both), or every differing one is the
-    reference's stored in a narrower format. None where both differ and that is not shown."""
-    layer, lo, hi = inputs.comparison.layers[row], *span
-    ok = {"k": _k_ok(inputs, row)[cols].all(), vp: inputs.ok(vp, row)[cols].all()}
-    differ = [p for p in ("k", vp) if not ok[p]]
-    details: dict = {"layer": layer, "points": differ, "rounding": None}
-    found = []
-    for point in differ:
-        ref, cand = (rows[cols] for rows in inputs.rows(layer, point))
-        dtype, share = rounding(ref, cand)
-        quant = None if dtype is not None else quantization(ref, cand)
-        if dtype is not None or quant is not None:
-            details["rounding"] = dtype or quant.name
-            if quant is not None:
-                details["quantization"] = quant.to_json()
-            found.append(f"its {point} rows are the reference's " + (
-                f"rounded to {dtype} ({100 * share:.1f}% of the elements exactly, the rest within one step)"
-                if dtype is not None else f"quantized to {quant.name} ({quant.scheme}, one scale per {quant.group})"))
-        elif len(differ) == 1 and permuted(ref, cand):
-            details["layout_permuted"] = True
-            found.append(f"every {point} row holds exactly the reference's elements in another order (the cache's layout "
-                         f"differs: a reshape or stride that moves elements across heads or dimensions)")
-    if len(found) < len(differ) and len(differ) > 1:
-        return None
-    if len(differ) == 1 and not found:
-        found.append(f"its {differ[0]} rows differ while its {'k' if differ[0] == vp else vp} rows match: other hidden "
-                     f"states would move both, so the {differ[0]} rows were stored or transformed otherwise")
-    evidence = (f"layer {layer}, positions {span_text(lo, hi)}, read from the cache: their K/V match the reference at the "
-                f"layer before, as do every earlier position's, and at layer {layer} {' and '.join(differ)} differ: "
-                + "; ".join(found))
-    return Diagnosis("cache_content_mismatch", chunk, (lo, hi), evidence, details, confidence=1.0,
-                     proof=f"{' and '.join(differ)} divergent at layer {layer} at {cols.size} rows read from the cache; "
-                           + "; ".join(found))
 
 
 def _computed_otherwise(inputs: DiagnosisInputs, chunk: str | None, span: tuple[int, int], before: int, layer: int,

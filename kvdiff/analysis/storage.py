@@ -111,3 +111,33 @@ def permuted(ref: np.ndarray, cand: np.ndarray) -> bool:
     (a reshape or stride that moves elements across heads or dimensions)."""
     r, c = ref.reshape(ref.shape[0], -1), cand.reshape(cand.shape[0], -1)
     return bool(r.size and not np.array_equal(r, c) and np.array_equal(np.sort(r, 1), np.sort(c, 1)))
+
+
+def head_scales(ref: np.ndarray, cand: np.ndarray) -> list[float] | None:
+    """Per head, the one factor that makes the reference's rows (n, heads, dim) the candidate's at
+    every row, within float32 noise, where some head's is not 1 (a head's rows scaled when stored or
+    read); None where no factor per head does."""
+    if ref.ndim != 3 or ref.shape != cand.shape or not np.isfinite(cand).all():
+        return None
+    r, c = ref.astype(np.float64), cand.astype(np.float64)
+    power = (r * r).sum((0, 2))
+    if (power == 0).any():
+        return None
+    factors = (c * r).sum((0, 2)) / power
+    noise = 1e-5 * np.abs(r).max((0, 2)) * np.maximum(np.abs(factors), 1.0)
+    if not (np.abs(c - factors[None, :, None] * r) <= noise[None, :, None]).all():
+        return None
+    if np.allclose(factors, 1.0, rtol=0, atol=1e-5):
+        return None
+    return [float(f) for f in factors]
+
+
+def fmt_factors(factors: list[float]) -> str:
+    return ", ".join(f"head {h}: x{f:.4g}" for h, f in enumerate(factors))
+
+
+def scaled_heads_text(point: str, factors: list[float]) -> str:
+    """The evidence of `head_scales`: which heads' rows are scaled, by what."""
+    scaled = [f"head {h} x{f:.4g}" for h, f in enumerate(factors) if abs(f - 1.0) > 1e-5]
+    return (f"the candidate's {point} rows are the reference's with {', '.join(scaled)} (every other head exact): "
+            f"those heads' rows were scaled where the cache stored or read them")
