@@ -550,6 +550,11 @@ CASES: list[Case] = [
          "block_kv rows 0..H-1 of layer 1: K and V exchanged after the fill",
          (p("cache_layer_storage", "cache", positions="range(0, H)", layer=1, point="kv", how="swap"),), "warm-other",
          K_CACHE, 1, "0", (want(CC, positions=("0", "H - 1"), layer=1, swapped_kv=True),), (PM, MC), (STORED,)),
+    Case("cb-qwen3-cache-layers-shifted", "tiny-qwen3", CB,
+         "each layer of the cached blocks holds the next layer's K/V (a layer index off by one)",
+         "block_kv rows 0..H-1: layer i <- layer i+1 for every layer but the last, after the fill",
+         (p("cache_layers_shifted", "cache", positions="range(0, H)"),), "warm-other", K_CACHE, 0, "0",
+         (want(CC, positions=("0", "H - 1"), layer=0, source_layer=1),), (PM, MC), (STORED,)),
     Case("cb-llama-k-head-halved", "tiny-llama", CB,
          "the cached blocks' K of KV head 1 stored at half its value (every layer; V and the other head exact)",
          "block_kv K rows 0..H-1, KV head 1 x 0.5, every layer, after the fill",
@@ -1483,6 +1488,15 @@ def plant_cache_layer_storage(ctx: Ctx, positions: str, layer: int | None, point
             ctx.write(at, pos, *((rows, v) if point == "k" else (k, rows)))
 
 
+def plant_cache_layers_shifted(ctx: Ctx, positions: str) -> Undo:
+    """Cached K/V rows of `positions`: each layer holds the next layer's rows (the last its own)."""
+    pos = ev(positions, ctx.names)
+    with torch.no_grad():
+        for layer in range(ctx.layers - 1):
+            k, v = ctx.rows(layer + 1, pos)
+            ctx.write(layer, pos, k.clone(), v.clone())
+
+
 def plant_kv_swap_in_attention(ctx: Ctx) -> Undo:
     """K and V written to the cache in each other's place, so attention reads them swapped."""
     return _cache_write(ctx, lambda k, v, rows: (v, k))
@@ -1543,7 +1557,7 @@ PLANTS: dict[str, Callable[..., Undo]] = {
     "rope_twice": plant_rope_twice, "weight_residual": plant_weight_residual,
     "write_slot_shift": plant_write_slot_shift, "kv_head_copy": plant_kv_head_copy,
     "cache_copy_head": plant_cache_copy_head, "cache_quantize": plant_cache_quantize,
-    "cache_layer_storage": plant_cache_layer_storage,
+    "cache_layer_storage": plant_cache_layer_storage, "cache_layers_shifted": plant_cache_layers_shifted,
 }
 
 

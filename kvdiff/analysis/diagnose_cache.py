@@ -166,6 +166,17 @@ def _other_tokens(inputs: DiagnosisInputs, cols: np.ndarray) -> tuple[list[int],
     return _prompt_tokens(inputs, src), [int(e) for e in keys.encoded]
 
 
+def source_layer(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarray) -> int | None:
+    """The other recorded layer whose reference K and V rows the candidate's rows at layer `row` equal
+    at the same positions, every one of them; None when no layer does."""
+    layers = inputs.comparison.layers
+    cand = {p: inputs.rows(layers[row], p)[1][cols] for p in points}
+    for other, layer in enumerate(layers):
+        if other != row and all(same_rows(inputs.rows(layer, p)[0][cols], cand[p]).all() for p in points):
+            return layer
+    return None
+
+
 def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
     cols, k_only = _bad_columns(inputs)
     if not cols.size:
@@ -205,6 +216,12 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
             evidence += ("; at every one of these positions the candidate's k rows are the reference's v rows and its v "
                          "rows the reference's k rows (within tolerance): the cache holds K and V in each other's place")
             proof += "; k = the reference's v and v = the reference's k at every row, within tolerance"
+        elif (other_layer := source_layer(inputs, ["k", "v"], 0, gcols)) is not None:
+            details["source_layer"] = other_layer
+            evidence += (f"; the candidate's k and v rows there equal the reference's of layer {other_layer} at the same "
+                         f"positions exactly: the cache's layer {layer} holds layer {other_layer}'s K/V (a layer index off "
+                         f"where the cache was written or read)")
+            proof += f"; k and v equal the reference's at layer {other_layer} at every row (relative distance <= {EXACT:g})"
         elif (exact & moved).any():
             pairs = ", ".join(f"{p}<-{s}" for p, s in zip(group[exact & moved][:6], src[exact & moved][:6]))
             proof += f"; {int((exact & moved).sum())} rows equal the reference's {point} at other positions exactly"

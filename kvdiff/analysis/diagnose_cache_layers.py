@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvdiff.analysis.diagnose_cache import EXACT, head_map, same_rows, swapped_kv
+from kvdiff.analysis.diagnose_cache import EXACT, head_map, same_rows, source_layer, swapped_kv
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
 from kvdiff.analysis.latent import value_point
 from kvdiff.analysis.storage import head_scales, permuted, quantization, rounding, scaled_heads_text
@@ -46,17 +46,6 @@ def _first_bad_layer(inputs: DiagnosisInputs, points: list[str], cached: np.ndar
     return None
 
 
-def _source_layer(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarray) -> int | None:
-    """The other recorded layer whose reference K and V rows the candidate's rows at layer `row` equal
-    at the same positions, every one of them; None when no layer does."""
-    layers = inputs.comparison.layers
-    cand = {p: inputs.rows(layers[row], p)[1][cols] for p in points}
-    for other, layer in enumerate(layers):
-        if other != row and all(same_rows(inputs.rows(layer, p)[0][cols], cand[p]).all() for p in points):
-            return layer
-    return None
-
-
 def diagnose_cache_layers(inputs: DiagnosisInputs) -> list[Diagnosis]:
     al = inputs.comparison.alignment
     points = _kv_points(inputs)
@@ -77,7 +66,7 @@ def explains(inputs: DiagnosisInputs, row: int, cols: np.ndarray) -> bool:
 
 def _claims(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarray) -> list[Diagnosis]:
     layer, before = inputs.comparison.layers[row], inputs.comparison.layers[row - 1]
-    source = _source_layer(inputs, points, row, cols)
+    source = source_layer(inputs, points, row, cols)
     if source is None:
         return _other_heads(inputs, points, row, cols, before) or _stored_otherwise(inputs, points, row, cols)
     al = inputs.comparison.alignment
