@@ -379,3 +379,16 @@ def test_values_whose_elements_the_cache_reordered_are_named_a_layout(traces, tm
              if d["kind"] == "cache_content_mismatch"]
     assert cc["positions"] == [0, 15] and cc["points"] == ["v"] and cc["layout_permuted"] is True, cc
     assert cc["rounding"] is None and "another order" in cc["evidence"]
+
+
+def test_a_residual_dropped_at_one_position_is_proved_there_with_full_confidence(traces, tmp_path):
+    """One decode position's residual add after the MLP at layer 1 returns the MLP's output alone (red-team
+    v5: confidence 1/89 had ranked this exact account below everything)."""
+    cand = tmp_path / "dropped.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        last = f["layers/1/resid_post"].shape[0] - 1
+        f["layers/1/resid_post"][last] = f["layers/1/mlp_out"][last]
+    (op,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
+    assert op["positions"] == [last, last] and op["output_is_input"] == "mlp_out" and op["confidence"] == 1.0, op

@@ -110,8 +110,11 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None) -> list[
         evidence += (f"; its output is the reference's times {fmt(factor[0])} (that leaves {fmt(factor[1])} of the "
                      f"change unexplained): the operation's weights or its result scaled by one factor")
         proof += f"; {op.tensor} = {fmt(factor[0])} x the reference's, {fmt(factor[1])} of the change left"
+    # the share of positions broken hedges a claim the tiers alone make (inputs within tolerance may still
+    # be amplified past it); an exact account of every broken position is a proof of its own
+    proved = rotated is not None or passed is not None or weighted is not None
     return [Diagnosis("operation_mismatch", inputs.chunks.chunk_of(lo), (lo, hi), evidence, details,
-                      confidence=n / m, proof=proof)]
+                      confidence=1.0 if proved else n / m, proof=proof)]
 
 
 def _q_rotation(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> dict | None:
