@@ -490,7 +490,7 @@ CASES: list[Case] = [
          "paged cache K/V rows 0..H-1 -> 4-bit min/max per row and head -> fp32 after the primer",
          (p("cache_quantize", "cache", positions="range(0, H)", bits=4, scheme="asymmetric"),), "warm-other",
          K_CACHE, 0, "0", (want(CC, positions=("0", "H - 1"), rounding="int4",
-                               quantization={"bits": 4, "scheme": "asymmetric", "group": "row and head"}),), (PM, MC)),
+                               quantization={"format": "int4", "bits": 4, "scheme": "asymmetric", "group": "row and head"}),), (PM, MC)),
     Case("cb-qwen2-v-bf16", "tiny-qwen2", CB,
          "cached V rounded through bf16", "block_kv V rows 0..H-1 -> bf16 -> fp32 after the fill",
          (p("cache_round_v", "cache", positions="range(0, H)"),), "warm-other", V_CACHE, 0, "0",
@@ -592,7 +592,7 @@ CASES: list[Case] = [
          "paged cache K/V rows 0..H-1 -> int8 per row and head -> fp32 after the primer",
          (p("cache_quantize", "cache", positions="range(0, H)", bits=8, scheme="symmetric"),), "warm-other",
          K_CACHE, 0, "0", (want(CC, positions=("0", "H - 1"), rounding="int8",
-                               quantization={"bits": 8, "scheme": "symmetric", "group": "row and head"}),), (PM, MC)),
+                               quantization={"format": "int8", "bits": 8, "scheme": "symmetric", "group": "row and head"}),), (PM, MC)),
     Case("vllm-llama64-cache-kv-swapped", VLLM_ARCH, VLLM,
          "the cache holds the cached block's K and V in each other's place", "paged cache rows 0..H-1: K and V "
          "exchanged after the primer", (p("cache_swap_kv", "cache", positions="range(0, H)"),), "warm-other",

@@ -223,8 +223,24 @@ def test_values_quantized_to_integers_in_a_cache_are_named_by_their_format(trace
     (cc,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"]
              if d["kind"] == "cache_content_mismatch"]
     assert cc["rounding"] == f"int{bits}" and cc["positions"] == [0, 15] and cc["points"] == ["v"]
-    assert cc["quantization"] == {"bits": bits, "scheme": scheme, "group": group}, cc
+    assert cc["quantization"] == {"format": f"int{bits}", "bits": bits, "scheme": scheme, "group": group}, cc
     assert "wrong slot or stale entry" not in cc["evidence"] and f"int{bits} grid" in cc["proof"]
+
+
+def test_values_stored_in_float8_over_a_scale_per_block_are_named_by_their_format(traces, tmp_path):
+    """V rows 0-15 as float8 (e4m3) of the values over one scale for the whole block (absmax / 448), as
+    a cache with a per-block scale stores them; plain float8 rounding (unit scale) does not give them."""
+    cand = tmp_path / "fp8.h5"
+    cand.write_bytes(traces["offset"].read_bytes())
+    with h5py.File(traces["reference"], "r") as ref, h5py.File(cand, "r+") as f:
+        v = torch.from_numpy(ref["layers/0/v"][:16])
+        scale = v.abs().max() / 448.0
+        f["layers/0/v"][:16] = ((v / scale).to(torch.float8_e4m3fn).float() * scale).numpy()
+        f["layers/0/k"][:16] = ref["layers/0/k"][:16]
+    (cc,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"]
+             if d["kind"] == "cache_content_mismatch"]
+    assert cc["rounding"] == "float8_e4m3fn" and cc["positions"] == [0, 15] and cc["points"] == ["v"], cc
+    assert cc["quantization"] == {"format": "float8_e4m3fn", "bits": 8, "scheme": "scaled", "group": "all rows"}, cc
 
 
 def test_rows_off_an_integer_grid_are_named_no_quantization(traces, tmp_path):

@@ -251,10 +251,8 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
                 proof += f"; equal to the reference's rows rounded to {dtype} at {100 * share:.1f}% of the elements"
             elif (quant := quantization(ref_rows[gcols], cand_rows[gcols])) is not None:
                 details["rounding"], details["quantization"] = quant.name, quant.to_json()
-                evidence += (f"; the candidate's {point} rows are the reference's quantized to {quant.name} ({quant.scheme}, "
-                             f"one scale per {quant.group}): the cache stored them as {quant.bits}-bit integers")
-                proof += (f"; every element lies on its {quant.group}'s {quant.name} grid ({quant.scheme} scale from the "
-                          f"group's extremes) and within half a step of the reference's")
+                evidence += f"; the candidate's {point} rows are {quant.evidence()}"
+                proof += f"; {quant.proof()}"
             elif permuted(ref_rows[gcols], cand_rows[gcols]):
                 details["layout_permuted"] = True
                 evidence += (f"; every {point} row holds exactly the reference's elements in another order: the cache's "

@@ -152,9 +152,9 @@ def _stored_otherwise(inputs: DiagnosisInputs, points: list[str], row: int, cols
                 details["rounding"] = dtype or quant.name
                 if quant is not None:
                     details["quantization"] = quant.to_json()
-                found.append(f"its {point} rows are the reference's " + (
-                    f"rounded to {dtype} ({100 * share:.1f}% of the elements exactly, the rest within one step)"
-                    if dtype is not None else f"quantized to {quant.name} ({quant.scheme}, one scale per {quant.group})"))
+                found.append(f"its {point} rows are " + (
+                    f"the reference's rounded to {dtype} ({100 * share:.1f}% of the elements exactly, the rest within "
+                    f"one step)" if dtype is not None else quant.evidence()))
             elif permuted(ref, cand):
                 details["layout_permuted"] = True
                 found.append(f"every {point} row holds exactly the reference's elements in another order (the cache's "

@@ -5,7 +5,9 @@ candidate's.
 Each test is a proof on the rows themselves: a float format where (nearly) every element equals the
 reference's rounded to it; an integer format where every candidate element lies on the grid of one
 scale per group (absmax over qmax levels, or min/max over 2^bits - 1 levels) and within half a step
-of the reference's value; a layout where every row holds exactly the reference's elements.
+of the reference's value; float8 with a scale per group where (nearly) every element equals the
+reference's over the group's scale rounded to it; a layout where every row holds exactly the
+reference's elements.
 """
 
 from __future__ import annotations
@@ -18,25 +20,42 @@ import torch
 # formats a cache may store K/V in, with their mantissa bits (one step: 2^(exponent - bits))
 ROUNDINGS = (("bfloat16", 7), ("float16", 10), ("float8_e4m3fn", 3), ("float8_e5m2", 2))
 INTEGER_BITS = (8, 4)
+SCALED_FLOATS = (("float8_e4m3fn", 448.0), ("float8_e5m2", 57344.0))    # with their largest finite value
+ROW_BLOCKS = (16, 32, 64, 128)      # rows sharing a scale where a cache scales a block of it
 ON_GRID = 1e-3          # how far from an integer a value over its group's step may lie (float32 dequantization)
 
 
 @dataclass(frozen=True)
 class Quantization:
-    """Integer quantization that gives the candidate's rows: `bits`, `scheme` ("symmetric": absmax
-    over 2^(bits-1) - 1 levels a side; "asymmetric": min to max over 2^bits - 1 levels) and `group`
-    (what shares one scale: "row and head" or "row")."""
+    """A scaled format that gives the candidate's rows: `format` ("int8", "int4", "float8_e4m3fn",
+    "float8_e5m2"), `scheme` ("symmetric": absmax over 2^(bits-1) - 1 integer levels a side;
+    "asymmetric": min to max over 2^bits - 1 levels; "scaled": float8 of the values over absmax / the
+    format's largest) and `group` (what shares one scale: "row and head", "row", "N rows" from the first
+    row, or "all rows")."""
 
+    format: str
     bits: int
     scheme: str
     group: str
 
     @property
     def name(self) -> str:
-        return f"int{self.bits}"
+        return self.format
 
     def to_json(self) -> dict:
-        return {"bits": self.bits, "scheme": self.scheme, "group": self.group}
+        return {"format": self.format, "bits": self.bits, "scheme": self.scheme, "group": self.group}
+
+    def evidence(self) -> str:
+        """What the rows are, in words."""
+        how = "as integers" if self.format.startswith("int") else "in float8 over that scale"
+        return f"the reference's quantized to {self.format} ({self.scheme}, one scale per {self.group}: stored {how})"
+
+    def proof(self) -> str:
+        if self.format.startswith("int"):
+            return (f"every element lies on its {self.group}'s {self.format} grid ({self.scheme} scale from the group's "
+                    f"extremes) and within half a step of the reference's")
+        return (f"99% of the elements equal the reference's over its {self.group}'s scale (absmax / the format's "
+                f"largest) rounded to {self.format} and scaled back")
 
 
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -69,23 +88,64 @@ def rounding(ref: np.ndarray, cand: np.ndarray) -> tuple[str | None, float]:
 
 
 def quantization(ref: np.ndarray, cand: np.ndarray) -> Quantization | None:
-    """The integer quantization whose grid holds every candidate element, each within half a step
-    (plus float32 noise) of the reference's: rows (n, heads, head_dim) are tried with a scale per
-    row and head, then per row; None where no format, scheme and grouping does, or where the rows
-    are equal."""
+    """The scaled format that gives the candidate's rows from the reference's: integers whose grid holds
+    every candidate element, each within half a step (plus float32 noise) of the reference's, or float8
+    of the reference's over a scale at 99% of the elements exactly; rows (n, heads, head_dim) are tried
+    with a scale per row and head, per row, per block of rows and for all of them. None where no
+    format, scheme and grouping does, or where the rows are equal."""
     if cand.size == 0 or not np.isfinite(cand).all() or np.array_equal(ref, cand):
         return None
-    n = cand.shape[0]
-    groups = [("row", (n, -1))] if cand.ndim < 3 else [("row and head", (n * cand.shape[1], -1)), ("row", (n, -1))]
+    groups = _groups(cand.shape)
     for bits in INTEGER_BITS:
-        for group, shape in groups:
-            c, r = cand.reshape(shape).astype(np.float64), ref.reshape(shape).astype(np.float64)
-            if c.shape[1] < 8:          # too few elements a group for a grid to prove anything
+        for group, shapes in groups:
+            pairs = [(r.astype(np.float64), c.astype(np.float64)) for r, c in _split(ref, cand, shapes)]
+            if min(c.shape[1] for _, c in pairs) < 8:      # too few elements a group for a grid to prove anything
                 continue
             for scheme in ("symmetric", "asymmetric"):
-                if _on_grid(r, c, bits, scheme):
-                    return Quantization(bits, scheme, group)
+                if all(_on_grid(r, c, bits, scheme) for r, c in pairs):
+                    return Quantization(f"int{bits}", bits, scheme, group)
+    for dtype, largest in SCALED_FLOATS:
+        for group, shapes in groups:
+            if all(_scaled_float(r, c, dtype, largest) for r, c in _split(ref, cand, shapes)):
+                return Quantization(dtype, 8, "scaled", group)
     return None
+
+
+def _groups(shape: tuple) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Ways to share a scale over rows of `shape`: per row and head (rows (n, heads, dim)), per row,
+    per block of rows from the first (the last block may be shorter), all rows; each as the 2D shapes
+    (groups, elements) of consecutive row spans, in order."""
+    n, per_row = shape[0], int(np.prod(shape[1:]))
+    out = [] if len(shape) < 3 else [("row and head", [(n * shape[1], per_row // shape[1])])]
+    out.append(("row", [(n, per_row)]))
+    for block in ROW_BLOCKS:
+        if block < n:
+            full = n // block * block
+            out.append((f"{block} rows", [(full // block, block * per_row)] + ([(1, (n - full) * per_row)] if n > full else [])))
+    return out + [("all rows", [(1, n * per_row)])]
+
+
+def _split(ref: np.ndarray, cand: np.ndarray, shapes: list[tuple[int, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`ref` and `cand` flattened and cut into the consecutive (groups, elements) spans of `shapes`."""
+    r, c, out, at = ref.reshape(-1), cand.reshape(-1), [], 0
+    for groups, elements in shapes:
+        size = groups * elements
+        out.append((r[at:at + size].reshape(groups, elements), c[at:at + size].reshape(groups, elements)))
+        at += size
+    return out
+
+
+def _scaled_float(ref: np.ndarray, cand: np.ndarray, dtype: str, largest: float) -> bool:
+    """99% of `cand` (groups, elements) equal to `ref` over each group's scale (its absmax over the
+    format's largest value), rounded to `dtype` and scaled back, where some element moved."""
+    scale = np.abs(cand.astype(np.float64)).max(1, keepdims=True) / largest
+    live = scale[:, 0] > 0
+    if not live.any() or (cand[~live] != ref[~live]).any():
+        return False
+    r, c, sc = ref[live].astype(np.float64), cand[live].astype(np.float64), scale[live]
+    predicted = round_to((r / sc).astype(np.float32), dtype).astype(np.float64) * sc
+    equal = np.isclose(predicted, c, rtol=1e-5, atol=0)
+    return bool(equal.mean() >= 0.99 and (predicted != r).any())
 
 
 def _on_grid(ref: np.ndarray, cand: np.ndarray, bits: int, scheme: str) -> bool:
