@@ -550,6 +550,19 @@ CASES: list[Case] = [
          "block_kv rows 0..H-1 of layer 1: K and V exchanged after the fill",
          (p("cache_layer_storage", "cache", positions="range(0, H)", layer=1, point="kv", how="swap"),), "warm-other",
          K_CACHE, 1, "0", (want(CC, positions=("0", "H - 1"), layer=1, swapped_kv=True),), (PM, MC), (STORED,)),
+    Case("cb-llama-cache-rows-shifted-layer1", "tiny-llama", CB,
+         "at layer 1 the cached row of each position holds the previous position's K and V",
+         "block_kv rows 1..H-1 of layer 1 <- rows 0..H-2 after the fill",
+         (p("cache_layer_storage", "cache", positions="range(0, H)", layer=1, point="k", how="shift"),), "warm-other",
+         K_CACHE, 1, "1", (want(CC, positions=("1", "H - 1"), layer=1, source_positions=X("list(range(0, H - 1))")),),
+         (PM, MC), (STORED,)),
+    Case("cb-qwen2-cached-k-rope-twice-layer1", "tiny-qwen2", CB,
+         "at layer 1 the cached keys were rotated twice (each encoded at twice its position)",
+         "block_kv K rows 0..H-1 of layer 1 rotated once more by their positions after the fill",
+         (p("cache_layer_storage", "cache", positions="range(0, H)", layer=1, point="k", how="rope twice"),),
+         "warm-other", K_CACHE, 1, "1",
+         (want(CC, positions=("1", "H - 1"), layer=1, points=["k"],
+               k_rotation=X('{"encoded_positions": [2, 2 * H - 2], "position_factor": 2}')),), (PM, MC), (STORED,)),
     Case("cb-qwen3-cache-layers-shifted", "tiny-qwen3", CB,
          "each layer of the cached blocks holds the next layer's K/V (a layer index off by one)",
          "block_kv rows 0..H-1: layer i <- layer i+1 for every layer but the last, after the fill",
@@ -1469,7 +1482,9 @@ def plant_cache_copy_head(ctx: Ctx, positions: str, layer: int, src: int, dst: i
 def plant_cache_layer_storage(ctx: Ctx, positions: str, layer: int | None, point: str, how: str) -> Undo:
     """Cached `point` rows of `positions` at `layer` (None: every layer) stored otherwise: rounded through
     bfloat16 ("bf16"); (heads, head_dim) laid out as (head_dim, heads) by a reshape with the wrong
-    stride ("stride"); KV head 1 times 0.5 ("head1x0.5"); with `point` "kv", K and V exchanged ("swap")."""
+    stride ("stride"); KV head 1 times 0.5 ("head1x0.5"); keys rotated once more by their position
+    ("rope twice"); row p holding row p - 1's K and V ("shift", `point` "k"); with `point` "kv", K and
+    V exchanged ("swap")."""
     pos = ev(positions, ctx.names)
     with torch.no_grad():
         for at in range(ctx.layers) if layer is None else (layer,):
@@ -1483,6 +1498,15 @@ def plant_cache_layer_storage(ctx: Ctx, positions: str, layer: int | None, point
             elif how == "stride":
                 n, heads, dim = rows.shape
                 rows = rows.reshape(n, dim, heads).transpose(1, 2).reshape(n, heads, dim)
+            elif how == "shift":            # row p holds row p - 1's (K and V), the first its own
+                k, v = k.clone(), v.clone()
+                k[1:], v[1:] = k[:-1].clone(), v[:-1].clone()
+                rows = k if point == "k" else v
+            elif how == "rope twice":       # each key rotated once more by its position
+                cos, sin = ctx.model.model.rotary_emb(rows.float(), torch.tensor([pos]))
+                cos, sin = cos[0][:, None, :], sin[0][:, None, :]
+                half = rows.shape[-1] // 2
+                rows = (rows * cos + torch.cat((-rows[..., half:], rows[..., :half]), dim=-1) * sin).to(rows.dtype)
             else:
                 rows[:, 1] *= 0.5
             ctx.write(at, pos, *((rows, v) if point == "k" else (k, rows)))

@@ -21,7 +21,7 @@ import kvdiff
 from kvdiff.analysis.api import _compare
 from kvdiff.analysis.chunks import ChunkLookup
 from kvdiff.analysis.contradictions import consistent, contradictions
-from kvdiff.analysis.diagnose_cache import _sources, head_order
+from kvdiff.analysis.diagnose_cache import head_order, sources
 from kvdiff.analysis.storage import round_to
 from kvdiff.analysis.diagnose_operation import diagnose_operation
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs
@@ -305,11 +305,11 @@ def test_a_stale_row_of_a_repeated_token_is_named_by_the_key_it_holds():
     k_ref = gen.standard_normal((6, 8)).astype(np.float32)
     positions = np.arange(6)
     holds = np.array([4, 1])        # the candidate's two stale rows: position 4's, then position 1's
-    src, dist = _sources(v_ref, v_ref[holds], positions, (k_ref, k_ref[holds]))
+    src, dist = sources(v_ref, v_ref[holds], positions, (k_ref, k_ref[holds]))
     assert src.tolist() == [4, 1] and (dist <= 1e-6).all()
     # without keys (or with keys that match neither), the first of the equal rows
-    assert _sources(v_ref, v_ref[holds], positions)[0].tolist() == [1, 1]
-    assert _sources(v_ref, v_ref[holds], positions, (k_ref, k_ref[holds] + 1))[0].tolist() == [1, 1]
+    assert sources(v_ref, v_ref[holds], positions)[0].tolist() == [1, 1]
+    assert sources(v_ref, v_ref[holds], positions, (k_ref, k_ref[holds] + 1))[0].tolist() == [1, 1]
 
 
 def test_a_norm_that_computes_otherwise_is_named_though_its_output_stays_within_tolerance(traces):

@@ -34,7 +34,7 @@ def _distances(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
     return rel
 
 
-def _sources(ref: np.ndarray, cand: np.ndarray, positions: np.ndarray,
+def sources(ref: np.ndarray, cand: np.ndarray, positions: np.ndarray,
              keys: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """For each candidate row, the reference position whose row is nearest, and the relative distance.
     Rows of one token are equal wherever it occurs (before RoPE, at the first layer), so with `keys`
@@ -123,7 +123,7 @@ def _bad_columns(inputs: DiagnosisInputs) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _row_sources(inputs: DiagnosisInputs, point: str, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`_sources` of the candidate's first-layer `point` rows at `cols`, each confirmed by its key:
+    """`sources` of the candidate's first-layer `point` rows at `cols`, each confirmed by its key:
     k_pre_rope where the candidate computed the row (its content before RoPE, which the row's own
     position rotates), k as the cache holds it where the row was read from a cache."""
     layer, al = inputs.first_layer, inputs.comparison.alignment
@@ -136,7 +136,7 @@ def _row_sources(inputs: DiagnosisInputs, point: str, cols: np.ndarray) -> tuple
             if point not in ("k", key) and key in inputs.comparison.points:
                 ref_key, cand_key = inputs.rows(layer, key)
                 keys = ref_key, cand_key[cols[rows]]
-            src[rows], dist[rows] = _sources(ref_rows, cand_rows[cols[rows]], al.positions, keys)
+            src[rows], dist[rows] = sources(ref_rows, cand_rows[cols[rows]], al.positions, keys)
     return src, dist
 
 
@@ -155,7 +155,7 @@ def _other_tokens(inputs: DiagnosisInputs, cols: np.ndarray) -> tuple[list[int],
     if inputs.thetas is None or not {"k", "k_pre_rope", "v"} <= set(inputs.comparison.points) or not cols.size:
         return None
     ref_v, cand_v = inputs.rows(layer, "v")
-    src, dist = _sources(ref_v, cand_v[cols], positions)
+    src, dist = sources(ref_v, cand_v[cols], positions)
     if not (dist <= EXACT).all():
         return None
     content = inputs.rows(layer, "k_pre_rope")[0].copy()
@@ -258,7 +258,8 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
                 evidence += (f"; every {point} row holds exactly the reference's elements in another order: the cache's "
                              f"layout differs (a reshape or stride that moves elements across heads or dimensions)")
                 proof += f"; every {point} row's elements are the reference row's, reordered"
-            elif (scales := head_scales(ref_rows[gcols], cand_rows[gcols])) is not None:
+            elif (scales := head_scales(ref_rows[gcols], cand_rows[gcols])) is not None and \
+                    not (point == "k" and np.allclose(scales, scales[0])):      # every head alike: k_scale's, below
                 details["head_scale"] = {"point": point, "factors": scales}
                 evidence += f"; {scaled_heads_text(point, scales)}"
                 proof += f"; every {point} row is the reference's times one factor per head ({fmt_factors(scales)})"
@@ -268,7 +269,8 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
             evidence += (f"; the candidate's {' and '.join(zero)} rows there are all zeros: cache slots never written, "
                          f"or an empty block read in their place")
             proof += f"; every {'/'.join(zero)} row is zero"
-        if k_only[gcols].any() and keys is not None and not swapped:
+        stored = any(details.get(f) for f in ("rounding", "layout_permuted", "head_scale", "head_order", "source_layer"))
+        if k_only[gcols].any() and keys is not None and not swapped and not stored:
             ksel = np.isin(keys.cols, gcols)
             scaled = keys.kind[ksel] == SCALED
             if scaled.all() and keys.exact[ksel].all() and (keys.encoded[ksel] == positions[keys.cols[ksel]]).all():

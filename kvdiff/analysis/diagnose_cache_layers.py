@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvdiff.analysis.diagnose_cache import EXACT, head_map, same_rows, source_layer, swapped_kv
+from kvdiff.analysis.diagnose_cache import EXACT, head_map, same_rows, source_layer, sources, swapped_kv
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
 from kvdiff.analysis.latent import value_point
+from kvdiff.analysis.rope import estimate_positions
 from kvdiff.analysis.storage import head_scales, permuted, quantization, rounding, scaled_heads_text
 
 
@@ -139,7 +140,13 @@ def _stored_otherwise(inputs: DiagnosisInputs, points: list[str], row: int, cols
         differ = [p for p in points if not inputs.ok(p, row)[gcols].all()]
         details: dict = {"layer": layer, "points": differ, "rounding": None}
         found = []
-        if len(differ) == 2 and swapped_kv(inputs, layer, gcols):
+        moved = _moved_rows(inputs, points, layer, gcols) if len(differ) == 2 else None
+        if moved is not None:
+            details["source_positions"] = moved
+            pairs = ", ".join(f"{p}<-{q}" for p, q in list(zip(group.tolist(), moved))[:6])
+            found.append(f"each row's k and v are the reference's rows of this layer at another position exactly "
+                         f"({pairs}): rows moved to another slot (a wrong slot, a stale or shifted entry)")
+        elif len(differ) == 2 and swapped_kv(inputs, layer, gcols):
             details["swapped_kv"] = True
             found.append("k is the reference's v and v its k at every row, within tolerance: K and V stored in each "
                          "other's place")
@@ -162,7 +169,14 @@ def _stored_otherwise(inputs: DiagnosisInputs, points: list[str], row: int, cols
             elif scales is not None:
                 details["head_scale"] = {"point": point, "factors": scales}
                 found.append(scaled_heads_text(point, scales))
-        if len(found) < len(differ) and len(differ) > 1 and "swapped_kv" not in details:
+            elif point == "k" and (turn := _rotated_keys(inputs, ref, cand, al.positions[gcols])) is not None:
+                details["k_rotation"] = turn
+                twice = " (RoPE applied twice: each key encoded at twice its position)" if turn["position_factor"] == 2 else ""
+                found.append(f"its k rows are the reference's k of this layer rotated by RoPE to other positions "
+                             f"(encoded at {turn['encoded_positions'][0]}..{turn['encoded_positions'][1]}, exact "
+                             f"rotations){twice}")
+        both = moved is not None or "swapped_kv" in details        # one account of k and v together
+        if len(found) < len(differ) and len(differ) > 1 and not both:
             continue
         if len(differ) == 1 and not found:
             other = next(p for p in points if p != differ[0])
@@ -175,3 +189,28 @@ def _stored_otherwise(inputs: DiagnosisInputs, points: list[str], row: int, cols
                              proof=f"{' and '.join(differ)} divergent at layer {layer} at {gcols.size} rows read from "
                                    f"the cache; " + "; ".join(found)))
     return out
+
+
+def _moved_rows(inputs: DiagnosisInputs, points: list[str], layer: int, cols: np.ndarray) -> list[int] | None:
+    """Per row, the other position whose reference k and v rows of this layer the candidate's equal
+    exactly (v matched, confirmed by k), where every row has one and some is not its own; else None."""
+    positions = inputs.comparison.alignment.positions
+    (ref_k, cand_k), (ref_v, cand_v) = (inputs.rows(layer, p) for p in points)
+    src, dist = sources(ref_v, cand_v[cols], positions, (ref_k, cand_k[cols]))
+    if not (dist <= EXACT).all() or (src == positions[cols]).all():
+        return None
+    return [int(p) for p in src]
+
+
+def _rotated_keys(inputs: DiagnosisInputs, ref: np.ndarray, cand: np.ndarray, positions: np.ndarray) -> dict | None:
+    """The candidate's k rows as the reference's rotated by RoPE to other positions, exactly at every
+    row: the encoded positions (first, last) and `position_factor` 2 where each is twice its own."""
+    if inputs.thetas is None or ref.ndim != 3:
+        return None
+    horizon = 2 * int(positions.max()) + 64
+    delta, quality = estimate_positions(ref, cand, inputs.thetas, horizon, -horizon, batch=8)
+    if not (quality >= 1 - 1e-4).all() or not delta.any():
+        return None
+    encoded = positions + delta
+    return {"encoded_positions": [int(encoded[0]), int(encoded[-1])],
+            "position_factor": 2 if (encoded == 2 * positions).all() else None}
