@@ -541,7 +541,7 @@ def test_llamacpp_failure_is_a_kvdiff_error_and_the_engine_survives(target, ids)
     bad = ids[0][:10] + [target.llm.n_vocab() + 7]           # llama_decode refuses a token past the vocabulary
     with pytest.raises(KvdiffError, match="llama.cpp failed: ") as info:
         target.generate(bad, 2)
-    assert info.value.exit_code == 3
+    assert info.value.exit_code == 3 and "refused the batch as invalid" in str(info.value)
     run = target.generate(ids[0], 2)
     assert len(run.token_ids) == 2 and run.cache_hit_tokens == 0
     target.reset_cache()

@@ -250,13 +250,15 @@ def _rounding_note(inputs: DiagnosisInputs, attn_rel: float, details: dict) -> s
     if {inputs.reference.meta.dtype, inputs.candidate.meta.dtype} != {"float32"} or not np.isfinite(attn_rel):
         return ""
     size = float(np.sqrt(2 * attn_rel))
-    for name, roundoff in _ROUNDOFF:
-        if size <= 4 * roundoff:
-            details["rounding_size"] = name
-            return (f"; the difference is as large as rounding to {name} makes it (relative {fmt(size)}, {name}'s unit "
-                    f"roundoff {fmt(roundoff)}): attention computed in {name} (a flash-attention kernel, a {name} "
-                    f"cache) gives as much")
-    return ""
+    fits = [(name, roundoff) for name, roundoff in _ROUNDOFF if roundoff / 16 <= size <= 4 * roundoff]
+    if not fits:
+        return ""
+    details["rounding_size"] = fits[0][0]
+    names = " or ".join(name for name, _ in fits)
+    units = ", ".join(f"{name}'s unit roundoff {fmt(roundoff)}" for name, roundoff in fits)
+    return (f"; the difference is as large as rounding to {names} makes it (relative {fmt(size)}; {units}): attention "
+            f"computed in {names}, or K/V stored in it (a flash-attention kernel, a narrower cache), gives as much"
+            + ("; the data do not tell which" if len(fits) > 1 else ""))
 
 
 def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:

@@ -76,6 +76,13 @@ class CacheState:
     v: list[np.ndarray] = field(default_factory=list)
 
 
+# what llama_decode's return codes mean (llama.h), appended to llama-cpp-python's message
+DECODE_ERRORS = {"llama_decode returned -1": " (llama.cpp refused the batch as invalid: its tokens, positions or "
+                                             "sequence ids, such as positions that do not follow the sequence's last "
+                                             "cached one)",
+                 "llama_decode returned 1": " (no room in the KV cache for the batch)",
+                 "llama_decode returned 2": " (the decode was aborted)"}
+
 # llama_cpp.Llama arguments kvdiff's recording depends on, and why: refused as engine options
 FIXED_ARGS = {"model_path": "the reference's GGUF", "logits_all": "every position's logits are recorded",
               "type_k": "the target reads K and V as float32", "type_v": "the target reads K and V as float32",
@@ -249,9 +256,11 @@ class LlamaCppTarget:
         for state in (before, after):
             cells.update({int(p): (state, c) for c, p in enumerate(state.positions) if p < run.hit})
         cached = sorted(cells)
-        if cached != list(range(run.hit)):
-            raise KvdiffError(f"llama.cpp kept {run.hit} prompt tokens but its cache holds positions "
-                              f"{cached[:3]}...{cached[-3:]}")
+        missing = sorted(set(range(run.hit)) - set(cached))
+        if missing:
+            raise KvdiffError(f"llama.cpp kept {run.hit} prompt tokens but its cache holds no row of position"
+                              f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing[:8]))}"
+                              f"{'...' if len(missing) > 8 else ''}")
         gone = [p for p in cached if cells[p][0] is before]
         if gone:
             log.warning("llama.cpp: kept positions %s left the cache during the request's first forward; recorded "
@@ -341,7 +350,7 @@ class LlamaCppTarget:
             self.reset_cache()                  # the next request starts cold on a clean cache
             if isinstance(exc, KvdiffError):    # the sink's own error, or one raised in cb_eval
                 raise
-            raise KvdiffError(f"llama.cpp failed: {exc}") from exc
+            raise KvdiffError(f"llama.cpp failed: {exc}{DECODE_ERRORS.get(str(exc), '')}") from exc
         finally:
             self._run = None
         margins = []
