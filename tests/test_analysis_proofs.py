@@ -43,6 +43,7 @@ class AttentionFaults(Faults):
     scale: float = 1.0
     next_key: bool = False
     window: tuple[int, int] | None = None         # (first query, w): from it on, a sliding window of w keys
+    moved_block: tuple[int, int, int, int] | None = None   # (first query, B, dst, src): block dst read as block src
 
 
 class AttentionModel(SyntheticModel):
@@ -79,6 +80,14 @@ class AttentionModel(SyntheticModel):
             scores = torch.einsum("thd,shd->hts", q, kk) * scale
             p = scores.masked_fill(~allowed[None], float("-inf")).softmax(-1)
             z = c["z"] = torch.einsum("hts,shd->thd", p, vv)
+            if isinstance(faults, AttentionFaults) and faults.moved_block is not None and \
+                    T >= (faults.moved_block[3] + 1) * faults.moved_block[1]:     # the rows it reads exist
+                first, size, slots, held = faults.moved_block
+                read = torch.arange(T)
+                read[slots * size:(slots + 1) * size] = torch.arange(held * size, (held + 1) * size)
+                moved = torch.einsum("thd,shd->hts", q, kk[read]) * scale
+                p = moved.masked_fill(~allowed[None], float("-inf")).softmax(-1)
+                z[first:] = torch.einsum("hts,shd->thd", p, vv[read])[first:]
             a = c["attn_out"] = z.reshape(T, H * d) @ L["wo"].T
             x = c["resid_mid"] = x + a
             h2 = c["mlp_norm"] = rms_norm(x, L["n2"], self.eps)
@@ -108,6 +117,7 @@ def traces(tmp_path_factory, model):
         "scale": (model, AttentionFaults(scale=1.25), CHUNKS),
         "next": (model, AttentionFaults(next_key=True), CHUNKS),
         "window": (model, AttentionFaults(window=(16, 11)), CHUNKS),       # 11: none of the windows tried first
+        "block": (model, AttentionFaults(moved_block=(28, 16, 0, 1)), CHUNKS),  # decode steps read 16-31 at 0-15
         "offset": (model, Faults(encoded={p: p + 5 for p in USER}), CHUNKS),
         "local": (model, Faults(encoded={p: p - 16 for p in USER}, context_start={p: 16 for p in USER}), CHUNKS),
         "scaling": (model, Faults(encoded={p: p / 2 for p in range(64)}), CHUNKS),
@@ -408,3 +418,11 @@ def test_a_residual_dropped_at_one_position_is_proved_there_with_full_confidence
         f["layers/1/resid_post"][last] = f["layers/1/mlp_out"][last]
     (op,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
     assert op["positions"] == [last, last] and op["output_is_input"] == "mlp_out" and op["confidence"] == 1.0, op
+
+
+def test_a_cache_block_read_in_another_blocks_place_is_named(traces):
+    """From the first decode step (28) on, attention reads key slots 0-15 as the rows of 16-31 (a block
+    table entry naming another block of 16): nothing else explains the rows."""
+    (am,) = diagnoses(traces, "block", "attention_mismatch")
+    assert am["explanation"] == "moved block" and am["positions"][0] == 28, am
+    assert (am["block_size"], am["slots"], am["holds"]) == (16, [0, 15], [16, 31]) and am["fit_residual"] < 1e-3

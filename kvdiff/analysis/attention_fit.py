@@ -40,7 +40,7 @@ class Hypothesis:
     name: str                                  # "standard", "hidden", "scale", "next key", "chunk alone",
                                                # "not causal", "window", "own key hidden", "kv heads", "softcap",
                                                # "zeroed", "not cached", "kv swapped", "lagged mask",
-                                               # "shifted writes"
+                                               # "shifted writes", "moved block"
     text: str                                  # in words, for the evidence
     visible: Callable[[int, int], np.ndarray]
     scale: float = 1.0
@@ -57,6 +57,7 @@ class Hypothesis:
     # "shifted writes": at a row, the key row each cache slot 0..row holds (-1: never written, a zero row)
     moved: Callable[[int], np.ndarray] | None = None
     shift: int | None = None                   # "shifted writes": row r's K/V written at slot r + shift
+    block: tuple | None = None                 # "moved block": (block size, slots (first, last), rows held (first, last))
 
     def fields(self) -> dict:
         """What a report says of this explanation beside its name: its fitted or chosen values."""
@@ -64,7 +65,9 @@ class Hypothesis:
                    "kv heads": {"kv_head_of_query_head": list(self.kv_heads or ())}, "softcap": {"softcap": self.softcap},
                    "zeroed": {"since": self.since, "own_key_zeroed": self.own_zeroed},
                    "not cached": {"since": self.since}, "lagged mask": {"mask_lag": self.lag},
-                   "shifted writes": {"since": self.since, "write_shift": self.shift}}
+                   "shifted writes": {"since": self.since, "write_shift": self.shift},
+                   "moved block": {} if self.block is None else
+                   {"block_size": self.block[0], "slots": list(self.block[1]), "holds": list(self.block[2])}}
         return by_name.get(self.name, {})
 
 

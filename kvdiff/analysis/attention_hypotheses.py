@@ -151,6 +151,34 @@ def shifted_writes(first: int, forward_end: Callable[[int], int]) -> list[Hypoth
     return out
 
 
+BLOCK_SIZES = (16, 32, 64)     # cache blocks a block table maps, where another block may be read in one's place
+
+
+def moved_blocks(first: int) -> list[Hypothesis]:
+    """One cache block read in another's place (a block table entry naming another block of the
+    sequence): for each block size B, key slots jB..jB+B-1 before the first tested row's block hold
+    the rows iB..iB+B-1 of another block i (every block of the row's keys), at every tested row."""
+    out = []
+    for size in BLOCK_SIZES:
+        blocks = (first + 1) // size          # whole blocks every tested row reads
+        for dst in range(blocks):
+            for src in range(blocks + 1):
+                if src == dst:
+                    continue
+
+                def moved(row: int, size: int = size, dst: int = dst, src: int = src) -> np.ndarray:
+                    order = np.arange(row + 1)
+                    held = order[dst * size:(dst + 1) * size]
+                    order[dst * size:(dst + 1) * size] = src * size + (held - dst * size)
+                    return order
+
+                slots, rows = (dst * size, dst * size + size - 1), (src * size, src * size + size - 1)
+                out.append(Hypothesis("moved block", f"cache slots {slots[0]}-{slots[1]} holding the rows of positions "
+                                      f"{rows[0]}-{rows[1]} (a block table naming another block of {size})", causal,
+                                      moved=moved, block=(size, slots, rows)))
+    return out
+
+
 def sliding_window(w: int) -> Callable[[int, int], np.ndarray]:
     return lambda row, n: causal(row, n) & (np.arange(n) > row - w)
 
