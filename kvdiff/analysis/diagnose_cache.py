@@ -17,7 +17,7 @@ import numpy as np
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.keys import CONTENT, ROTATION, SCALED
 from kvdiff.analysis.metrics import row_metrics
-from kvdiff.analysis.storage import fmt_factors, head_scales, permuted, quantization, rounding, scaled_heads_text
+from kvdiff.analysis.storage import stored_as
 
 EXACT = 1e-6      # a relative distance this small: the same row
 
@@ -242,35 +242,18 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
             evidence += (f"; at every one of these positions the candidate's {point} rows hold the reference's heads in "
                          f"the order {order}: the cache's head layout differs")
             proof += f"; every row's heads equal the reference's heads {order} exactly"
-        else:
-            dtype, share = rounding(ref_rows[gcols], cand_rows[gcols])
-            if dtype is not None:
-                details["rounding"] = dtype
-                evidence += (f"; the candidate's {point} rows are the reference's rounded to {dtype} ({100 * share:.1f}% "
-                             f"of the elements exactly, the rest within one {dtype} step): the cache stored them in {dtype}")
-                proof += f"; equal to the reference's rows rounded to {dtype} at {100 * share:.1f}% of the elements"
-            elif (quant := quantization(ref_rows[gcols], cand_rows[gcols])) is not None:
-                details["rounding"], details["quantization"] = quant.name, quant.to_json()
-                evidence += f"; the candidate's {point} rows are {quant.evidence()}"
-                proof += f"; {quant.proof()}"
-            elif permuted(ref_rows[gcols], cand_rows[gcols]):
-                details["layout_permuted"] = True
-                evidence += (f"; every {point} row holds exactly the reference's elements in another order: the cache's "
-                             f"layout differs (a reshape or stride that moves elements across heads or dimensions)")
-                proof += f"; every {point} row's elements are the reference row's, reordered"
-            elif (scales := head_scales(ref_rows[gcols], cand_rows[gcols])) is not None and \
-                    not (point == "k" and np.allclose(scales, scales[0])):      # every head alike: k_scale's, below
-                details["head_scale"] = {"point": point, "factors": scales}
-                evidence += f"; {scaled_heads_text(point, scales)}"
-                proof += f"; every {point} row is the reference's times one factor per head ({fmt_factors(scales)})"
+        elif (stored := stored_as(ref_rows[gcols], cand_rows[gcols], point, uniform_scale=point != "k")) is not None:
+            details.update(stored.details)      # a k scaled alike in every head: k_scale's, below
+            evidence += f"; {stored.evidence}"
+            proof += f"; {stored.proof}"
         zero = [name for name in ("k", "v") if name in differing and not inputs.rows(layer, name)[1][gcols].any()]
         if zero:
             details["zero_rows"] = zero
             evidence += (f"; the candidate's {' and '.join(zero)} rows there are all zeros: cache slots never written, "
                          f"or an empty block read in their place")
             proof += f"; every {'/'.join(zero)} row is zero"
-        stored = any(details.get(f) for f in ("rounding", "layout_permuted", "head_scale", "head_order", "source_layer"))
-        if k_only[gcols].any() and keys is not None and not swapped and not stored:
+        explained = any(details.get(f) for f in ("rounding", "layout_permuted", "head_scale", "head_order", "source_layer"))
+        if k_only[gcols].any() and keys is not None and not swapped and not explained:
             ksel = np.isin(keys.cols, gcols)
             scaled = keys.kind[ksel] == SCALED
             if scaled.all() and keys.exact[ksel].all() and (keys.encoded[ksel] == positions[keys.cols[ksel]]).all():

@@ -21,7 +21,7 @@ from kvdiff.analysis.diagnose_cache import EXACT, head_map, same_rows, source_la
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
 from kvdiff.analysis.latent import value_point
 from kvdiff.analysis.rope import estimate_positions
-from kvdiff.analysis.storage import head_scales, permuted, quantization, rounding, scaled_heads_text
+from kvdiff.analysis.storage import stored_as
 
 
 def _kv_points(inputs: DiagnosisInputs) -> list[str]:
@@ -152,23 +152,9 @@ def _stored_otherwise(inputs: DiagnosisInputs, points: list[str], row: int, cols
                          "other's place")
         for point in differ if not found else ():
             ref, cand = (rows[gcols] for rows in inputs.rows(layer, point))
-            dtype, share = rounding(ref, cand)
-            quant = None if dtype is not None else quantization(ref, cand)
-            scales = None if dtype or quant or permuted(ref, cand) else head_scales(ref, cand)
-            if dtype is not None or quant is not None:
-                details["rounding"] = dtype or quant.name
-                if quant is not None:
-                    details["quantization"] = quant.to_json()
-                found.append(f"its {point} rows are " + (
-                    f"the reference's rounded to {dtype} ({100 * share:.1f}% of the elements exactly, the rest within "
-                    f"one step)" if dtype is not None else quant.evidence()))
-            elif permuted(ref, cand):
-                details["layout_permuted"] = True
-                found.append(f"every {point} row holds exactly the reference's elements in another order (the cache's "
-                             f"layout differs: a reshape or stride that moves elements across heads or dimensions)")
-            elif scales is not None:
-                details["head_scale"] = {"point": point, "factors": scales}
-                found.append(scaled_heads_text(point, scales))
+            if (stored := stored_as(ref, cand, point)) is not None:
+                details.update(stored.details)
+                found.append(stored.evidence)
             elif point == "k" and (turn := _rotated_keys(inputs, ref, cand, al.positions[gcols])) is not None:
                 details["k_rotation"] = turn
                 twice = " (RoPE applied twice: each key encoded at twice its position)" if turn["position_factor"] == 2 else ""

@@ -192,12 +192,41 @@ def head_scales(ref: np.ndarray, cand: np.ndarray) -> list[float] | None:
     return [float(f) for f in factors]
 
 
-def fmt_factors(factors: list[float]) -> str:
-    return ", ".join(f"head {h}: x{f:.4g}" for h, f in enumerate(factors))
+@dataclass(frozen=True)
+class Storage:
+    """How rows were stored otherwise: the report fields (`rounding` with `quantization`,
+    `layout_permuted` or `head_scale`), the evidence in words and the proof."""
+
+    details: dict
+    evidence: str
+    proof: str
 
 
-def scaled_heads_text(point: str, factors: list[float]) -> str:
-    """The evidence of `head_scales`: which heads' rows are scaled, by what."""
-    scaled = [f"head {h} x{f:.4g}" for h, f in enumerate(factors) if abs(f - 1.0) > 1e-5]
-    return (f"the candidate's {point} rows are the reference's with {', '.join(scaled)} (every other head exact): "
-            f"those heads' rows were scaled where the cache stored or read them")
+def stored_as(ref: np.ndarray, cand: np.ndarray, point: str, uniform_scale: bool = True) -> Storage | None:
+    """The first of: a narrower float, a scaled format, another element order, one factor per head
+    (`uniform_scale` False: not where every head's factor is the same), that gives the candidate's
+    `point` rows from the reference's; None where none does."""
+    dtype, share = rounding(ref, cand)
+    if dtype is not None:
+        return Storage({"rounding": dtype},
+                       f"the candidate's {point} rows are the reference's rounded to {dtype} ({100 * share:.1f}% of the "
+                       f"elements exactly, the rest within one {dtype} step): the cache stored them in {dtype}",
+                       f"equal to the reference's rows rounded to {dtype} at {100 * share:.1f}% of the elements")
+    quant = quantization(ref, cand)
+    if quant is not None:
+        return Storage({"rounding": quant.name, "quantization": quant.to_json()},
+                       f"the candidate's {point} rows are {quant.evidence()}", quant.proof())
+    if permuted(ref, cand):
+        return Storage({"layout_permuted": True},
+                       f"every {point} row holds exactly the reference's elements in another order: the cache's "
+                       f"layout differs (a reshape or stride that moves elements across heads or dimensions)",
+                       f"every {point} row's elements are the reference row's, reordered")
+    scales = head_scales(ref, cand)
+    if scales is None or (not uniform_scale and np.allclose(scales, scales[0])):
+        return None
+    scaled = ", ".join(f"head {h} x{f:.4g}" for h, f in enumerate(scales) if abs(f - 1.0) > 1e-5)
+    return Storage({"head_scale": {"point": point, "factors": scales}},
+                   f"the candidate's {point} rows are the reference's with {scaled} (every other head exact): those "
+                   f"heads' rows were scaled where the cache stored or read them",
+                   f"every {point} row is the reference's times one factor per head "
+                   f"({', '.join(f'head {h}: x{f:.4g}' for h, f in enumerate(scales))})")
