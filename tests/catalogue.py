@@ -563,6 +563,12 @@ CASES: list[Case] = [
          "warm-other", K_CACHE, 1, "1",
          (want(CC, positions=("1", "H - 1"), layer=1, points=["k"],
                k_rotation=X('{"encoded_positions": [2, 2 * H - 2], "position_factor": 2}')),), (PM, MC), (STORED,)),
+    Case("cb-llama-v-holds-k-layer1", "tiny-llama", CB,
+         "at layer 1 the cached V rows hold the K rows (K written where V belongs; K right)",
+         "block_kv V rows 0..H-1 of layer 1 <- K rows after the fill",
+         (p("cache_layer_storage", "cache", positions="range(0, H)", layer=1, point="v", how="copy k"),), "warm-other",
+         V_CACHE, 1, "0", (want(CC, positions=("0", "H - 1"), layer=1, points=["v"], copied_from="k"),), (PM, MC),
+         (STORED,)),
     Case("cb-qwen3-cache-layers-shifted", "tiny-qwen3", CB,
          "each layer of the cached blocks holds the next layer's K/V (a layer index off by one)",
          "block_kv rows 0..H-1: layer i <- layer i+1 for every layer but the last, after the fill",
@@ -1502,6 +1508,8 @@ def plant_cache_layer_storage(ctx: Ctx, positions: str, layer: int | None, point
                 k, v = k.clone(), v.clone()
                 k[1:], v[1:] = k[:-1].clone(), v[:-1].clone()
                 rows = k if point == "k" else v
+            elif how == "copy k":           # K written where V belongs
+                rows = k.clone()
             elif how == "rope twice":       # each key rotated once more by its position
                 cos, sin = ctx.model.model.rotary_emb(rows.float(), torch.tensor([pos]))
                 cos, sin = cos[0][:, None, :], sin[0][:, None, :]

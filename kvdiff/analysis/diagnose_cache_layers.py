@@ -152,7 +152,8 @@ def _stored_otherwise(inputs: DiagnosisInputs, points: list[str], row: int, cols
                          "other's place")
         for point in differ if not found else ():
             ref, cand = (rows[gcols] for rows in inputs.rows(layer, point))
-            if (stored := stored_as(ref, cand, point)) is not None:
+            others = {p: inputs.rows(layer, p)[0][gcols] for p in points if p != point}
+            if (stored := stored_as(ref, cand, point, others=others)) is not None:
                 details.update(stored.details)
                 found.append(stored.evidence)
             elif point == "k" and (turn := _rotated_keys(inputs, ref, cand, al.positions[gcols])) is not None:

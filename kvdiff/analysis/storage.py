@@ -202,10 +202,18 @@ class Storage:
     proof: str
 
 
-def stored_as(ref: np.ndarray, cand: np.ndarray, point: str, uniform_scale: bool = True) -> Storage | None:
-    """The first of: a narrower float, a scaled format, another element order, one factor per head
+def stored_as(ref: np.ndarray, cand: np.ndarray, point: str, uniform_scale: bool = True,
+              others: dict[str, np.ndarray] | None = None) -> Storage | None:
+    """The first of: the reference's rows of another point at the same positions (`others`, such as v
+    for k), a narrower float, a scaled format, another element order, one factor per head
     (`uniform_scale` False: not where every head's factor is the same), that gives the candidate's
     `point` rows from the reference's; None where none does."""
+    for name, rows in (others or {}).items():
+        if rows.shape == cand.shape and _same(rows, cand):
+            return Storage({"copied_from": name},
+                           f"the candidate's {point} rows are the reference's {name} rows at the same positions, "
+                           f"exactly: {name} was written where {point} belongs",
+                           f"every {point} row equals the reference's {name} row exactly")
     dtype, share = rounding(ref, cand)
     if dtype is not None:
         return Storage({"rounding": dtype},
@@ -230,3 +238,9 @@ def stored_as(ref: np.ndarray, cand: np.ndarray, point: str, uniform_scale: bool
                    f"heads' rows were scaled where the cache stored or read them",
                    f"every {point} row is the reference's times one factor per head "
                    f"({', '.join(f'head {h}: x{f:.4g}' for h, f in enumerate(scales))})")
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Every row of `a` and `b` equal within a relative distance of 1e-6."""
+    x, y = a.reshape(a.shape[0], -1).astype(np.float64), b.reshape(b.shape[0], -1).astype(np.float64)
+    return bool((np.sqrt(((x - y) ** 2).sum(1)) <= 1e-6 * np.maximum(np.sqrt((y * y).sum(1)), 1e-300)).all())
