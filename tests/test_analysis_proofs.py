@@ -426,3 +426,18 @@ def test_a_cache_block_read_in_another_blocks_place_is_named(traces):
     (am,) = diagnoses(traces, "block", "attention_mismatch")
     assert am["explanation"] == "moved block" and am["positions"][0] == 28, am
     assert (am["block_size"], am["slots"], am["holds"]) == (16, [0, 15], [16, 31]) and am["fit_residual"] < 1e-3
+
+
+def test_computed_keys_stored_rounded_where_attention_read_them_are_named(traces, tmp_path):
+    """An engine whose cache holds K in bfloat16 records k as attention read it from there: at the rows it
+    computed, k is its own k_pre_rope rotated and then rounded (red-team round 4 c00c: the first
+    operation was 'RoPE on k' with no diagnosis)."""
+    cand = tmp_path / "k-bf16.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        f["layers/0/k"][16:28] = round_to(f["layers/0/k"][16:28], "bfloat16")
+    found = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"]
+             if d["kind"] == "cache_content_mismatch"]
+    assert found and found[0]["positions"] == [16, 27] and found[0]["rounding"] == "bfloat16", found
+    assert "k" in found[0]["points"] and "k projection" not in found[0]["evidence"]

@@ -117,9 +117,19 @@ def _bad_columns(inputs: DiagnosisInputs) -> tuple[np.ndarray, np.ndarray]:
     keys = inputs.keys
     k_only = np.zeros_like(bad)
     if keys is not None:
-        k_only[keys.cols[keys.cached & ((keys.kind == SCALED) | (keys.kind == CONTENT))]] = True
+        other = (keys.kind == SCALED) | (keys.kind == CONTENT)
+        k_only[keys.cols[keys.cached & other]] = True
+        # a computed row whose k, as attention read it, is not its own k_pre_rope rotated, where that
+        # matches the reference's and k does not: the key was stored or overwritten otherwise
+        k_bad, kp_ok = inputs.divergent("k", 0), inputs.ok("k_pre_rope", 0)
+        if k_bad is not None and kp_ok is not None:
+            computed = keys.cols[~keys.cached & other]
+            computed = computed[k_bad[computed] & kp_ok[computed]]
+            if computed.size:           # a rotation with RoPE's pairs taken otherwise is rope_mismatch's
+                computed = computed[inputs.interleaved_keys(computed).kind != ROTATION]
+            k_only[computed] = True
     cached = np.array([inputs.chunks.cached(int(p)) is not False for p in al.positions], dtype=bool)
-    return np.flatnonzero((bad | k_only) & cached & al.comparable), k_only
+    return np.flatnonzero(((bad & cached) | k_only) & al.comparable), k_only
 
 
 def _row_sources(inputs: DiagnosisInputs, point: str, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -262,10 +272,14 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
                 evidence += (f"; the cached keys are the reference's rotated to the expected positions and scaled by "
                              f"{fmt(factor)} (every rotate_half pair), while v matches: their k projection (or k-norm) "
                              f"differed when they were computed")
-            else:
+            elif al.kv_only[gcols].all():
                 evidence += ("; the cached keys' rotate_half pairs do not keep the reference's magnitudes, so no RoPE "
                              "rotation makes them the reference's keys, while v matches: they were computed otherwise "
                              "(k projection, k-norm)")
+            else:
+                evidence += ("; at the rows the candidate computed, k as attention read it is not the row's own "
+                             "k_pre_rope rotated (which matches the reference's): the key was stored or overwritten "
+                             "otherwise after it was computed")
             proof += (f"; k's pair magnitudes differ from the reference's k_pre_rope by up to "
                       f"{fmt(float(keys.magnitude_rel[ksel].max()))} of the largest, beyond tolerance")
         out.append(Diagnosis("cache_content_mismatch", chunk, (lo, hi), evidence, details, confidence=1.0, proof=proof))
