@@ -441,3 +441,15 @@ def test_computed_keys_stored_rounded_where_attention_read_them_are_named(traces
              if d["kind"] == "cache_content_mismatch"]
     assert found and found[0]["positions"] == [16, 27] and found[0]["rounding"] == "bfloat16", found
     assert "k" in found[0]["points"] and "k projection" not in found[0]["evidence"]
+
+
+def test_keys_at_several_offsets_give_no_single_offset(tmp_path, model):
+    """Half the user chunk encoded 5 positions on, half 7 (red-team round 4 c02: with six equally common
+    offsets, one of them was reported as `offset`)."""
+    ref = write_trace(model, tmp_path / "ref.h5", PROMPT, STEPS, faults=Faults())
+    shifted = {p: p + (5 if p < 22 else 7) for p in USER}
+    cand = write_trace(model, tmp_path / "cand.h5", PROMPT, STEPS, strategy="prefix", faults=Faults(encoded=shifted),
+                       chunks=CHUNKS)
+    (pm,) = [d for d in kvdiff.diff(ref, cand).to_json()["diagnoses"] if d["kind"] == "position_mismatch"]
+    assert pm["positions"] == [16, 27] and pm["offset"] is None and pm["encoded_positions"] == [21, 34], pm
+    assert "2 different offsets" in pm["evidence"]

@@ -65,7 +65,9 @@ def _positions(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
                          + (": the keys were stored without RoPE)" if enc[0] == 0 else ")"))
         elif not factor and values.size > 1:
             evidence += f" ({values.size} different offsets, {int(counts.max())} of {group.size} positions at {offset:+d})"
-        details: dict = {"offset": None if factor else offset, "encoded_positions": [int(enc.min()), int(enc.max())],
+        # one offset for the rows where one holds most of them; else the evidence gives the spread
+        single = not factor and 2 * int(counts.max()) > group.size
+        details: dict = {"offset": offset if single else None, "encoded_positions": [int(enc.min()), int(enc.max())],
                          "expected_positions": [lo, hi], "fit_quality": float(quality.min()), "layer": layer,
                          "position_factor": factor}
         reported = [inputs.chunks.encoded_position(int(p)) for p in group]
