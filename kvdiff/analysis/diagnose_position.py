@@ -54,19 +54,20 @@ def _positions(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
         offset = int(values[counts.argmax()])
         _, k_rel = inputs.worst("k", 0, gcols)
         factor = _position_factor(enc, positions[gcols]) if values.size > 1 else None
+        # one offset for the rows where one holds most of them; else the evidence gives the spread
+        single = not factor and 2 * int(counts.max()) > group.size
+        shift = f"offset {offset:+d}" if single else f"offsets {int(values[0]):+d} to {int(values[-1]):+d}"
         evidence = (f"layer {layer}, positions {span_text(lo, hi)}: {_same(inputs, keys, gcols)} while k after RoPE "
                     f"differs (rel {fmt(k_rel)}), so the keys hold the same content rotated to other positions; the "
                     f"rotation angles fit encoded positions {span_text(int(enc[0]), int(enc[-1]))} (fit quality "
                     f"{fmt(float(quality.min()))}), expected {span_text(lo, hi)}: "
                     + (f"every one of them encoded at {factor} times its position (RoPE applied {factor} times, or its "
-                       f"positions or frequencies scaled by {factor})" if factor else f"offset {offset:+d}"))
+                       f"positions or frequencies scaled by {factor})" if factor else shift))
         if not factor and values.size > 1 and enc.min() == enc.max():
             evidence += (f" (every one of them encoded at position {int(enc[0])}"
                          + (": the keys were stored without RoPE)" if enc[0] == 0 else ")"))
         elif not factor and values.size > 1:
             evidence += f" ({values.size} different offsets, {int(counts.max())} of {group.size} positions at {offset:+d})"
-        # one offset for the rows where one holds most of them; else the evidence gives the spread
-        single = not factor and 2 * int(counts.max()) > group.size
         details: dict = {"offset": offset if single else None, "encoded_positions": [int(enc.min()), int(enc.max())],
                          "expected_positions": [lo, hi], "fit_quality": float(quality.min()), "layer": layer,
                          "position_factor": factor}
