@@ -147,16 +147,17 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
     family = hypotheses(first, starts + [s - 1 for s in starts], chunk_start, same_forward, forward_end,
                         tests[0][0].cand.dims[:2], tests[0][0].heads)
     scores, owner = [], {}
-    for test, note in tests:
-        found = _scores(test, family, note)
-        owner.update({id(f): test for f in found})
-        scores += found
+
+    def score_each_test(score) -> None:
+        for test, note in tests:
+            found = score(test, note)
+            owner.update({id(f): test for f in found})
+            scores.extend(found)
+
+    score_each_test(lambda test, note: _scores(test, family, note))
     best, ties, others = _ranked(scores)
     if best.residual > NEAR_EXACT:          # nothing explains the rows exactly: is a cache block read in another's place?
-        for test, note in tests:
-            found = [test.score(replace(h, text=h.text + note)) for h in finalists(test, moved_blocks(first))]
-            owner.update({id(f): test for f in found})
-            scores += found
+        score_each_test(lambda test, note: _finalist_scores(test, moved_blocks(first), note))
         best, ties, others = _ranked(scores)
     aligned = any(s.hypothesis.name == "chunk alone" for s in ties) and best.hypothesis.name == "hidden"
     tied = [s for s in ties if s.hypothesis.name not in (best.hypothesis.name, "chunk alone")]
@@ -171,13 +172,18 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
 def _scores(test: AttentionTest, family: list, note: str = "") -> list[Score]:
     """Every finalist of `family` and the fitted scale, soft-cap and sliding window (where they move from
     the model's, and the window is not one of the family's) scored on `test`, the standard first."""
-    found = [test.score(replace(h, text=h.text + note)) for h in finalists(test, family)]
+    found = _finalist_scores(test, family, note)
     scale, cap, window = fit_scale(test), fit_softcap(test), fit_window(test)
     tried = {h.window for h in family if h.name == "window"}
     fitted = [f for f, kept in ((scale, abs(np.log(scale.hypothesis.scale)) >= 0.01),
                                 (cap, cap.hypothesis.softcap < 0.9 * SOFTCAP_HI),
                                 (window, window.hypothesis.window not in tried)) if kept]
     return found + [Score(replace(f.hypothesis, text=f.hypothesis.text + note), f.residual, f.median) for f in fitted]
+
+
+def _finalist_scores(test: AttentionTest, family: list, note: str = "") -> list[Score]:
+    """The finalists of `family` scored on `test`, `note` added to their texts."""
+    return [test.score(replace(h, text=h.text + note)) for h in finalists(test, family)]
 
 
 def _ranked(scores: list[Score]) -> tuple[Score, list[Score], list[Score]]:

@@ -17,10 +17,7 @@ import numpy as np
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.keys import CONTENT, ROTATION, SCALED
 from kvdiff.analysis.metrics import row_metrics
-from kvdiff.analysis.storage import stored_as
-
-EXACT = 1e-6      # a relative distance this small: the same row
-
+from kvdiff.analysis.storage import EXACT, same_rows, stored_as
 
 def _distances(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
     """Relative distance of each candidate row to each reference row, (cand rows, ref rows); Inf
@@ -53,15 +50,6 @@ def sources(ref: np.ndarray, cand: np.ndarray, positions: np.ndarray,
             best[matched[settled]] = by_key[settled]
             rel[matched[~settled], best[matched[~settled]]] = np.inf
     return positions[best], rel[np.arange(rel.shape[0]), best]
-
-
-def same_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per row: `a` and `b` hold the same values (relative distance within EXACT; NaN never does)."""
-    x = a.reshape(a.shape[0], -1).astype(np.float64)
-    y = b.reshape(b.shape[0], -1).astype(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        rel = np.sqrt(((x - y) ** 2).sum(1) / np.maximum((y * y).sum(1), 1e-300))
-    return rel <= EXACT
 
 
 def head_map(ref: np.ndarray, cand: np.ndarray) -> list[int] | None:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvdiff.analysis.diagnose_cache import EXACT, head_map, same_rows, source_layer, sources, swapped_kv
+from kvdiff.analysis.diagnose_cache import head_map, source_layer, sources, swapped_kv
+from kvdiff.analysis.diagnose_position import position_factor
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, span_text
 from kvdiff.analysis.latent import value_point
 from kvdiff.analysis.rope import estimate_positions
-from kvdiff.analysis.storage import stored_as
+from kvdiff.analysis.storage import EXACT, same_rows, stored_as
 
 
 def _kv_points(inputs: DiagnosisInputs) -> list[str]:
@@ -158,10 +159,11 @@ def _stored_otherwise(inputs: DiagnosisInputs, points: list[str], row: int, cols
                 found.append(stored.evidence)
             elif point == "k" and (turn := _rotated_keys(inputs, ref, cand, al.positions[gcols])) is not None:
                 details["k_rotation"] = turn
-                twice = " (RoPE applied twice: each key encoded at twice its position)" if turn["position_factor"] == 2 else ""
+                factor = turn["position_factor"]
+                times = f" (RoPE applied {factor} times: each key encoded at {factor} times its position)" if factor else ""
                 found.append(f"its k rows are the reference's k of this layer rotated by RoPE to other positions "
                              f"(encoded at {turn['encoded_positions'][0]}..{turn['encoded_positions'][1]}, exact "
-                             f"rotations){twice}")
+                             f"rotations){times}")
         both = moved is not None or "swapped_kv" in details        # one account of k and v together
         if len(found) < len(differ) and len(differ) > 1 and not both:
             continue
@@ -191,7 +193,7 @@ def _moved_rows(inputs: DiagnosisInputs, points: list[str], layer: int, cols: np
 
 def _rotated_keys(inputs: DiagnosisInputs, ref: np.ndarray, cand: np.ndarray, positions: np.ndarray) -> dict | None:
     """The candidate's k rows as the reference's rotated by RoPE to other positions, exactly at every
-    row: the encoded positions (first, last) and `position_factor` 2 where each is twice its own."""
+    row: the encoded positions (first, last) and `position_factor` f where each is f times its own."""
     if inputs.thetas is None or ref.ndim != 3:
         return None
     horizon = 2 * int(positions.max()) + 64
@@ -199,5 +201,4 @@ def _rotated_keys(inputs: DiagnosisInputs, ref: np.ndarray, cand: np.ndarray, po
     if not (quality >= 1 - 1e-4).all() or not delta.any():
         return None
     encoded = positions + delta
-    return {"encoded_positions": [int(encoded[0]), int(encoded[-1])],
-            "position_factor": 2 if (encoded == 2 * positions).all() else None}
+    return {"encoded_positions": [int(encoded[0]), int(encoded[-1])], "position_factor": position_factor(encoded, positions)}

@@ -85,12 +85,12 @@ def diagnose_missing_context_in_cache(inputs: DiagnosisInputs) -> list[Diagnosis
     out = []
     for chunk, group in group_by_chunk(inputs, positions[cols]):
         gcols = cols[np.isin(positions[cols], group)]
+        if explains(inputs, row, gcols):          # what the cache holds is claimed there (diagnose_cache_layers)
+            continue
         span = inputs.chunks.span(int(group[0]))
         _, k_rel = inputs.worst("k", row, gcols)
         _, v_rel = inputs.worst(vp, row, gcols)
         lo, hi = int(group[0]), int(group[-1])
-        if explains(inputs, row, gcols):          # what the cache holds is claimed there (diagnose_cache_layers)
-            continue
         if span is None or span[0] <= int(positions[0]):        # no context before the chunk to have missed
             out.append(_computed_otherwise(inputs, chunk, (lo, hi), before, layer, vp, k_rel, v_rel, None))
             continue

@@ -53,7 +53,7 @@ def _positions(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
         values, counts = np.unique(offsets[sel], return_counts=True)
         offset = int(values[counts.argmax()])
         _, k_rel = inputs.worst("k", 0, gcols)
-        factor = _position_factor(enc, positions[gcols]) if values.size > 1 else None
+        factor = position_factor(enc, positions[gcols]) if values.size > 1 else None
         # one offset for the rows where one holds most of them; else the evidence gives the spread
         single = not factor and 2 * int(counts.max()) > group.size
         shift = f"offset {offset:+d}" if single else f"offsets {int(values[0]):+d} to {int(values[-1]):+d}"
@@ -83,7 +83,7 @@ def _positions(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
     return out
 
 
-def _position_factor(encoded: np.ndarray, expected: np.ndarray) -> int | None:
+def position_factor(encoded: np.ndarray, expected: np.ndarray) -> int | None:
     """f where every row is encoded at exactly f times its expected position (f >= 2, at least two
     rows), else None."""
     if encoded.size < 2 or (expected <= 0).any() or (encoded % expected).any():

@@ -22,6 +22,7 @@ ROUNDINGS = (("bfloat16", 7), ("float16", 10), ("float8_e4m3fn", 3), ("float8_e5
 INTEGER_BITS = (8, 4)
 SCALED_FLOATS = (("float8_e4m3fn", 448.0), ("float8_e5m2", 57344.0))    # with their largest finite value
 ROW_BLOCKS = (16, 32, 64, 128)      # rows sharing a scale where a cache scales a block of it
+EXACT = 1e-6            # a relative distance this small: the same row
 ON_GRID = 1e-3          # how far from an integer a value over its group's step may lie (float32 dequantization)
 
 
@@ -56,6 +57,15 @@ class Quantization:
                     f"extremes) and within half a step of the reference's")
         return (f"99% of the elements equal the reference's over its {self.group}'s scale (absmax / the format's "
                 f"largest) rounded to {self.format} and scaled back")
+
+
+def same_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row: `a` and `b` hold the same values (relative distance within EXACT; NaN never does)."""
+    x = a.reshape(a.shape[0], -1).astype(np.float64)
+    y = b.reshape(b.shape[0], -1).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        rel = np.sqrt(((x - y) ** 2).sum(1) / np.maximum((y * y).sum(1), 1e-300))
+    return rel <= EXACT
 
 
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -209,7 +219,7 @@ def stored_as(ref: np.ndarray, cand: np.ndarray, point: str, uniform_scale: bool
     (`uniform_scale` False: not where every head's factor is the same), that gives the candidate's
     `point` rows from the reference's; None where none does."""
     for name, rows in (others or {}).items():
-        if rows.shape == cand.shape and _same(rows, cand):
+        if rows.shape == cand.shape and same_rows(rows, cand).all():
             return Storage({"copied_from": name},
                            f"the candidate's {point} rows are the reference's {name} rows at the same positions, "
                            f"exactly: {name} was written where {point} belongs",
@@ -238,9 +248,3 @@ def stored_as(ref: np.ndarray, cand: np.ndarray, point: str, uniform_scale: bool
                    f"heads' rows were scaled where the cache stored or read them",
                    f"every {point} row is the reference's times one factor per head "
                    f"({', '.join(f'head {h}: x{f:.4g}' for h, f in enumerate(scales))})")
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    """Every row of `a` and `b` equal within a relative distance of 1e-6."""
-    x, y = a.reshape(a.shape[0], -1).astype(np.float64), b.reshape(b.shape[0], -1).astype(np.float64)
-    return bool((np.sqrt(((x - y) ** 2).sum(1)) <= 1e-6 * np.maximum(np.sqrt((y * y).sum(1)), 1e-300)).all())

@@ -252,26 +252,27 @@ class LlamaCppTarget:
         after the request's first forward; a kept position that left the cache during it (evicted,
         so attention did not read it) as the state held it before."""
         after, before = self.read_cache(), run.kept
-        cells = {}
-        for state in (before, after):
-            cells.update({int(p): (state, c) for c, p in enumerate(state.positions) if p < run.hit})
-        cached = sorted(cells)
-        missing = sorted(set(range(run.hit)) - set(cached))
+        now, then = (_cells_below(state, run.hit) for state in (after, before))
+        gone = sorted(set(then) - set(now))
+        missing = sorted(set(range(run.hit)) - set(now) - set(gone))
         if missing:
             raise KvdiffError(f"llama.cpp kept {run.hit} prompt tokens but its cache holds no row of position"
                               f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing[:8]))}"
                               f"{'...' if len(missing) > 8 else ''}")
-        gone = [p for p in cached if cells[p][0] is before]
         if gone:
             log.warning("llama.cpp: kept positions %s left the cache during the request's first forward; recorded "
                         "as the cache held them before it", gone[:8])
+        cached = list(range(run.hit))
+        present = [p for p in cached if p in now]
         sink = run.sink
         sink.begin_forward(cached, reads_only=True)
         sink.provenance(cached, Provenance("cache", -1, cached, True))
         for layer in range(self.num_layers):
             for point in ("k", "v"):
                 if sink.wants(point, layer):
-                    rows = np.stack([getattr(cells[p][0], point)[layer][cells[p][1]] for p in cached])
+                    rows = np.empty((run.hit, getattr(after, point)[layer].shape[1]), np.float32)
+                    rows[present] = getattr(after, point)[layer][[now[p] for p in present]]
+                    rows[gone] = getattr(before, point)[layer][[then[p] for p in gone]]
                     sink.capture(point, layer, self._shaped(point, rows), cached)
         sink.end_forward()
 
@@ -376,6 +377,11 @@ class LlamaCppTarget:
         if llm is not None:
             llm.close()
         self.taps = []
+
+
+def _cells_below(state: CacheState, hit: int) -> dict[int, int]:
+    """Position -> cell of the sequence state's cells holding positions below `hit`."""
+    return {int(p): c for c, p in enumerate(state.positions) if p < hit}
 
 
 class _Forward:
