@@ -90,3 +90,12 @@ def test_a_context_too_small_for_the_request_is_one_clear_error(gguf, models, tm
         compare(SEED_MESSAGES, engine="llama.cpp", model=str(gguf), warm=SHARING_SYSTEM, max_new_tokens=4,
                 out=tmp_path / "run", model_cache=models, engine_options={"n_ctx": 16})
     assert not (tmp_path / "run").exists()
+
+
+def test_an_option_llama_cpp_cannot_start_with_is_a_usage_error(gguf, models, tmp_path):
+    """`--engine-option n_ctx=abc`: llama-cpp-python fails on the value's type ("'<' not supported ...",
+    which kvdiff reported as an engine failure, exit 3); it is the user's option, named as such (exit 2)."""
+    with pytest.raises(InputError, match=r"--engine-option: llama.cpp does not start with \{'n_ctx': 'abc'\}") as info:
+        compare(SEED_MESSAGES, engine="llama.cpp", model=str(gguf), warm=SHARING_SYSTEM, max_new_tokens=4,
+                out=tmp_path / "run", model_cache=models, engine_options={"n_ctx": "abc"})
+    assert info.value.exit_code == 2 and not (tmp_path / "run").exists()

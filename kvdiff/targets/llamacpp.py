@@ -122,6 +122,10 @@ class LlamaCppTarget:
             with _default_params(lib, self._cb):
                 self.llm = llama_cpp.Llama(str(gguf), logits_all=True, type_k=0, type_v=0,    # GGML_TYPE_F32
                                            verbose=False, **settings)
+        except (TypeError, ValueError) as exc:
+            if not llama_args:
+                raise KvdiffError(f"llama.cpp failed: {exc}") from exc
+            raise InputError(f"--engine-option: llama.cpp does not start with {dict(llama_args)}: {exc}") from exc
         except Exception as exc:
             raise KvdiffError(f"llama.cpp failed: {exc}") from exc
         arch = self.llm.metadata.get("general.architecture")
