@@ -209,6 +209,7 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
         exact, moved = dist <= EXACT, src != group
         proof = f"{point} at {group.size} rows differs (rel up to {fmt(inputs.worst(point, 0, gcols)[1])}) with {same}"
         swapped = swapped_kv(inputs, layer, gcols)
+        stored_otherwise = False        # a branch below names how the rows were stored: no keys' account after it
         if swapped:
             details["swapped_kv"] = True
             evidence += ("; at every one of these positions the candidate's k rows are the reference's v rows and its v "
@@ -216,6 +217,7 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
             proof += "; k = the reference's v and v = the reference's k at every row, within tolerance"
         elif (other_layer := source_layer(inputs, ["k", "v"], 0, gcols)) is not None:
             details["source_layer"] = other_layer
+            stored_otherwise = True
             evidence += (f"; the candidate's k and v rows there equal the reference's of layer {other_layer} at the same "
                          f"positions exactly: the cache's layer {layer} holds layer {other_layer}'s K/V (a layer index off "
                          f"where the cache was written or read)")
@@ -237,11 +239,13 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
             proof += "; v = the reference's v of another token and k = its key rotated to an integer position, at every row"
         elif (order := head_order(ref_rows[gcols], cand_rows[gcols])) is not None:
             details["head_order"] = order
+            stored_otherwise = True
             evidence += (f"; at every one of these positions the candidate's {point} rows hold the reference's heads in "
                          f"the order {order}: the cache's head layout differs")
             proof += f"; every row's heads equal the reference's heads {order} exactly"
         elif (stored := stored_as(ref_rows[gcols], cand_rows[gcols], point, uniform_scale=point != "k")) is not None:
             details.update(stored.details)      # a k scaled alike in every head: k_scale's, below
+            stored_otherwise = True
             evidence += f"; {stored.evidence}"
             proof += f"; {stored.proof}"
         zero = [name for name in ("k", "v") if name in differing and not inputs.rows(layer, name)[1][gcols].any()]
@@ -250,8 +254,7 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
             evidence += (f"; the candidate's {' and '.join(zero)} rows there are all zeros: cache slots never written, "
                          f"or an empty block read in their place")
             proof += f"; every {'/'.join(zero)} row is zero"
-        explained = any(details.get(f) for f in ("rounding", "layout_permuted", "head_scale", "head_order", "source_layer"))
-        if k_only[gcols].any() and keys is not None and not swapped and not explained:
+        if k_only[gcols].any() and keys is not None and not swapped and not stored_otherwise:
             ksel = np.isin(keys.cols, gcols)
             scaled = keys.kind[ksel] == SCALED
             if scaled.all() and keys.exact[ksel].all() and (keys.encoded[ksel] == positions[keys.cols[ksel]]).all():

@@ -139,25 +139,31 @@ def _same_note(verdict: Verdict) -> str:
             f"simpler is named")
 
 
+def _place(inputs: DiagnosisInputs, row: int, cols: np.ndarray) -> tuple[int, str, float, str, dict]:
+    """Where an attention diagnosis stands: its layer, attention's point, that point's worst relative
+    difference over `cols`, the text naming the layer and position runs, and the `rows` field where the
+    runs are several (the rows between them match the reference: the claim is not theirs)."""
+    cmp = inputs.comparison
+    layer, point = cmp.layers[row], attention_point(cmp)
+    _, attn_rel = inputs.worst(point, row, cols)
+    spans = runs(cmp.alignment.positions[cols])
+    where = f"layer {layer}, positions {', '.join(span_text(a, b) for a, b in spans)}"
+    return layer, point, attn_rel, where, ({"rows": [list(r) for r in spans]} if len(spans) > 1 else {})
+
+
 def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict | None, chunk: str | None,
           proved: bool, data_start: int) -> Diagnosis | None:
-    cmp = inputs.comparison
-    layer, positions = cmp.layers[row], cmp.alignment.positions
-    lo, hi = int(positions[cols[0]]), int(positions[cols[-1]])
-    point = attention_point(cmp)
-    _, attn_rel = inputs.worst(point, row, cols)
     h = None if verdict is None or not verdict.decisive else verdict.best.hypothesis
     if h is not None and h.name == "standard":
         return None
-    spans = runs(positions[cols])
-    where = f"layer {layer}, positions {', '.join(span_text(a, b) for a, b in spans)}"
+    layer, point, attn_rel, where, only = _place(inputs, row, cols)
+    positions = inputs.comparison.alignment.positions
+    lo, hi = int(positions[cols[0]]), int(positions[cols[-1]])
     fit = {} if verdict is None else verdict.fields()
     heads = None if verdict is None or verdict.test.heads is None else [int(x) for x in verdict.test.heads]
     if heads is not None:
         where += f" (query heads {', '.join(map(str, heads))} only: the others match the reference there)"
-    # rows between the runs match the reference (the claim is not theirs), as do the other heads
-    only = {**({"rows": [list(r) for r in spans]} if len(spans) > 1 else {}),
-            **({} if heads is None else {"heads": heads})}
+        only["heads"] = heads
     fit = {**fit, **only}
     if h is not None and h.name in ("hidden", "chunk alone"):
         start = inputs.chunks.span(lo)
@@ -217,20 +223,17 @@ def _emit_reference(inputs: DiagnosisInputs, row: int, cols: np.ndarray, own: Ve
     verdict = explain_reference(own.test, int(positions[cols[0]]))
     if verdict is None:
         return None
-    layer, point = inputs.comparison.layers[row], attention_point(inputs.comparison)
-    _, attn_rel = inputs.worst(point, row, cols)
-    spans = runs(positions[cols])
+    layer, point, attn_rel, where, only = _place(inputs, row, cols)
     h = verdict.best.hypothesis if verdict.decisive else None
     details: dict = {"layer": layer, "side": "reference", "explanation": None, "inputs_match": True,
-                     "candidate_standard_residual": own.best.residual,
-                     **({"rows": [list(r) for r in spans]} if len(spans) > 1 else {})}
+                     "candidate_standard_residual": own.best.residual, **only}
     if h is not None:
         details.update(verdict.fields(), explanation=h.name, **h.fields())
         found = (f"; {h.text} explains the reference's (leaves {fmt(verdict.best.residual)} of the change unexplained"
                  f"{_same_note(verdict)})")
     else:
         found = "; no tested explanation accounts for the reference's" + _rounding_note(inputs, attn_rel, details)
-    evidence = (f"layer {layer}, positions {', '.join(span_text(a, b) for a, b in spans)}: q, k and v match the reference "
+    evidence = (f"{where}: q, k and v match the reference "
                 f"where attention read them, but {point} differs (rel {fmt(attn_rel)}), and it is the reference's attention "
                 f"that departs from the model's: the candidate's {point} is its own q, k and v attended as the model does "
                 f"(leaves {fmt(own.best.residual)} of the change unexplained), the reference's is not{found}")
