@@ -129,10 +129,11 @@ def assert_router_points_are_the_models(model, tok, messages: list, tmp_path):
     return path
 
 
-def plant_router_logit(model, layer: int, position: int, offset: float):
+def plant_router_logit(model, layer: int, position: int, offset: float | None):
     """A hook on `layer`'s router (`mlp.gate`, gpt-oss's `mlp.router`): at `position` of a prefill,
     the logit ranked k+1 is set to the k-th's plus `offset` (> 0: it takes the k-th's place), and
-    that row's choice recomputed."""
+    that row's choice recomputed; `offset` None: the logits kept, the experts ranked 2 to k+1 chosen
+    (a top-k slice off by one)."""
     gate = _router(model, layer)
     k = gate.top_k
 
@@ -142,6 +143,10 @@ def plant_router_logit(model, layer: int, position: int, offset: float):
             return None
         logits, weights, chosen = logits.clone(), weights.clone(), chosen.clone()
         ranked = logits[position].argsort(descending=True)
+        if offset is None:
+            chosen[position] = ranked[1:k + 1]
+            weights[position] = logits[position, ranked[1:k + 1]].softmax(-1)
+            return logits, weights, chosen
         logits[position, ranked[k]] = logits[position, ranked[k - 1]] + offset
         weights[position], chosen[position] = _routing(module, logits[position])
         return logits, weights, chosen
@@ -151,13 +156,14 @@ def plant_router_logit(model, layer: int, position: int, offset: float):
 
 def planted_flip(model, tok, messages: list, tmp_path, ref_offset, cand_offset, layer: int, position: int):
     """Reference traces (exact) of `messages` with `plant_router_logit(offset)` in each (None: no
-    plant); their diff's report, the first trace's experts and router logits at (layer, position)."""
+    plant; "choice": the choice slice off by one); their diff's report, the first trace's experts and
+    router logits at (layer, position)."""
     from kvdiff.run.record import record
     from kvdiff.trace import open_trace
 
     paths = []
     for name, offset in (("ref", ref_offset), ("cand", cand_offset)):
-        handle = plant_router_logit(model, layer, position, offset) if offset is not None else None
+        handle = None if offset is None else plant_router_logit(model, layer, position, None if offset == "choice" else offset)
         try:
             paths.append(record(model, tok, messages, tmp_path / f"{name}.h5", max_new_tokens=4, numerics="exact"))
         finally:

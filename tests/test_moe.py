@@ -121,6 +121,17 @@ def test_a_near_tie_split_by_noise_is_named_a_near_tie(moe, tmp_path):
     assert "near tie" in d["evidence"]
 
 
+def test_a_choice_that_does_not_follow_its_own_logits_is_named_selection(moe, tmp_path):
+    # The candidate's router logits are the reference's, bit for bit; its top-k slice is off by one.
+    report, ref_experts, logits, _ = _flip(moe, tmp_path, None, "choice")
+    (d,) = [d for d in report["diagnoses"] if d["kind"] == "expert_flip"]
+    ranked = np.argsort(-logits)
+    assert (d["layer"], d["positions"], d["cause"], d["side"]) == (1, [20, 20], "selection", "candidate")
+    assert d["router_logit_change"] == 0 and d["own_top_k"] == ref_experts == ranked[:2].tolist()
+    assert sorted(d["candidate_experts"]) == sorted(ranked[1:3].tolist()) and d["confidence"] == 1.0
+    assert "not the top 2 of its own router's logits" in d["evidence"]
+
+
 def test_a_perturbed_router_weight_in_the_engine_flips_where_the_weights_say(moe, tmp_path):
     """The candidate is the engine (prefix, exact) on a copy of the model whose last router has one
     expert's weights moved; the first flip is where top-k of the moved logits first differs."""

@@ -7,7 +7,8 @@ otherwise (attention_mismatch); two different offsets, unattended spans or expla
 same rows; everything within tolerance (numerical_noise) against any divergence. A claim
 contradicts its own proof when the measurement it carries refutes it (an explanation that leaves
 more of the difference than it may, a rotation that fits no integer position, an expert flip whose
-logits moved too little to swap an expert or whose expert sets are the same). Works on
+logits moved too little to swap an expert, unless a run's choice does not follow its own logits, or
+whose expert sets are the same). Works on
 report.json's diagnosis objects; `consistent` keeps, of each contradicting pair, the claim with the
 higher confidence.
 """
@@ -69,7 +70,7 @@ def refuted(d: dict) -> str | None:
     if d.get("kind") == "expert_flip":
         if sorted(d.get("reference_experts") or ()) == sorted(d.get("candidate_experts") or ()):
             return "its two runs chose the same set of experts"
-        if 2 * d.get("router_logit_change", 0.0) < d.get("router_margin", 0.0):
+        if d.get("cause") != "selection" and 2 * d.get("router_logit_change", 0.0) < d.get("router_margin", 0.0):
             # swapping expert a out for b needs l_a - l_b >= margin closed by |change a| + |change b|
             return (f"its router logits moved by {d.get('router_logit_change'):.3g}, too little to close a margin "
                     f"of {d.get('router_margin'):.3g}")

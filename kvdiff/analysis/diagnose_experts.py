@@ -10,7 +10,11 @@ routing each expert's sigmoid score plus the router's bias (the trace's router_b
 groups the choice keeps (each group scored by its two best experts). A reordering of the same
 experts is not a flip.
 
-What moved the logits is read from the comparison at that cell, and says why it flipped:
+First, whether each run's choice follows its own logits: where a run's chosen experts are not a
+top-k set of what its own router ranks (known: plain top-k, or DeepSeek's routing with its bias
+recorded), the cause is `selection` (that run's top-k selection itself, its index or its rule,
+computes otherwise; `side` names the run), whatever the logits did. Else what moved the logits is
+read from the comparison at that cell, and says why it flipped:
 - `near_tie`: the router's input (mlp_norm) and its logits are within tolerance: rounding noise
   larger than the margin chose another expert;
 - `router`: the router's input matches and its logits break tolerance: the router itself
@@ -31,6 +35,7 @@ _WHY = {
     "near_tie": "rounding noise larger than the margin flipped a near tie",
     "router": "the router itself computes otherwise (its input matches, its logits do not)",
     "upstream": "the flip follows the divergence before it (the router's input already differs)",
+    "selection": "the selection itself differs (its top-k, its index or its rule), whatever the logits did",
 }
 
 
@@ -66,6 +71,15 @@ def _choice_scores(logits: np.ndarray, bias: np.ndarray | None, dims: ModelDims)
     return np.where(np.repeat(kept, groups.shape[1]), scores, -np.inf)
 
 
+def _top_k_set(scores: np.ndarray, ids: list[int]) -> bool | None:
+    """Whether `ids` are a top-k set of `scores` (ties either way); None where an id names no expert."""
+    if not ids or min(ids) < 0 or max(ids) >= scores.size or len(set(ids)) != len(ids):
+        return None
+    chosen = np.zeros(scores.size, bool)
+    chosen[ids] = True
+    return bool(chosen.all() or scores[chosen].min() >= scores[~chosen].max())
+
+
 def _margin(scores: np.ndarray, k: int) -> float:
     """The gap between the k-th and the (k+1)-th largest score of a row (inf with no (k+1)-th)."""
     ranked = np.sort(scores.astype(np.float64))[::-1]
@@ -87,27 +101,41 @@ def diagnose_expert_flip(inputs: DiagnosisInputs) -> list[Diagnosis]:
     ref_ids, cand_ids = (ids[col].astype(np.int64).tolist() for ids in inputs.rows(layer, "experts"))
     ref_logits, cand_logits = (rows[col].astype(np.float64) for rows in inputs.rows(layer, "router_logits"))
     k, dims = len(ref_ids), inputs.reference.meta.dims
-    margin, cand_margin = (_margin(_choice_scores(logits, trace.router_bias(layer), dims), k) for logits, trace in
-                           ((ref_logits, inputs.reference), (cand_logits, inputs.candidate)))
+    ref_scores, cand_scores = (_choice_scores(logits, trace.router_bias(layer), dims) for logits, trace in
+                               ((ref_logits, inputs.reference), (cand_logits, inputs.candidate)))
+    margin, cand_margin = _margin(ref_scores, k), _margin(cand_scores, k)
     ranked = ("the logits" if not dims.expert_groups or inputs.reference.router_bias(layer) is None else
               "the choice scores (sigmoid of the logits plus the router's bias, within the best groups)")
     moved = float(np.abs(cand_logits - ref_logits).max())
     input_tier, logits_tier = _tier(inputs, "mlp_norm", row, col), _tier(inputs, "router_logits", row, col)
     matching = (Tier.BITWISE.label, Tier.NOISE.label)
     cause = ("upstream" if input_tier not in matching else "near_tie" if logits_tier in matching else "router")
+    scored = not dims.expert_groups or all(t.router_bias(layer) is not None for t in (inputs.reference, inputs.candidate))
+    departs = [(side, ids, scores) for side, ids, scores in (("candidate", cand_ids, cand_scores),
+                                                            ("reference", ref_ids, ref_scores))
+               if scored and _top_k_set(scores, ids) is False]
+    selection = {}
+    if departs:
+        cause, (side, ids, scores) = "selection", departs[0]
+        selection = {"side": side, "own_top_k": np.argsort(-scores, kind="stable")[:k].tolist()}
     sequence = inputs.sequence
     token = inputs.token_text(int(sequence[position])) if position < sequence.size else None
     cells = sum(cols.size for _, cols in flips)
     tokens = np.unique(np.concatenate([cols for _, cols in flips])).size
+    why, own_text = _WHY[cause], ""
+    if selection:
+        why = (f"the {selection['side']}'s chosen experts {ids} are not the top {k} of its own router's {ranked.removeprefix('the ')} "
+               f"({selection['own_top_k']} are): {why}")
+        own_text = f"; the {selection['side']}'s experts are not a top-{k} set of its own router's {ranked.removeprefix('the ')}"
     evidence = (f"layer {layer}, position {position}" + (f" {token!r}" if token is not None else "")
                 + f": the router chose experts {ref_ids} in the reference and {cand_ids} here; the reference's "
                 f"margin between {ranked} ranked {k} and {k + 1} was {fmt(margin)} and the router logits moved by up "
-                f"to {fmt(moved)} (router input mlp_norm {input_tier}, router_logits {logits_tier}): {_WHY[cause]}"
+                f"to {fmt(moved)} (router input mlp_norm {input_tier}, router_logits {logits_tier}): {why}"
                 f"; {cells} token-layer flip(s) in all, over {tokens} token(s) and {len(flips)} layer(s)")
     proof = (f"expert sets {sorted(ref_ids)} vs {sorted(cand_ids)} at layer {layer}, position {position}; reference "
              f"router margin {fmt(margin)}, largest logit change {fmt(moved)}; mlp_norm {input_tier}, router_logits "
-             f"{logits_tier}")
+             f"{logits_tier}{own_text}")
     return [Diagnosis("expert_flip", inputs.chunks.chunk_of(position), (position, position), evidence, {
         "layer": layer, "token": token, "reference_experts": ref_ids, "candidate_experts": cand_ids,
         "router_margin": margin, "candidate_router_margin": cand_margin, "router_logit_change": moved,
-        "cause": cause, "flips": cells}, confidence=1.0, proof=proof)]
+        "cause": cause, **selection, "flips": cells}, confidence=1.0, proof=proof)]
