@@ -12,7 +12,7 @@ import torch
 
 import kvdiff
 from kvdiff.conversation import render_prompt_ids
-from kvdiff.errors import InputError, KvdiffError
+from kvdiff.errors import InputError, KvdiffError, UnsupportedModelError
 from kvdiff.probes.recorder import TraceRecorder
 from kvdiff.targets.transformers_cb import TransformersTarget
 from kvdiff.trace import open_trace
@@ -254,3 +254,48 @@ def test_unsupported_point_is_refused(target, tmp_path):
     with pytest.raises(InputError, match="cannot record logits"):
         target.generate(_ids(target, TARGET), NEW_TOKENS, recorder)
     recorder.abort()
+
+
+def test_a_mixture_of_experts_records_its_router_and_a_wrong_selection_is_named(tmp_path):
+    # Written before the first run: the router's points are recorded as the reference path records
+    # them (cold and reference agree), and a warm run whose every router takes the experts ranked 2
+    # to k+1 (a top-k slice off by one) is an expert_flip at layer 0, the first computed position,
+    # cause "selection" of the candidate.
+    model, tokenizer = kvdiff.load_model("tiny-qwen3-moe")
+    t = TransformersTarget(model, tokenizer, block_size=BLOCK, num_blocks=64)
+    try:
+        assert {"router_logits", "experts"} <= set(t.points)
+        ref = kvdiff.record(model, tokenizer, TARGET, tmp_path / "ref.h5", max_new_tokens=NEW_TOKENS, capture=t.points)
+        cold, _ = _trace(t, tmp_path / "cold.h5", TARGET)
+        div = kvdiff.diff(ref, cold, tokenizer=tokenizer)
+        assert div.tokens_identical and div.first_divergence is None
+
+        def off_by_one(module, args, output):
+            logits, _, chosen = output
+            ranked = logits.topk(chosen.shape[-1] + 1).indices[:, 1:]
+            return logits, torch.gather(logits, 1, ranked).softmax(-1), ranked
+
+        t.generate(_ids(t, OTHER), NEW_TOKENS)
+        handles = [layer.mlp.gate.register_forward_hook(off_by_one) for layer in model.model.layers]
+        try:
+            warm, run = _trace(t, tmp_path / "warm.h5", TARGET)
+        finally:
+            for handle in handles:
+                handle.remove()
+    finally:
+        t.close()
+    flips = [d for d in kvdiff.diff(cold, warm, tokenizer=tokenizer).diagnoses if d.kind == "expert_flip"]
+    assert run.cache_hit_tokens > 0 and len(flips) == 1
+    d = flips[0]
+    assert (d.details["layer"], d.positions[0], d.details["cause"], d.details["side"]) == \
+        (0, run.cache_hit_tokens, "selection", "candidate")
+
+
+def test_a_model_it_cannot_trace_or_share_is_said_so():
+    with pytest.raises(UnsupportedModelError, match="latent attention"):
+        TransformersTarget(*kvdiff.load_model("tiny-deepseek-v3"))
+    t = TransformersTarget(*kvdiff.load_model("tiny-gemma3"), block_size=BLOCK, num_blocks=64)
+    try:        # sliding-window layers: the engine never shares a prefix, so a warm run tests nothing
+        assert "sliding-window" in t.info.no_reuse and {"attn_post_norm", "mlp_post_norm"} <= set(t.points)
+    finally:
+        t.close()

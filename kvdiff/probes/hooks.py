@@ -16,12 +16,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvdiff.trace.format import dense_router_rows, rope_pairs
+from kvdiff.trace.format import dense_router_rows
 from kvdiff.trace.points import MOE_POINTS
 from kvdiff.trace.sink import ProbeIntegrityError, ProbeSink, Provenance
 from kvdiff.probes.model_meta import experts_shape
 from kvdiff.probes.taps import Taps
-from kvdiff.probes.spec import ProbeSpec, default_spec
+from kvdiff.probes.spec import ProbeRule, ProbeSpec, default_spec
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,7 @@ class ModelProbes:
             if rule.kind == "input":
                 before.append(self._input_hook(rule.point, layer))
             else:
-                after.append(self._output_hook(rule.point, layer, with_norm=rule.kind == "norm", index=rule.index,
-                                               flat=rule.flat, heads_first=rule.heads_first, rope_key=rule.rope_key))
+                after.append(self._output_hook(rule, layer))
         for module, (before, after) in taps.items():
             self._taps.add(module, before, after)
         dense = self._attach_dense_layers()
@@ -140,20 +139,11 @@ class ModelProbes:
 
         return hook
 
-    def _output_hook(self, point: str, layer: int | None, with_norm: bool, index: int = 0,
-                     flat: bool = False, heads_first: bool = False, rope_key: bool = False) -> Callable:
-        config = self.model.config
+    def _output_hook(self, rule: ProbeRule, layer: int | None) -> Callable:
+        config, point, with_norm = self.model.config, rule.point, rule.kind == "norm"
 
         def hook(module, args, kwargs, output):
-            out = output[index] if isinstance(output, tuple) else output
-            if flat:        # (T, ...) rows of the forward's one sequence
-                out = out.unsqueeze(0)
-            if heads_first:     # (1, heads, T, head_dim) -> (1, T, heads, head_dim)
-                out = out.transpose(1, 2)
-            if rope_key:        # MLA's (1, T, latent + rope) -> the RoPE key (1, T, 1, rope), rotate_half order
-                out = rope_pairs(out[..., -config.qk_rope_head_dim:], config.rope_interleave).unsqueeze(2)
-            if not out.is_floating_point():
-                out = out.float()
+            out = rule.rows(output, config)
             positions = self._at(out, point)
             self.sink.capture(point, layer, out, positions)
             if with_norm:

@@ -38,8 +38,9 @@ class Selection:
         points = available if capture is None else parse_points(capture)
         missing = [p for p in points if p not in available]
         if missing:
-            raise InputError(f"probe point(s) {', '.join(missing)} need a mixture-of-experts model: "
-                             f"this one has {', '.join(available)}")
+            raise InputError(f"probe point(s) {', '.join(missing)} are not this model's (the router's need a "
+                             f"mixture-of-experts model, kv_latent multi-head latent attention, which has no v or z, "
+                             f"attn_sinks attention sinks, the post-norms Gemma 3's): it has {', '.join(available)}")
         chosen = list(range(num_layers)) if layers is None else sorted(set(_as_ints(layers, "layer", num_layers)))
         bad = [i for i in chosen if not 0 <= i < num_layers]
         if bad:

@@ -14,6 +14,7 @@ from typing import Iterator, Literal
 import torch
 
 from kvdiff.errors import UnsupportedModelError
+from kvdiff.trace.format import rope_pairs
 from kvdiff.trace.points import FINAL_POINTS, KNOWN_POINTS
 
 Kind = Literal["output", "input", "norm"]
@@ -47,6 +48,18 @@ class ProbeRule:
 
     def regex(self) -> re.Pattern:
         return compile_pattern(self.pattern)
+
+    def rows(self, output, config) -> torch.Tensor:
+        """The point's rows (batch, T, ...) from a matching module's `output` (the model's `config`
+        gives MLA's RoPE width)."""
+        out = output[self.index] if isinstance(output, tuple) else output
+        if self.flat:        # (T, ...) rows of the forward's one sequence
+            out = out.unsqueeze(0)
+        if self.heads_first:     # (1, heads, T, head_dim) -> (1, T, heads, head_dim)
+            out = out.transpose(1, 2)
+        if self.rope_key:        # MLA's (1, T, latent + rope) -> the RoPE key (1, T, 1, rope), rotate_half order
+            out = rope_pairs(out[..., -config.qk_rope_head_dim:], config.rope_interleave).unsqueeze(2)
+        return out if out.is_floating_point() else out.float()
 
 
 def compile_pattern(pattern: str) -> re.Pattern:

@@ -174,8 +174,9 @@ def _cold_cold_warm(target: Target, recorded: _Recorded, warm_messages: Messages
         step(f"running {target.info.name} {label}")
         runs[label] = _recorded_run(target, recorded, label, recorded.out_dir / files[label], window or {})
     if runs["warm"].cache_hit_tokens == 0:
+        advice = target.info.no_reuse or "give a longer shared prefix (engines cache whole blocks only)"
         raise KvdiffError(f"the warm run of {target.info.name} had no cache hit (its counters show 0 cached tokens), "
-                          "so it tested nothing: give a longer shared prefix (engines cache whole blocks only)")
+                          f"so it tested nothing: {advice}")
     return runs
 
 

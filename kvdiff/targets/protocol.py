@@ -33,12 +33,14 @@ from kvdiff.trace.sink import ProbeSink, Provenance
 class TargetInfo:
     """Which engine ran: its name, its package version and the checkpoint folder it loaded;
     `quantized`: the type of its weights where they are not the reference's (a GGUF's Q4_1), so
-    that its projections differ from the reference's by quantization, not by a bug."""
+    that its projections differ from the reference's by quantization, not by a bug; `no_reuse`: why
+    the engine shares no cached prefix with this model, where it cannot."""
 
     name: str
     version: str
     checkpoint: Path
     quantized: str | None = None
+    no_reuse: str | None = None
 
 
 @dataclass

@@ -17,22 +17,34 @@ import contextlib
 import gc
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from kvdiff.engine.loading import load_model
-from kvdiff.errors import InputError, KvdiffError
+from kvdiff.errors import InputError, KvdiffError, UnsupportedModelError
+from kvdiff.probes.model_meta import model_dims
 from kvdiff.probes.spec import ProbeSpec, default_spec
 from kvdiff.targets.protocol import TargetInfo, TargetRun, refuse_fixed
 from kvdiff.targets.transformers_cb_probes import RunProbes, RunRequest
-from kvdiff.trace.points import ALL_POINTS, FINAL_POINTS
+from kvdiff.trace.points import ALL_POINTS, FINAL_POINTS, KNOWN_POINTS, MOE_POINTS, POST_NORM_POINTS
 from kvdiff.trace.sink import ProbeSink
 
 log = logging.getLogger(__name__)
 
 POINTS = tuple(p for p in ALL_POINTS if p != "logits")
+
+
+def _points(model) -> tuple[str, ...]:
+    """What the target records of `model`: every dense point but logits (the engine projects only
+    the rows it samples), with a router in every layer the router's points, with post-norms those."""
+    dims = model_dims(model)
+    routed = dims.num_experts and all(hasattr(block.mlp, "gate") or hasattr(block.mlp, "router")
+                                      for block in model.model.layers[:dims.num_layers])
+    extra = (MOE_POINTS if routed else ()) + (POST_NORM_POINTS if dims.post_norms else ())
+    return tuple(p for p in dims.points() if p in POINTS or p in extra)
 _CB_LOGGER = "ContinuousBatchingLogger"
 
 
@@ -57,9 +69,13 @@ class TransformersTarget:
             model, folder = folder_or_model, Path(str(getattr(folder_or_model, "name_or_path", "") or "model"))
             if tokenizer is None:
                 raise InputError("TransformersTarget(model): pass the model's tokenizer too")
+        if model_dims(model).latent_dim:
+            raise UnsupportedModelError(
+                "transformers' continuous batching caches multi-head latent attention's K and V expanded per "
+                "head, not the latent kvdiff's traces hold: compare this model on kvdiff's own engine (no --engine)")
         self.model, self.tokenizer, self.spec = model.eval(), tokenizer, spec or default_spec(model)
         self.info = TargetInfo("transformers", transformers.__version__, folder)
-        self.points: tuple[str, ...] = POINTS
+        self.points: tuple[str, ...] = _points(model)
         try:
             self.cb_config = transformers.ContinuousBatchingConfig(**{
                 "page_size": block_size, "num_blocks": num_blocks, "max_batch_tokens": max_batch_tokens,
@@ -82,6 +98,10 @@ class TransformersTarget:
                 raise
             raise InputError(f"--engine-option: transformers' continuous batching does not start with "
                              f"{dict(cb_args)}: {exc}") from exc
+        if not self.cache.use_prefix_sharing:
+            self.info = replace(self.info, no_reuse=(
+                "transformers' continuous batching shares no prefix blocks for this model (its cache "
+                "allocators cannot share them: a sliding-window layer, or allow_block_sharing off)"))
 
     def _start_manager(self) -> None:
         """A persistent manager (started and stopped with keep_for_next_session, all public API),
@@ -133,7 +153,7 @@ class TransformersTarget:
         sinks = list(sinks) if sinks is not None else [None] * len(prompts)
         layers = range(self.model.config.num_hidden_layers)
         for sink in filter(None, sinks):
-            missing = [p for p in ALL_POINTS if p not in self.points
+            missing = [p for p in KNOWN_POINTS if p not in self.points
                        and any(sink.wants(p, i) for i in ([None] if p in FINAL_POINTS else layers))]
             if missing:
                 raise InputError(f"transformers continuous batching cannot record {', '.join(missing)}: "

@@ -51,8 +51,7 @@ class RunProbes:
             x = args[0] if args else kwargs.get("hidden_states")
             if rule.kind == "input":
                 return self._capture(rule.point, layer, x)
-            out = output[0][0] if isinstance(output[0], tuple) else output[0]
-            self._capture(rule.point, layer, out, x if rule.kind == "norm" else None)
+            self._capture(rule.point, layer, rule.rows(output[0], self.t.model.config), x if rule.kind == "norm" else None)
         return self._guard(hook)
 
     def __exit__(self, *exc) -> None:
