@@ -117,6 +117,25 @@ def test_a_sink_the_engine_misreads_is_where_the_traces_part(gpt_oss, tmp_path):
     assert (op["operation"], op["layer"], op["proved"]) == ("attention sinks (the layer's learned per-head logits)", 1, True)
 
 
+def test_attention_that_leaves_its_sinks_out_is_named(gpt_oss, tmp_path, monkeypatch):
+    # Written before the first run: the engine's attention drops the sinks it records (every layer);
+    # q, k, v and attn_sinks match, z does not: attention_mismatch at layer 0, explanation "no sinks".
+    from kvdiff.engine.attention_plan import ForwardAttention
+
+    attend = ForwardAttention.attend
+    monkeypatch.setattr(ForwardAttention, "attend", lambda self, pool, layer, window, q, scale, sinks=None, *a, **k:
+                        attend(self, pool, layer, window, q, scale, None, *a, **k))
+    model, tok = gpt_oss
+    ref = record(model, tok, MESSAGES, tmp_path / "ref.h5", max_new_tokens=3, numerics="exact")
+    recorder = TraceRecorder.for_model(model, tok, MESSAGES, tmp_path / "cand.h5", strategy="prefix", numerics="exact")
+    output = Engine(model, tok, numerics="exact").generate([MESSAGES], max_new_tokens=3, sinks={0: recorder})[0]
+    recorder.finish(output.token_ids, output.text, output.chunks)
+    report = kvdiff.diff(ref, tmp_path / "cand.h5", tokenizer=tok).to_json()
+    (d,) = [d for d in report["diagnoses"] if d["kind"] == "attention_mismatch" and d["positions"][0] == 0]
+    assert (d["layer"], d["explanation"], d["inputs_match"]) == (0, "no sinks", True)
+    assert d["fit_residual"] < 0.01 and "side" not in d
+
+
 def test_isolated_local_is_a_position_mismatch(gpt_oss, tmp_path):
     report = assert_isolated_local_is_a_position_mismatch(*gpt_oss, "tiny-gpt-oss", MESSAGES, tmp_path)
     # YaRN scales RoPE's cos and sin: the keys' rotation is measured against the reference's own scale.

@@ -40,7 +40,7 @@ class Hypothesis:
     name: str                                  # "standard", "hidden", "scale", "next key", "chunk alone",
                                                # "not causal", "window", "own key hidden", "kv heads", "softcap",
                                                # "zeroed", "not cached", "kv swapped", "lagged mask",
-                                               # "shifted writes", "moved block"
+                                               # "shifted writes", "moved block", "no sinks"
     text: str                                  # in words, for the evidence
     visible: Callable[[int, int], np.ndarray]
     scale: float = 1.0
@@ -58,6 +58,7 @@ class Hypothesis:
     moved: Callable[[int], np.ndarray] | None = None
     shift: int | None = None                   # "shifted writes": row r's K/V written at slot r + shift
     block: tuple | None = None                 # "moved block": (block size, slots (first, last), rows held (first, last))
+    sinks: bool = True                         # the rows' sink logits in the softmax, where they have them
 
     def fields(self) -> dict:
         """What a report says of this explanation beside its name: its fitted or chosen values."""
@@ -87,6 +88,7 @@ class AttentionRows:
     v: np.ndarray                              # (n, kv_heads, dv): dv is d but with latent attention
     out: np.ndarray                            # (n, hidden) attn_out, or (n, heads * dv) z
     scale: float
+    sinks: np.ndarray | None = None            # (n, heads) attention sinks' logits, as attention applied them
 
     @property
     def dims(self) -> tuple[int, int, int]:
@@ -110,19 +112,22 @@ class AttentionRows:
 
     def attend(self, row: int, raw: np.ndarray, visible: np.ndarray, scale: float,
                kv_heads: tuple[int, ...] | None = None, softcap: float | None = None,
-               zeroed: np.ndarray | None = None, values: np.ndarray | None = None) -> np.ndarray:
+               zeroed: np.ndarray | None = None, values: np.ndarray | None = None, sinks: bool = True) -> np.ndarray:
         """Softmax over the visible keys, times v: the attention output before o_proj, (heads * dv,).
         `zeroed` keys are read as zero rows: score 0 in the softmax, nothing added by their value;
-        `values`: the v row each key reads (default the key's own: rows 0..n-1)."""
+        `values`: the v row each key reads (default the key's own: rows 0..n-1); `sinks`: each head's
+        sink logit (where the rows have them) one more term of the softmax's denominator, with no value."""
         heads, d, n = self.q.shape[1], self.v.shape[2], raw.shape[1]
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             s = raw * (self.scale * scale)
             if zeroed is not None:
                 s[:, zeroed] = 0.0
             s = np.where(visible[None, :], s if softcap is None else softcap * np.tanh(s / softcap), -np.inf)
-            s -= s.max(axis=1, keepdims=True)
+            sink = self.sinks[row].astype(np.float64) if sinks and self.sinks is not None else None
+            top = s.max(axis=1, keepdims=True) if sink is None else np.maximum(s.max(axis=1), sink)[:, None]
+            s -= top
             w = np.exp(s)
-            w /= w.sum(axis=1, keepdims=True)
+            w /= w.sum(axis=1, keepdims=True) + (0.0 if sink is None else np.exp(sink[:, None] - top))
             if zeroed is not None:
                 w[:, zeroed] = 0.0
             z = np.empty((heads, d))
@@ -214,7 +219,7 @@ class AttentionTest:
     def keys_and_values(self, swapped: bool) -> AttentionRows:
         """The candidate's rows, or (`swapped`) with its k and v in each other's place."""
         c = self.cand
-        return AttentionRows(c.q, c.v, c.k, c.out, c.scale) if swapped else c
+        return AttentionRows(c.q, c.v, c.k, c.out, c.scale, c.sinks) if swapped else c
 
     def scores(self, row: int, n_keys: int, kv_heads: tuple[int, ...] | None = None,
                swapped: bool = False) -> np.ndarray:
@@ -237,7 +242,7 @@ class AttentionTest:
             return self._untestable()
         rows = self.keys_and_values(h.swapped)
         return np.stack([rows.attend(r, self.scores(r, n, h.kv_heads, h.swapped), h.visible(r, n), h.scale,
-                                     h.kv_heads, h.softcap, None if h.zeroed is None else h.zeroed(r, n))
+                                     h.kv_heads, h.softcap, None if h.zeroed is None else h.zeroed(r, n), sinks=h.sinks)
                           for r, n in zip(self.rows, keys)])
 
     def _untestable(self) -> np.ndarray:

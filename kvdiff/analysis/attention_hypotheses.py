@@ -39,14 +39,16 @@ def key_candidates(first: int, extra: list[int]) -> list[int]:
 
 def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], int | None],
                same_forward: Callable[[int, int], bool], forward_end: Callable[[int], int],
-               heads: tuple[int, int] = (1, 1), differing: np.ndarray | None = None) -> list[Hypothesis]:
+               heads: tuple[int, int] = (1, 1), differing: np.ndarray | None = None,
+               sinks: bool = False) -> list[Hypothesis]:
     """Every hypothesis but the fitted ones (scale, soft-cap): the reference's attention, hidden keys
     (one key, spans ending before the first tested row, spans from 0), each row's chunk alone, the next
     key visible, every later key of the row's forward visible (`forward_end(row)`: one past its
     forward's last row), sliding windows, the row's own key hidden, the causal mask offset by m, keys
     never written to the cache (`unwritten_keys`), K and V swapped, and (`heads`: query and KV heads)
     the KV heads tiled over the query heads, and, where the query heads that differ (`differing`) are
-    one KV head's, those reading another KV head."""
+    one KV head's, those reading another KV head; where the rows have attention sinks (`sinks`), the
+    sinks left out of the softmax."""
     out = [Hypothesis("standard", "every earlier position attended, as the reference does", causal)]
     keys = key_candidates(first, boundaries)
     spans = {(j, j) for j in keys} | {(a, first - 1) for a in keys} | {(0, b) for b in keys}
@@ -81,6 +83,9 @@ def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], i
     out += shifted_writes(first, forward_end)
     out.append(Hypothesis("kv swapped", "K and V in each other's place where attention read them (scores from v, "
                           "values from k)", causal, swapped=True))
+    if sinks:
+        out.append(Hypothesis("no sinks", "every earlier position attended without the heads' sink logits in the "
+                              "softmax (the attention sinks left out)", causal, sinks=False))
     query, kv = heads
     if 1 < kv < query:
         out.append(Hypothesis("kv heads", f"query head h reading KV head h mod {kv} (the KV heads tiled) where the "

@@ -26,7 +26,8 @@ MARGIN = 0.5        # and at most this share of what the next-best explanation l
 NEAR_EXACT = 1e-2   # what an explanation that fits the rows leaves (float32 recomputation: ~1e-6 to 1e-3)
 NESTED_MARGIN = 0.8  # or, where that one hides an overlapping span (one key more or less at an end), this
 _PREFER = ("standard", "hidden", "scale", "next key", "chunk alone", "not causal", "window", "own key hidden",
-           "kv heads", "softcap", "not cached", "zeroed", "kv swapped", "lagged mask", "shifted writes", "moved block")
+           "kv heads", "softcap", "no sinks", "not cached", "zeroed", "kv swapped", "lagged mask", "shifted writes",
+           "moved block")
 
 
 def _nested(a: Score, b: Score) -> bool:
@@ -145,7 +146,7 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
         return reach[col]
 
     family = hypotheses(first, starts + [s - 1 for s in starts], chunk_start, same_forward, forward_end,
-                        tests[0][0].cand.dims[:2], tests[0][0].heads)
+                        tests[0][0].cand.dims[:2], tests[0][0].heads, sinks=tests[0][0].cand.sinks is not None)
     scores, owner = [], {}
 
     def score_each_test(score) -> None:

@@ -76,7 +76,8 @@ def _test(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> list[tuple[A
     positions, dims = inputs.comparison.alignment.positions, inputs.reference.meta.dims
     last = int(cols.max())
     if not attention_points(dims) <= set(inputs.comparison.points) or \
-            not np.array_equal(positions[:last + 1], np.arange(last + 1)):
+            not np.array_equal(positions[:last + 1], np.arange(last + 1)) or \
+            dims.sinks and "attn_sinks" not in inputs.comparison.points:      # no softmax to recompute
         return None
     qkv = attention_rows(inputs, layer)
     if qkv is None:
@@ -84,7 +85,8 @@ def _test(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> list[tuple[A
     scale = dims.attn_scale        # the model's: a candidate declaring another is tested
     point = attention_point(inputs.comparison)
     out = [rows.reshape(rows.shape[0], -1) for rows in inputs.rows(layer, point)]
-    ref, cand = (AttentionRows(*qkv[i], out[i], scale) for i in (0, 1))
+    sinks = inputs.rows(layer, "attn_sinks") if dims.sinks else (None, None)
+    ref, cand = (AttentionRows(*qkv[i], out[i], scale, sinks[i]) for i in (0, 1))
     noise = max(_NOISE.get(t.meta.dtype, 1e-2) for t in (inputs.reference, inputs.candidate))
     test = AttentionTest.build(ref, cand, cols, noise, recorded=point == "z")
     if test is None:
@@ -98,7 +100,7 @@ def _test(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> list[tuple[A
     if delta is not None:
         q = cand.q.copy()
         q[test.rows, ..., rope] = rotate(q[test.rows, ..., rope], delta.astype(np.float64), inputs.thetas)
-        moved = AttentionRows(q, cand.k, cand.v, cand.out, scale)
+        moved = AttentionRows(q, cand.k, cand.v, cand.out, scale, cand.sinks)
         shifts = ", ".join(f"{int(d):+d}" for d in np.unique(delta[delta != 0]))
         tests.append((AttentionTest(ref, moved, test.rows, test.fit, heads=test.heads),
                       f" (with q rotated {shifts} positions to its keys' RoPE offset)"))
@@ -202,7 +204,7 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
     else:
         found = ("; no tested explanation (hidden keys, another scale, a sliding window, the next key or every later key "
                  "of the forward visible, its own key hidden, the KV heads tiled, a soft-cap, keys never written to the "
-                 "cache, K and V swapped, the mask offset) accounts for it"
+                 "cache, K and V swapped, the mask offset, the sinks left out) accounts for it"
                  if verdict is not None else "") + _rounding_note(inputs, attn_rel, details)
     itself = "(mask, scale or softmax)" if point == "z" else "(mask, scale, softmax or o_proj)"
     if heads is not None and h is None:
