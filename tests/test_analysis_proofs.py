@@ -420,6 +420,19 @@ def test_a_residual_dropped_at_one_position_is_proved_there_with_full_confidence
     assert op["positions"] == [last, last] and op["output_is_input"] == "mlp_out" and op["confidence"] == 1.0, op
 
 
+def test_a_point_recorded_under_another_name_is_not_called_the_engines_operation(traces, tmp_path):
+    """An adapter records k (after RoPE) as k_pre_rope (red-team round 5, t22): the k projection "breaks"
+    only in the trace, whose k_pre_rope rows are its own k rows; the claim says so, without confidence."""
+    cand = tmp_path / "relabelled.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        f["layers/0/k_pre_rope"][:] = f["layers/0/k"][:]
+    (op,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
+    assert (op["tensor"], op["layer"], op["recorded_as"]) == ("k_pre_rope", 0, "k") and op["confidence"] <= 0.3, op
+    assert "not shown to differ" in op["evidence"]
+
+
 def test_a_cache_block_read_in_another_blocks_place_is_named(traces):
     """From the first decode step (28) on, attention reads key slots 0-15 as the rows of 16-31 (a block
     table entry naming another block of 16): nothing else explains the rows."""

@@ -20,6 +20,7 @@ from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.operation import first_operation
 from kvdiff.analysis.rope import estimate_positions
 from kvdiff.analysis.search import Location
+from kvdiff.analysis.storage import same_rows
 from kvdiff.analysis.tolerance import Tier
 
 _OWN_RULE = ("attention (", "RoPE", "K read from", "V read from", "attention norm", "MLP norm", "final norm", "between ",
@@ -44,6 +45,7 @@ def _finite(inputs: DiagnosisInputs, point: str, layer: int | None) -> np.ndarra
 
 FACTOR_ROWS = 64     # rows an output factor is fitted on
 FACTOR_LEFT = 0.01   # the share of the change a factor may leave unexplained
+RECORDED_CONFIDENCE = 0.3     # at most, where the output is another point's rows: likely the recording, not the engine
 
 
 def diagnose_operation(inputs: DiagnosisInputs, where: Location | None) -> list[Diagnosis]:
@@ -76,13 +78,18 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None) -> list[
     where_text = "final" if op.layer is None else f"layer {op.layer}"
     spans = ", ".join(span_text(a, b) for a, b in runs(positions)[:4]) + ("..." if len(runs(positions)) > 4 else "")
     every = "every one" if n == m else f"{n} of them"
+    recorded = _recorded_as(inputs, op, cols)
+    verdict = "the operation itself differs" if recorded is None else (
+        f"but the candidate's {op.tensor} rows there are exactly its own {recorded} rows, which the reference's are "
+        f"not: its trace holds {recorded} under the name {op.tensor} (a recording that took the wrong tensor, such as "
+        f"an adapter's), so the operation is not shown to differ")
     evidence = (f"{where_text}: {op.name} breaks where its inputs ({ins}) match the reference: of the {m} compared "
                 f"positions with matching inputs, its output {op.tensor} differs at {every} (positions {spans}; rel up "
-                f"to {fmt(rel)}): the operation itself differs"
-                + ("" if n == m else ", not at every position"))
-    proof = (f"{op.tensor} divergent at {n} of {m} positions where {ins} are within tolerance")
+                f"to {fmt(rel)}): {verdict}" + ("" if n == m or recorded else ", not at every position"))
+    proof = (f"{op.tensor} divergent at {n} of {m} positions where {ins} are within tolerance"
+             + ("" if recorded is None else f"; the candidate's {op.tensor} = its own {recorded} exactly there"))
     details = {"operation": op.name, "layer": op.layer, "tensor": op.tensor, "positions_broken": n,
-               "positions_inputs_match": m, "output_factor": None}
+               "positions_inputs_match": m, "output_factor": None, "recorded_as": recorded}
     factor = _output_factor(inputs, op.layer, op.tensor, cols)
     rotated = _q_rotation(inputs, op.layer, cols) if op.tensor == "q" else None
     details["q_rotation"] = rotated
@@ -113,8 +120,30 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None) -> list[
     # the share of positions broken hedges a claim the tiers alone make (inputs within tolerance may still
     # be amplified past it); an exact account of every broken position is a proof of its own
     proved = rotated is not None or passed is not None or weighted is not None
+    confidence = 1.0 if proved else n / m
     return [Diagnosis("operation_mismatch", inputs.chunks.chunk_of(lo), (lo, hi), evidence, details,
-                      confidence=1.0 if proved else n / m, proof=proof)]
+                      confidence=confidence if recorded is None else min(confidence, RECORDED_CONFIDENCE), proof=proof)]
+
+
+def _recorded_as(inputs: DiagnosisInputs, op, cols: np.ndarray) -> str | None:
+    """Another point of the same layer, not one of `op`'s inputs (an output that is its input is
+    `_passed_input`'s), whose candidate rows at `cols` (up to FACTOR_ROWS) are op's output rows
+    exactly, where the reference's two differ: one tensor recorded under two names."""
+    layer, tensor, skip = op.layer, op.tensor, {op.tensor} | {c.point for c in op.inputs}
+    if layer is None:
+        return None
+    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
+    cand = inputs.candidate.point(layer, tensor, al.cand_index[cols])
+    ref = inputs.reference.point(layer, tensor, al.ref_index[cols])
+    for other, pmap in inputs.comparison.points.items():
+        if other in skip or layer not in pmap.layers:
+            continue
+        rows = inputs.candidate.point(layer, other, al.cand_index[cols])
+        if rows.shape == cand.shape and same_rows(rows, cand).all():
+            ref_other = inputs.reference.point(layer, other, al.ref_index[cols])
+            if ref_other.shape == ref.shape and not same_rows(ref_other, ref).all():
+                return other
+    return None
 
 
 def _q_rotation(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> dict | None:
