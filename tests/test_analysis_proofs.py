@@ -433,6 +433,23 @@ def test_a_point_recorded_under_another_name_is_not_called_the_engines_operation
     assert "not shown to differ" in op["evidence"]
 
 
+def test_an_engine_that_fed_a_token_twice_is_a_tokenization_mismatch(traces, tmp_path):
+    """Both traces declare the same prompt, but from position 12 the candidate's engine embedded each
+    position's previous token (a boundary token doubled: red-team round 5, t24): layer 0's input rows
+    are the reference's rows of the position before, exactly."""
+    cand = tmp_path / "doubled.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        rows = f["layers/0/resid_pre"][:]
+        rows[12:20] = rows[11:19]
+        f["layers/0/resid_pre"][:] = rows
+    report = kvdiff.diff(traces["reference"], cand).to_json()
+    (tm,) = [d for d in report["diagnoses"] if d["kind"] == "tokenization_mismatch"]
+    assert (tm["positions"][0], tm["declared_same"], tm["token_shift"], tm["confidence"]) == (12, True, -1, 1.0), tm
+    assert not [d for d in report["diagnoses"] if d["kind"] == "operation_mismatch"]
+
+
 def test_a_cache_block_read_in_another_blocks_place_is_named(traces):
     """From the first decode step (28) on, attention reads key slots 0-15 as the rows of 16-31 (a block
     table entry naming another block of 16): nothing else explains the rows."""
