@@ -281,6 +281,20 @@ def test_a_changed_projection_is_an_operation_mismatch_at_every_position(traces,
     assert op.details["positions_broken"] == op.details["positions_inputs_match"] and op.confidence == 1.0
 
 
+def test_an_output_scaled_by_a_factor_per_row_is_named(traces, tmp_path):
+    """Each row of layer 1's MLP output scaled by its own factor (a mixture's routing weights not
+    renormalised: red-team round 5, t28): the account is exact, so the claim is proved."""
+    cand = tmp_path / "rows.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        out = f["layers/1/mlp_out"][:]
+        f["layers/1/mlp_out"][:] = out * np.linspace(0.5, 0.9, out.shape[0], dtype=np.float32)[:, None]
+    (op,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
+    assert (op["operation"], op["layer"], op["output_factor"], op["confidence"]) == ("MLP", 1, None, 1.0), op
+    assert 0.5 <= op["row_factors"]["min"] < op["row_factors"]["max"] <= 0.9 and op["row_factors"]["left"] < 1e-5
+
+
 def test_the_strongest_of_two_contradicting_claims_is_kept():
     pm = Diagnosis("position_mismatch", "user", (16, 27), "", {"offset": 5, "layer": 0, "fit_quality": 1.0}, 1.0, "p")
     rm = Diagnosis("rope_mismatch", "user", (20, 27), "", {"layer": 0}, 0.4, "r")

@@ -119,9 +119,15 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None) -> list[
         evidence += (f"; its output is the reference's times {fmt(factor[0])} (that leaves {fmt(factor[1])} of the "
                      f"change unexplained): the operation's weights or its result scaled by one factor")
         proof += f"; {op.tensor} = {fmt(factor[0])} x the reference's, {fmt(factor[1])} of the change left"
+    elif weighted is None and passed is None and (rows := _row_factors(inputs, op.layer, op.tensor, cols)) is not None:
+        details["row_factors"] = rows
+        evidence += (f"; each row is the reference's times a factor of its own ({fmt(rows['min'])} to "
+                     f"{fmt(rows['max'])}, leaving at most {fmt(rows['left'])} of a row's change): a weight per token "
+                     f"scaled the result (such as a mixture's routing weights not renormalised over its chosen experts)")
+        proof += f"; every broken row = its own factor x the reference's ({fmt(rows['min'])}-{fmt(rows['max'])})"
     # the share of positions broken hedges a claim the tiers alone make (inputs within tolerance may still
     # be amplified past it); an exact account of every broken position is a proof of its own
-    proved = rotated is not None or passed is not None or weighted is not None
+    proved = rotated is not None or passed is not None or weighted is not None or "row_factors" in details
     confidence = 1.0 if proved else n / m
     return [Diagnosis("operation_mismatch", inputs.chunks.chunk_of(lo), (lo, hi), evidence, details,
                       confidence=confidence if recorded is None else min(confidence, RECORDED_CONFIDENCE), proof=proof)]
@@ -257,6 +263,23 @@ def _output_factor(inputs: DiagnosisInputs, layer: int | None, tensor: str,
     ref = inputs.reference.point(layer, tensor, al.ref_index[cols]).astype(np.float64)
     cand = inputs.candidate.point(layer, tensor, al.cand_index[cols]).astype(np.float64)
     return _one_factor(cand, ref, float(np.linalg.norm(cand - ref)))
+
+
+def _row_factors(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np.ndarray) -> dict | None:
+    """Where each of the candidate's rows at `cols` (up to FACTOR_ROWS) is the reference's row times a
+    factor of its own (least squares, leaving at most FACTOR_LEFT of that row's change), the factors
+    not all one: {"min", "max", "left"}; else None."""
+    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
+    ref = inputs.reference.point(layer, tensor, al.ref_index[cols]).astype(np.float64).reshape(cols.size, -1)
+    cand = inputs.candidate.point(layer, tensor, al.cand_index[cols]).astype(np.float64).reshape(cols.size, -1)
+    power, change = (ref * ref).sum(axis=1), np.linalg.norm(cand - ref, axis=1)
+    if not (np.isfinite(power).all() and np.isfinite(change).all()) or (power == 0).any() or (change == 0).any():
+        return None
+    factors = (cand * ref).sum(axis=1) / power
+    left = np.linalg.norm(cand - factors[:, None] * ref, axis=1) / change
+    if (left > FACTOR_LEFT).any() or np.ptp(factors) <= 1e-3 * np.abs(factors).max():
+        return None
+    return {"min": float(factors.min()), "max": float(factors.max()), "left": float(left.max())}
 
 
 def _one_factor(target: np.ndarray, x: np.ndarray, change: float) -> tuple[float, float] | None:
