@@ -281,6 +281,41 @@ def test_a_changed_projection_is_an_operation_mismatch_at_every_position(traces,
     assert op.details["positions_broken"] == op.details["positions_inputs_match"] and op.confidence == 1.0
 
 
+def test_rope_pairing_the_dimensions_otherwise_is_rope_not_the_cache(traces, tmp_path):
+    """From position 12, q and k are rotated with other pairs (red-team round 5, t48: a partial rotary
+    dimension): k_pre_rope matches, k keeps none of its pair magnitudes. RoPE computes otherwise: an
+    operation_mismatch on RoPE, not a key stored otherwise (the q rows depart too)."""
+    cand = tmp_path / "pairs.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        for point in ("q", "k"):
+            rows = f[f"layers/0/{point}"][:]
+            half = rows.shape[-1] // 2
+            rows[12:, :, :half] = np.roll(rows[12:, :, :half], 1, axis=-1)
+            f[f"layers/0/{point}"][:] = rows
+    report = kvdiff.diff(traces["reference"], cand).to_json()
+    (op,) = [d for d in report["diagnoses"] if d["kind"] == "operation_mismatch"]
+    assert (op["operation"], op["layer"], op["positions"][0]) == ("RoPE (on q and k)", 0, 12), op
+    assert "no rotation with the model's pairs" in op["evidence"]
+    assert not [d for d in report["diagnoses"] if d["kind"] in ("cache_content_mismatch", "position_mismatch")]
+
+
+def test_a_bias_left_out_is_one_constant_vector_on_every_row(traces, tmp_path):
+    """Layer 1's MLP output lacks a bias from position 12 on (red-team round 5, t42b: k_proj without
+    its bias): every broken row is the reference's plus one vector, an exact account."""
+    cand = tmp_path / "bias.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        out = f["layers/1/mlp_out"][:]
+        bias = np.random.default_rng(0).normal(size=out.shape[1:]).astype(np.float32)
+        f["layers/1/mlp_out"][12:] = out[12:] - bias
+    (op,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
+    assert (op["operation"], op["layer"], op["positions"][0], op["confidence"]) == ("MLP", 1, 12, 1.0), op
+    assert op["output_offset"]["norm"] == pytest.approx(float(np.linalg.norm(bias)), rel=1e-4)
+
+
 def test_an_output_scaled_by_a_factor_per_row_is_named(traces, tmp_path):
     """Each row of layer 1's MLP output scaled by its own factor (a mixture's routing weights not
     renormalised: red-team round 5, t28): the account is exact, so the claim is proved."""

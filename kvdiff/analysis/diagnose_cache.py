@@ -108,11 +108,14 @@ def _bad_columns(inputs: DiagnosisInputs) -> tuple[np.ndarray, np.ndarray]:
         other = (keys.kind == SCALED) | (keys.kind == CONTENT)
         k_only[keys.cols[keys.cached & other]] = True
         # a computed row whose k, as attention read it, is not its own k_pre_rope rotated, where that
-        # matches the reference's and k does not: the key was stored or overwritten otherwise
-        k_bad, kp_ok = inputs.divergent("k", 0), inputs.ok("k_pre_rope", 0)
+        # matches the reference's and k does not, and q does: the key was stored or overwritten otherwise
+        # (q departing too is RoPE computing otherwise, rope_mismatch's)
+        k_bad, kp_ok, q_bad = inputs.divergent("k", 0), inputs.ok("k_pre_rope", 0), inputs.divergent("q", 0)
         if k_bad is not None and kp_ok is not None:
             computed = keys.cols[~keys.cached & other]
             computed = computed[k_bad[computed] & kp_ok[computed]]
+            if q_bad is not None:
+                computed = computed[~q_bad[computed]]
             if computed.size:           # a rotation with RoPE's pairs taken otherwise is rope_mismatch's
                 computed = computed[inputs.interleaved_keys(computed).kind != ROTATION]
             k_only[computed] = True

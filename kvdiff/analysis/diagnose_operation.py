@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvdiff.analysis.diagnose_tokens import other_tokens_fed
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, runs, span_text
+from kvdiff.analysis.keys import ROTATION
 from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.operation import first_operation
 from kvdiff.analysis.rope import estimate_positions
@@ -48,18 +50,20 @@ FACTOR_LEFT = 0.01   # the share of the change a factor may leave unexplained
 RECORDED_CONFIDENCE = 0.3     # at most, where the output is another point's rows: likely the recording, not the engine
 
 
-def diagnose_operation(inputs: DiagnosisInputs, where: Location | None) -> list[Diagnosis]:
+def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_claimed: bool = True) -> list[Diagnosis]:
     """One operation_mismatch for the operation at the first tolerance breach, when its inputs are
-    proved to match there and no other rule owns it."""
+    proved to match there and no other rule owns it (RoPE too, where the RoPE rules made no claim:
+    `rope_claimed` False)."""
     op = first_operation(inputs.comparison, where)
-    if op is None or not op.proved or op.name.startswith(_OWN_RULE):
+    if op is None or not op.proved or op.name.startswith(_OWN_RULE) and not (op.name.startswith("RoPE") and not rope_claimed):
         return []
     al = inputs.comparison.alignment
     out_tier = _tiers(inputs, op.tensor, op.layer)
     if out_tier is None:
         return []
     matching = al.comparable & al.computed
-    for check in op.inputs:
+    checks = [c for c in op.inputs if not (op.name.startswith("RoPE") and c.point == "k")]    # k: RoPE's output too
+    for check in checks:
         tier = _tiers(inputs, check.point, check.layer)
         if tier is None:
             return []
@@ -71,17 +75,17 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None) -> list[
     n, m = int(broken.sum()), int(matching.sum())
     lo, hi = int(positions[0]), int(positions[-1])
     cols = np.flatnonzero(broken)
-    if op.name == "embedding" and (tokens := _embedded_tokens(inputs, cols)) is not None:
-        return [_other_tokens_fed(inputs, tokens)]
+    if op.name == "embedding" and (fed := other_tokens_fed(inputs, cols)) is not None:
+        return [fed]
     pmap = inputs.comparison.final[op.tensor] if op.layer is None else inputs.comparison.points[op.tensor]
     row = pmap.layers.index(op.layer)
     rel = float(np.nanmax(pmap.rel[row, cols]))
-    ins = ", ".join(f"{c.point}" + ("" if c.layer is None else f"@{c.layer}") for c in op.inputs) or "none"
+    ins = ", ".join(f"{c.point}" + ("" if c.layer is None else f"@{c.layer}") for c in checks) or "none"
     where_text = "final" if op.layer is None else f"layer {op.layer}"
     spans = ", ".join(span_text(a, b) for a, b in runs(positions)[:4]) + ("..." if len(runs(positions)) > 4 else "")
     every = "every one" if n == m else f"{n} of them"
     recorded = _recorded_as(inputs, op, cols)
-    verdict = "the operation itself differs" if recorded is None else (
+    verdict = "the operation itself differs" + _not_rotated(inputs, op.name, cols) if recorded is None else (
         f"but the candidate's {op.tensor} rows there are exactly its own {recorded} rows, which the reference's are "
         f"not: its trace holds {recorded} under the name {op.tensor} (a recording that took the wrong tensor, such as "
         f"an adapter's), so the operation is not shown to differ")
@@ -119,6 +123,11 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None) -> list[
         evidence += (f"; its output is the reference's times {fmt(factor[0])} (that leaves {fmt(factor[1])} of the "
                      f"change unexplained): the operation's weights or its result scaled by one factor")
         proof += f"; {op.tensor} = {fmt(factor[0])} x the reference's, {fmt(factor[1])} of the change left"
+    elif weighted is None and passed is None and (offset := _output_offset(inputs, op.layer, op.tensor, cols)) is not None:
+        details["output_offset"] = offset
+        evidence += (f"; every row is the reference's plus one and the same vector (norm {fmt(offset['norm'])}, leaving "
+                     f"{fmt(offset['left'])} of the change): a bias added or left out")
+        proof += f"; {op.tensor} = the reference's + one constant vector, {fmt(offset['left'])} of the change left"
     elif weighted is None and passed is None and (rows := _row_factors(inputs, op.layer, op.tensor, cols)) is not None:
         details["row_factors"] = rows
         evidence += (f"; each row is the reference's times a factor of its own ({fmt(rows['min'])} to "
@@ -127,51 +136,22 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None) -> list[
         proof += f"; every broken row = its own factor x the reference's ({fmt(rows['min'])}-{fmt(rows['max'])})"
     # the share of positions broken hedges a claim the tiers alone make (inputs within tolerance may still
     # be amplified past it); an exact account of every broken position is a proof of its own
-    proved = rotated is not None or passed is not None or weighted is not None or "row_factors" in details
+    proved = (rotated is not None or passed is not None or weighted is not None or details["output_factor"] is not None
+              or "row_factors" in details or "output_offset" in details)
     confidence = 1.0 if proved else n / m
     return [Diagnosis("operation_mismatch", inputs.chunks.chunk_of(lo), (lo, hi), evidence, details,
                       confidence=confidence if recorded is None else min(confidence, RECORDED_CONFIDENCE), proof=proof)]
 
 
-def _other_tokens_fed(inputs: DiagnosisInputs, tokens: dict) -> Diagnosis:
-    """tokenization_mismatch where both traces declare the same prompt but the candidate's engine
-    embedded other tokens (`_embedded_tokens`)."""
-    first, sequence, shift = tokens["positions"][0], inputs.sequence, tokens["shift"]
-    how = {-1: f"; each holds the token of the position before it: a token doubled at {first}, the rest one "
-               f"position late",
-           1: f"; each holds the token of the next position: the token at {first} dropped"}.get(shift, "")
-    evidence = (f"both traces declare the same prompt, but from position {first} the candidate's engine embedded other "
-                f"tokens: its first layer's input rows are, exactly, the reference's rows of other tokens "
-                f"({tokens['text']}){how}: it fed other token ids than the prompt's (a token doubled or dropped, a "
-                f"boundary tokenized otherwise)")
-    return Diagnosis("tokenization_mismatch", inputs.chunks.chunk_of(first), (first, tokens["positions"][-1]), evidence, {
-        "reference_token": inputs.token_text(int(sequence[first])), "candidate_token": inputs.token_text(tokens["tokens"][0]),
-        "declared_same": True, "embedded_tokens": tokens["tokens"], "token_shift": shift}, confidence=1.0,
-        proof=f"resid_pre at layer 0 equals the reference's row of another token exactly at {len(tokens['positions'])} "
-              f"positions from {first}")
-
-
-def _embedded_tokens(inputs: DiagnosisInputs, cols: np.ndarray) -> dict | None:
-    """Where the candidate's first-layer input rows at `cols` (up to FACTOR_ROWS) each equal exactly the
-    reference's row at a position holding another token (an embedding depends on the token alone):
-    {"positions", "tokens" (the ids embedded), "shift" (one offset back to the positions whose tokens
-    they are, or None), "text"}; else None."""
-    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
-    ref, cand = inputs.rows(inputs.comparison.layers[0], "resid_pre")
-    sequence = inputs.sequence
-    found = []
-    for col in cols:
-        same = np.flatnonzero(same_rows(ref, np.broadcast_to(cand[col], ref.shape)))
-        src = [int(al.positions[j]) for j in same if al.positions[j] < sequence.size]
-        position = int(al.positions[col])
-        if not src or position >= sequence.size or sequence[src[0]] == sequence[position]:
-            return None
-        found.append((position, min(src, key=lambda q: abs(q - position))))
-    shifts = {q - p for p, q in found}
-    shown = ", ".join(f"{p} holds {inputs.token_text(int(sequence[q]))!r} (the token at {q})" for p, q in found[:4])
-    return {"positions": [p for p, _ in found], "tokens": [int(sequence[q]) for _, q in found],
-            "shift": shifts.pop() if len(shifts) == 1 else None,
-            "text": shown + ("..." if len(found) > 4 else "")}
+def _not_rotated(inputs: DiagnosisInputs, name: str, cols: np.ndarray) -> str:
+    """For RoPE: where the candidate's k at `cols` keeps none of its k_pre_rope's rotate_half pair
+    magnitudes, that no rotation with the model's pairs gives it (RoPE computing otherwise)."""
+    keys = inputs.keys if name.startswith("RoPE") else None
+    if keys is None or not np.isin(cols, keys.cols).all() or (keys.kind[np.isin(keys.cols, cols)] == ROTATION).any():
+        return ""
+    return (": k's rotate_half pairs do not keep the magnitudes of its own k_pre_rope (which matches the "
+            "reference's), so no rotation with the model's pairs gives it: RoPE paired or rotated the dimensions "
+            "otherwise (other pairs, a partial rotary dimension, another layout), not to other positions")
 
 
 def _recorded_as(inputs: DiagnosisInputs, op, cols: np.ndarray) -> str | None:
@@ -263,6 +243,21 @@ def _output_factor(inputs: DiagnosisInputs, layer: int | None, tensor: str,
     ref = inputs.reference.point(layer, tensor, al.ref_index[cols]).astype(np.float64)
     cand = inputs.candidate.point(layer, tensor, al.cand_index[cols]).astype(np.float64)
     return _one_factor(cand, ref, float(np.linalg.norm(cand - ref)))
+
+
+def _output_offset(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np.ndarray) -> dict | None:
+    """Where the candidate's rows at `cols` (two or more, up to FACTOR_ROWS) are the reference's plus one
+    and the same vector, leaving at most FACTOR_LEFT of their change: {"norm", "left"}; else None."""
+    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
+    if cols.size < 2:
+        return None
+    ref = inputs.reference.point(layer, tensor, al.ref_index[cols]).astype(np.float64).reshape(cols.size, -1)
+    change = inputs.candidate.point(layer, tensor, al.cand_index[cols]).astype(np.float64).reshape(cols.size, -1) - ref
+    offset, size = change.mean(axis=0), float(np.linalg.norm(change))
+    if not np.isfinite(size) or size == 0:
+        return None
+    left = float(np.linalg.norm(change - offset)) / size
+    return {"norm": float(np.linalg.norm(offset)), "left": left} if left <= FACTOR_LEFT else None
 
 
 def _row_factors(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np.ndarray) -> dict | None:

@@ -8,6 +8,7 @@ import numpy as np
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt
 from kvdiff.analysis.compare import Comparison
 from kvdiff.analysis.search import Location, all_maps
+from kvdiff.analysis.storage import same_rows
 from kvdiff.analysis.tolerance import Tier
 
 
@@ -164,3 +165,50 @@ def diagnose_non_finite(inputs: DiagnosisInputs, first: Location | None) -> list
                       {"layer": first.layer, "tensor": first.tensor, "traces": who}, confidence=1.0,
                       proof=f"a non-finite value in the {' and '.join(who)}'s {first.tensor} row at {where} position "
                             f"{first.position}")]
+
+
+EMBEDDED_ROWS = 64     # rows whose embedded token is looked up
+
+
+def other_tokens_fed(inputs: DiagnosisInputs, cols: np.ndarray) -> Diagnosis | None:
+    """tokenization_mismatch where both traces declare the same prompt but the candidate's engine
+    embedded other tokens at the aligned columns `cols` (`_embedded_tokens`); else None."""
+    tokens = _embedded_tokens(inputs, cols)
+    if tokens is None:
+        return None
+    first, sequence, shift = tokens["positions"][0], inputs.sequence, tokens["shift"]
+    how = {-1: f"; each holds the token of the position before it: a token doubled at {first}, the rest one "
+               f"position late",
+           1: f"; each holds the token of the next position: the token at {first} dropped"}.get(shift, "")
+    evidence = (f"both traces declare the same prompt, but from position {first} the candidate's engine embedded other "
+                f"tokens: its first layer's input rows are, exactly, the reference's rows of other tokens "
+                f"({tokens['text']}){how}: it fed other token ids than the prompt's (a token doubled or dropped, a "
+                f"boundary tokenized otherwise)")
+    return Diagnosis("tokenization_mismatch", inputs.chunks.chunk_of(first), (first, tokens["positions"][-1]), evidence, {
+        "reference_token": inputs.token_text(int(sequence[first])), "candidate_token": inputs.token_text(tokens["tokens"][0]),
+        "declared_same": True, "embedded_tokens": tokens["tokens"], "token_shift": shift}, confidence=1.0,
+        proof=f"resid_pre at layer 0 equals the reference's row of another token exactly at {len(tokens['positions'])} "
+              f"positions from {first}")
+
+
+def _embedded_tokens(inputs: DiagnosisInputs, cols: np.ndarray) -> dict | None:
+    """Where the candidate's first-layer input rows at `cols` (up to EMBEDDED_ROWS) each equal exactly the
+    reference's row at a position holding another token (an embedding depends on the token alone):
+    {"positions", "tokens" (the ids embedded), "shift" (one offset back to the positions whose tokens
+    they are, or None), "text"}; else None."""
+    al, cols = inputs.comparison.alignment, cols[:EMBEDDED_ROWS]
+    ref, cand = inputs.rows(inputs.comparison.layers[0], "resid_pre")
+    sequence = inputs.sequence
+    found = []
+    for col in cols:
+        same = np.flatnonzero(same_rows(ref, np.broadcast_to(cand[col], ref.shape)))
+        src = [int(al.positions[j]) for j in same if al.positions[j] < sequence.size]
+        position = int(al.positions[col])
+        if not src or position >= sequence.size or sequence[src[0]] == sequence[position]:
+            return None
+        found.append((position, min(src, key=lambda q: abs(q - position))))
+    shifts = {q - p for p, q in found}
+    shown = ", ".join(f"{p} holds {inputs.token_text(int(sequence[q]))!r} (the token at {q})" for p, q in found[:4])
+    return {"positions": [p for p, _ in found], "tokens": [int(sequence[q]) for _, q in found],
+            "shift": shifts.pop() if len(shifts) == 1 else None,
+            "text": shown + ("..." if len(found) > 4 else "")}
