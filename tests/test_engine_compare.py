@@ -27,6 +27,7 @@ def test_a_clean_engine_gives_identical_tokens_with_the_hit_confirmed(tmp_path):
     assert result.exit_code == 0 and report["tokens_identical"]
     assert report["engine"]["name"] == "transformers" and report["engine"]["version"]
     assert report["engine"]["cache_hit_tokens"] == 32 and report["engine"]["prompt_tokens"] == 35   # two 16-token blocks
+    assert report["engine"]["cached_positions_recorded"] == 32
     assert report["noise_floor"] == {"tokens_identical": True, "bitwise_equal": True, "max_abs_logit": None}
     assert report["flips"] == [] and report["engine_vs_reference"]["tokens_identical"]
     against = report["engine_vs_reference"]

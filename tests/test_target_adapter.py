@@ -44,6 +44,7 @@ def test_an_adapter_of_your_own_engine_runs_cold_and_warm_and_against_the_refere
     report = result.report.to_json()
     assert result.exit_code == 0 and report["tokens_identical"]
     assert report["engine"]["name"] == "prompt-cache" and report["engine"]["cache_hit_tokens"] == 29
+    assert report["engine"]["cached_positions_recorded"] == 29
     assert report["engine"]["prompt_tokens"] == 30 and report["noise_floor"]["bitwise_equal"]
     against = report["engine_vs_reference"]
     assert against["tokens_identical"] and against["first_divergence"] is None
@@ -220,3 +221,28 @@ def test_a_whole_prompt_hit_answered_from_stale_logits_is_a_logits_mismatch(tmp_
     (found,) = [d for d in report["diagnoses"] if d["kind"] == "logits_mismatch"]
     assert found["positions"] == [prompt - 1, prompt - 1] and found["step"] == 0 and found["computed_row"] is False
     assert report["diagnoses"][report["top_diagnosis"]]["kind"] == "logits_mismatch"
+
+
+def test_a_hit_count_the_recording_does_not_show_is_said(tmp_path, monkeypatch):
+    # An adapter that reports 8 cached tokens more than its reads bracket recorded (red-team round 5, t40).
+    from kvdiff.reports.lines import hit_disagreement
+    from kvdiff.run import engine_compare
+
+    opened = engine_compare.open_target
+
+    def open_overcounting(*args, **kwargs):
+        target = opened(*args, **kwargs)
+        generate = target.generate
+
+        def overcounted(*a, **k):
+            run = generate(*a, **k)
+            run.cache_hit_tokens += 8 if run.cache_hit_tokens else 0
+            return run
+
+        target.generate = overcounted
+        return target
+
+    monkeypatch.setattr(engine_compare, "open_target", open_overcounting)
+    engine = _run(tmp_path).report.to_json()["engine"]
+    assert (engine["cache_hit_tokens"], engine["cached_positions_recorded"]) == (37, 29)
+    assert "records 29 positions read from it" in hit_disagreement(engine)

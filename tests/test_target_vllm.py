@@ -358,7 +358,7 @@ def test_a_bug_in_every_run_is_diagnosed_against_the_reference(target, folder, h
         undo()
         target.reset_cache()
     report = result.report.to_json()
-    assert report["engine"]["cache_hit_tokens"] > 0
+    assert report["engine"]["cache_hit_tokens"] == report["engine"]["cached_positions_recorded"] > 0
     assert {d["kind"] for d in report["diagnoses"]} <= {"numerical_noise"}
     against = report["engine_vs_reference"]
     first = against["first_operation"]

@@ -501,7 +501,8 @@ class TraceRecorder:
                 if count == 0:
                     raise ProbeIntegrityError(
                         f"{what} {point!r} did not fire at layer {layer} in the forward over positions {where}: "
-                        "check the probe spec matches the model's modules")
+                        "check the probe spec matches the model's modules, or, for an engine's adapter, that it "
+                        "captures every point it declares in every forward (its `points`)")
                 if count > 1:
                     raise ProbeIntegrityError(f"{what} {point!r} fired {count} times at layer {layer} in one forward "
                                               f"over positions {where}: a module is called more than once")

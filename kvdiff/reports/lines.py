@@ -45,6 +45,14 @@ def engine_line(engine: dict[str, Any]) -> str:
     return f"{engine.get('name')} {engine.get('version')}{ran}" + (f", with {given}" if given else "")
 
 
+def hit_disagreement(engine: dict[str, Any]) -> str:
+    """Where the warm trace records another number of cached positions than the engine counted."""
+    recorded, counted = engine.get("cached_positions_recorded"), engine.get("cache_hit_tokens")
+    if recorded is None or recorded == counted:
+        return ""
+    return f"; but the warm trace records {recorded} positions read from it: the count or the recording is wrong"
+
+
 def quantized_note(engine: dict[str, Any]) -> str:
     """What an engine with quantized weights means for its comparison with the reference."""
     quantized = engine.get("quantized")

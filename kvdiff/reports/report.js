@@ -152,7 +152,9 @@
     const floor = R.noise_floor || {}, rows = [
       ["engine", String(e.name) + " " + String(e.version) + (e.weights ? " on " + String(e.weights) + " weights" +
         (e.quantized ? " (" + String(e.quantized) + ")" : "") : "") + options(e.options)],
-      ["cache hit", "warm run served " + fmt(e.cache_hit_tokens) + " of " + fmt(e.prompt_tokens) + " prompt tokens from its cache"],
+      ["cache hit", "warm run served " + fmt(e.cache_hit_tokens) + " of " + fmt(e.prompt_tokens) + " prompt tokens from its cache" +
+        (e.cached_positions_recorded != null && e.cached_positions_recorded !== e.cache_hit_tokens ?
+          "; but the warm trace records " + fmt(e.cached_positions_recorded) + " positions read from it: the count or the recording is wrong" : "")],
       ["noise floor", "two cold runs: " + (floor.bitwise_equal ? "bitwise equal" : "logits max_abs " + fmt(floor.max_abs_logit))]];
     (R.flips || []).forEach((f) => rows.push(["flip: " + f.kind, "step " + f.step + ": " +
       JSON.stringify(String(f.reference_token)) + " → " + JSON.stringify(String(f.candidate_token)) +

@@ -18,7 +18,7 @@ from rich.text import Text
 from kvdiff.errors import InputError
 from kvdiff.reports.blend import blend_errors_text
 from kvdiff.reports.heatmap_text import heatmap_text
-from kvdiff.reports.lines import digest_line, engine_line, fmt, quantized_note, recomputed_line
+from kvdiff.reports.lines import digest_line, engine_line, fmt, hit_disagreement, quantized_note, recomputed_line
 from kvdiff.analysis.report import Report
 from kvdiff.reports.printable import printable
 
@@ -168,7 +168,7 @@ class _Report:
         table = self.table("engine under test", "details", title="engine (cold vs warm)")
         table.add_row(Text(printable(engine_line(engine))), Text(printable(
             f"warm run served {engine.get('cache_hit_tokens')} of {engine.get('prompt_tokens')} prompt tokens "
-            f"from its cache (the engine's counter)")))
+            f"from its cache (the engine's counter)" + hit_disagreement(engine))))
         table.add_row("noise floor", Text(
             "two cold runs: " + ("bitwise equal" if floor.get("bitwise_equal") else
                                  f"differ (logits max_abs {fmt(floor.get('max_abs_logit'))})") +

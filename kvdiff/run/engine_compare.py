@@ -109,6 +109,7 @@ def compare_engine(messages: Messages, *, engine: str | EngineName | AdapterEngi
                                                       loaded.config.num_hidden_layers, tokenizer, step)
         finally:
             target.close()
+        recorded_hit = _cached_positions(out_dir / "warm.h5", runs["warm"].cache_hit_tokens, target.info.name)
         noise = diff(out_dir / "cold.h5", out_dir / "cold-again.h5", tokenizer=tokenizer)
         floor = noise_floor(noise)
         extra = {} if options.trace_mode is TraceMode.FULL else {
@@ -118,7 +119,7 @@ def compare_engine(messages: Messages, *, engine: str | EngineName | AdapterEngi
             engine={"name": target.info.name, "version": target.info.version,
                     "checkpoint": str(target.info.checkpoint), "weights": str(weights), "options": settings,
                     "quantized": target.info.quantized,
-                    "cache_hit_tokens": runs["warm"].cache_hit_tokens,
+                    "cache_hit_tokens": runs["warm"].cache_hit_tokens, "cached_positions_recorded": recorded_hit,
                     "prompt_tokens": len(ids)},
             noise_floor=floor, flips=[flip for flip in [classify_flip(main, floor)] if flip is not None],
             engine_vs_reference={**against_json, "flip": classify_flip(against, floor)})
@@ -200,6 +201,19 @@ def _recorded_run(target: Target, recorded: _Recorded, label: str, path: Path, w
         raise KvdiffError(f"{target.info.name} served {run.cache_hit_tokens} tokens from its cache on a cold run "
                           "after its cache was dropped: its reset does not work, so cold and warm cannot be told apart")
     return run
+
+
+def _cached_positions(warm: Path, counted: int, engine: str) -> int:
+    """How many positions the warm trace records as read from the cache; a count other than the
+    engine's own (`counted`) is said: the adapter's count or its recording is wrong."""
+    from kvdiff.trace import open_trace
+
+    with open_trace(warm) as trace:
+        recorded = int(trace.meta.kv_only_positions.size)
+    if recorded != counted:
+        log.warning("%s counted %d prompt tokens from its cache, but the warm trace records %d positions read from "
+                    "it: the engine's count or its adapter's recording is wrong", engine, counted, recorded)
+    return recorded
 
 
 def noise_floor(noise: Divergence) -> dict:
