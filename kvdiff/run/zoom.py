@@ -22,6 +22,7 @@ from kvdiff.analysis import Divergence
 from kvdiff.analysis.diagnosis import Diagnosis
 from kvdiff.analysis.digests import first_digest_mismatch
 from kvdiff.analysis.search import bits_differ, breaches_tolerance
+from kvdiff.analysis.tolerance import Tier
 from kvdiff.trace import open_trace
 
 ZOOM_LAYERS = 2
@@ -61,7 +62,12 @@ def zoom_window(first_pass: Divergence, num_layers: int, layers: int = ZOOM_LAYE
                 positions: int = ZOOM_POSITIONS, beyond_tolerance: bool = False) -> ZoomWindow | None:
     """The window around the first bit difference of a digest-only diff; None where none differs.
     `beyond_tolerance`: around the first row the statistics prove beyond tolerance instead, for
-    two runs whose bits differ everywhere (an engine against the reference)."""
+    two runs whose bits differ everywhere (an engine against the reference); so too where the
+    statistics prove the first differing bits within tolerance and a later row beyond it (noise
+    first, the divergence at a later layer: the window then holds the divergence, not the noise)."""
+    noise_first = first_pass.first_bit_difference is not None and first_pass.first_bit_difference.tier == Tier.NOISE.label
+    if noise_first and first_pass.first_divergence is not None:
+        beyond_tolerance = True     # the first bits to part are proved within tolerance: zoom where the runs diverge
     first = first_pass.first_divergence if beyond_tolerance else first_pass.first_bit_difference
     cells = breaches_tolerance if beyond_tolerance else bits_differ
     if first is None:
