@@ -316,6 +316,35 @@ def test_a_bias_left_out_is_one_constant_vector_on_every_row(traces, tmp_path):
     assert op["output_offset"]["norm"] == pytest.approx(float(np.linalg.norm(bias)), rel=1e-4)
 
 
+def _written_one_slot_late(traces, tmp_path, point):
+    """A copy of the reference whose layer-0 `point` rows from 12 on were written one slot late: the
+    slot of 12 never written (zeros), that of p holding p - 1's row."""
+    cand = tmp_path / f"{point}-late.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        rows = f[f"layers/0/{point}"][:]
+        rows[13:], rows[12] = rows[12:-1].copy(), 0
+        f[f"layers/0/{point}"][:] = rows
+    return kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"]
+
+
+def test_values_written_one_slot_late_are_rows_of_other_positions(traces, tmp_path):
+    """Red-team round 5, t51: V's write index one slot late in the forward that computed the rows."""
+    (op,) = [d for d in _written_one_slot_late(traces, tmp_path, "v") if d["kind"] == "operation_mismatch"]
+    assert (op["operation"], op["layer"], op["positions"][0], op["confidence"]) == ("v projection", 0, 12, 1.0), op
+    assert op["source_positions"][1:4] == [12, 13, 14] and "off by -1" in op["evidence"]
+
+
+def test_keys_written_one_slot_late_are_stored_otherwise_with_the_unwritten_slot_named(traces, tmp_path):
+    """Red-team round 5, t55: K's write index one slot late; the unwritten slot is a zero row, no RoPE
+    of magnitude 0."""
+    found = _written_one_slot_late(traces, tmp_path, "k")
+    assert not [d for d in found if d["kind"] in ("rope_mismatch", "position_mismatch")], found
+    (cc,) = [d for d in found if d["kind"] == "cache_content_mismatch"]
+    assert cc["positions"][0] == 12 and cc["zero_row_positions"] == {"k": [12]} and cc["source_positions"][1] == 12
+
+
 def test_an_output_scaled_by_a_factor_per_row_is_named(traces, tmp_path):
     """Each row of layer 1's MLP output scaled by its own factor (a mixture's routing weights not
     renormalised: red-team round 5, t28): the account is exact, so the claim is proved."""

@@ -32,14 +32,20 @@ def _distances(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
 
 
 def sources(ref: np.ndarray, cand: np.ndarray, positions: np.ndarray,
-             keys: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+             keys: tuple[np.ndarray, np.ndarray] | None = None, own: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
     """For each candidate row, the reference position whose row is nearest, and the relative distance.
     Rows of one token are equal wherever it occurs (before RoPE, at the first layer), so with `keys`
     (reference and candidate k rows, rotated at the positions they were computed at) a row is the
     reference's row only where its k is that row's k too: of several exact matches the one whose k
-    the candidate holds, and none (distance Inf) where no exact match's k is the candidate's."""
+    the candidate holds, and none (distance Inf) where no exact match's k is the candidate's. With
+    `own` (the candidate rows' positions) and no keys, of several exact matches the nearest to own."""
     rel = _distances(ref, cand)
     best = rel.argmin(axis=1)
+    if own is not None and keys is None:
+        exact = rel <= EXACT
+        near = np.where(exact, np.abs(positions[None, :] - np.asarray(own)[:, None]), np.iinfo(np.int64).max)
+        best = np.where(exact.any(axis=1), near.argmin(axis=1), best)
     if keys is not None:
         exact = rel <= EXACT
         matched = np.flatnonzero(exact.any(1))
@@ -251,7 +257,15 @@ def diagnose_cache_content(inputs: DiagnosisInputs) -> list[Diagnosis]:
             stored_otherwise = True
             evidence += f"; {stored.evidence}"
             proof += f"; {stored.proof}"
-        zero = [name for name in ("k", "v") if name in differing and not inputs.rows(layer, name)[1][gcols].any()]
+        empty = {name: ~inputs.rows(layer, name)[1][gcols].reshape(gcols.size, -1).any(axis=1)
+                 for name in ("k", "v") if name in differing}
+        zero = [name for name, rows in empty.items() if rows.all()]
+        some = {name: group[rows].tolist() for name, rows in empty.items() if rows.any() and not rows.all()}
+        if some:
+            details["zero_row_positions"] = some
+            evidence += "; " + "; ".join(f"the candidate's {name} rows at {', '.join(map(str, at[:6]))} are all zeros: "
+                                         f"slots never written" for name, at in some.items())
+            proof += "; " + "; ".join(f"{name} rows at {len(at)} positions are zero" for name, at in some.items())
         if zero:
             details["zero_rows"] = zero
             evidence += (f"; the candidate's {' and '.join(zero)} rows there are all zeros: cache slots never written, "

@@ -22,7 +22,8 @@ from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.operation import first_operation
 from kvdiff.analysis.rope import estimate_positions
 from kvdiff.analysis.search import Location
-from kvdiff.analysis.storage import same_rows
+from kvdiff.analysis.output_accounts import (FACTOR_ROWS, moved_rows, one_factor, output_factor, output_offset,
+                                             recorded_as, row_factors)
 from kvdiff.analysis.tolerance import Tier
 
 _OWN_RULE = ("attention (", "RoPE", "K read from", "V read from", "attention norm", "MLP norm", "final norm", "between ",
@@ -45,24 +46,23 @@ def _finite(inputs: DiagnosisInputs, point: str, layer: int | None) -> np.ndarra
     return pmap.ref_finite[row] & pmap.cand_finite[row]
 
 
-FACTOR_ROWS = 64     # rows an output factor is fitted on
-FACTOR_LEFT = 0.01   # the share of the change a factor may leave unexplained
+ROPE_ON_BOTH = "RoPE (on q and k)"
 RECORDED_CONFIDENCE = 0.3     # at most, where the output is another point's rows: likely the recording, not the engine
 
 
 def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_claimed: bool = True) -> list[Diagnosis]:
     """One operation_mismatch for the operation at the first tolerance breach, when its inputs are
-    proved to match there and no other rule owns it (RoPE too, where the RoPE rules made no claim:
-    `rope_claimed` False)."""
+    proved to match there and no other rule owns it (RoPE on q and k too, where the RoPE rules made
+    no claim: `rope_claimed` False; k alone departing is a key stored otherwise, the cache rules')."""
     op = first_operation(inputs.comparison, where)
-    if op is None or not op.proved or op.name.startswith(_OWN_RULE) and not (op.name.startswith("RoPE") and not rope_claimed):
+    if op is None or not op.proved or op.name.startswith(_OWN_RULE) and not (op.name == ROPE_ON_BOTH and not rope_claimed):
         return []
     al = inputs.comparison.alignment
     out_tier = _tiers(inputs, op.tensor, op.layer)
     if out_tier is None:
         return []
     matching = al.comparable & al.computed
-    checks = [c for c in op.inputs if not (op.name.startswith("RoPE") and c.point == "k")]    # k: RoPE's output too
+    checks = [c for c in op.inputs if not (op.name == ROPE_ON_BOTH and c.point == "k")]    # k: RoPE's output too
     for check in checks:
         tier = _tiers(inputs, check.point, check.layer)
         if tier is None:
@@ -84,19 +84,28 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
     where_text = "final" if op.layer is None else f"layer {op.layer}"
     spans = ", ".join(span_text(a, b) for a, b in runs(positions)[:4]) + ("..." if len(runs(positions)) > 4 else "")
     every = "every one" if n == m else f"{n} of them"
-    recorded = _recorded_as(inputs, op, cols)
-    verdict = "the operation itself differs" + _not_rotated(inputs, op.name, cols) if recorded is None else (
-        f"but the candidate's {op.tensor} rows there are exactly its own {recorded} rows, which the reference's are "
-        f"not: its trace holds {recorded} under the name {op.tensor} (a recording that took the wrong tensor, such as "
-        f"an adapter's), so the operation is not shown to differ")
+    recorded = recorded_as(inputs, op, cols)
+    moved = moved_rows(inputs, op, cols) if recorded is None else None
+    verdict = "the operation itself differs" + _not_rotated(inputs, op.name, cols)
+    if recorded is not None:
+        verdict = (f"but the candidate's {op.tensor} rows there are exactly its own {recorded} rows, which the "
+                   f"reference's are not: its trace holds {recorded} under the name {op.tensor} (a recording that took "
+                   f"the wrong tensor, such as an adapter's), so the operation is not shown to differ")
+    elif moved is not None:
+        verdict = (f"but {moved['count']} of those rows are, exactly, the reference's rows of other positions "
+                   f"({moved['text']}): rows written to or read from other positions (a write index or slot "
+                   f"off{moved['shift']}), not the operation computing otherwise")
     evidence = (f"{where_text}: {op.name} breaks where its inputs ({ins}) match the reference: of the {m} compared "
                 f"positions with matching inputs, its output {op.tensor} differs at {every} (positions {spans}; rel up "
-                f"to {fmt(rel)}): {verdict}" + ("" if n == m or recorded else ", not at every position"))
+                f"to {fmt(rel)}): {verdict}" + ("" if n == m or recorded or moved else ", not at every position"))
     proof = (f"{op.tensor} divergent at {n} of {m} positions where {ins} are within tolerance"
-             + ("" if recorded is None else f"; the candidate's {op.tensor} = its own {recorded} exactly there"))
+             + ("" if recorded is None else f"; the candidate's {op.tensor} = its own {recorded} exactly there")
+             + ("" if moved is None else f"; {moved['count']} {op.tensor} rows equal the reference's at other "
+                                         f"positions exactly"))
     details = {"operation": op.name, "layer": op.layer, "tensor": op.tensor, "positions_broken": n,
-               "positions_inputs_match": m, "output_factor": None, "recorded_as": recorded}
-    factor = _output_factor(inputs, op.layer, op.tensor, cols)
+               "positions_inputs_match": m, "output_factor": None, "recorded_as": recorded,
+               **({} if moved is None else {"source_positions": moved["sources"]})}
+    factor = None if moved is not None else output_factor(inputs, op.layer, op.tensor, cols)
     rotated = _q_rotation(inputs, op.layer, cols) if op.tensor == "q" else None
     details["q_rotation"] = rotated
     if rotated is not None:
@@ -123,12 +132,12 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
         evidence += (f"; its output is the reference's times {fmt(factor[0])} (that leaves {fmt(factor[1])} of the "
                      f"change unexplained): the operation's weights or its result scaled by one factor")
         proof += f"; {op.tensor} = {fmt(factor[0])} x the reference's, {fmt(factor[1])} of the change left"
-    elif weighted is None and passed is None and (offset := _output_offset(inputs, op.layer, op.tensor, cols)) is not None:
+    elif moved is None and weighted is None and passed is None and (offset := output_offset(inputs, op.layer, op.tensor, cols)) is not None:
         details["output_offset"] = offset
         evidence += (f"; every row is the reference's plus one and the same vector (norm {fmt(offset['norm'])}, leaving "
                      f"{fmt(offset['left'])} of the change): a bias added or left out")
         proof += f"; {op.tensor} = the reference's + one constant vector, {fmt(offset['left'])} of the change left"
-    elif weighted is None and passed is None and (rows := _row_factors(inputs, op.layer, op.tensor, cols)) is not None:
+    elif moved is None and weighted is None and passed is None and (rows := row_factors(inputs, op.layer, op.tensor, cols)) is not None:
         details["row_factors"] = rows
         evidence += (f"; each row is the reference's times a factor of its own ({fmt(rows['min'])} to "
                      f"{fmt(rows['max'])}, leaving at most {fmt(rows['left'])} of a row's change): a weight per token "
@@ -137,7 +146,7 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
     # the share of positions broken hedges a claim the tiers alone make (inputs within tolerance may still
     # be amplified past it); an exact account of every broken position is a proof of its own
     proved = (rotated is not None or passed is not None or weighted is not None or details["output_factor"] is not None
-              or "row_factors" in details or "output_offset" in details)
+              or "row_factors" in details or "output_offset" in details or "source_positions" in details)
     confidence = 1.0 if proved else n / m
     return [Diagnosis("operation_mismatch", inputs.chunks.chunk_of(lo), (lo, hi), evidence, details,
                       confidence=confidence if recorded is None else min(confidence, RECORDED_CONFIDENCE), proof=proof)]
@@ -146,7 +155,7 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
 def _not_rotated(inputs: DiagnosisInputs, name: str, cols: np.ndarray) -> str:
     """For RoPE: where the candidate's k at `cols` keeps none of its k_pre_rope's rotate_half pair
     magnitudes, that no rotation with the model's pairs gives it (RoPE computing otherwise)."""
-    keys = inputs.keys if name.startswith("RoPE") else None
+    keys = inputs.keys if name == ROPE_ON_BOTH else None
     if keys is None or not np.isin(cols, keys.cols).all() or (keys.kind[np.isin(keys.cols, cols)] == ROTATION).any():
         return ""
     return (": k's rotate_half pairs do not keep the magnitudes of its own k_pre_rope (which matches the "
@@ -154,25 +163,6 @@ def _not_rotated(inputs: DiagnosisInputs, name: str, cols: np.ndarray) -> str:
             "otherwise (other pairs, a partial rotary dimension, another layout), not to other positions")
 
 
-def _recorded_as(inputs: DiagnosisInputs, op, cols: np.ndarray) -> str | None:
-    """Another point of the same layer, not one of `op`'s inputs (an output that is its input is
-    `_passed_input`'s), whose candidate rows at `cols` (up to FACTOR_ROWS) are op's output rows
-    exactly, where the reference's two differ: one tensor recorded under two names."""
-    layer, tensor, skip = op.layer, op.tensor, {op.tensor} | {c.point for c in op.inputs}
-    if layer is None:
-        return None
-    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
-    cand = inputs.candidate.point(layer, tensor, al.cand_index[cols])
-    ref = inputs.reference.point(layer, tensor, al.ref_index[cols])
-    for other, pmap in inputs.comparison.points.items():
-        if other in skip or layer not in pmap.layers:
-            continue
-        rows = inputs.candidate.point(layer, other, al.cand_index[cols])
-        if rows.shape == cand.shape and same_rows(rows, cand).all():
-            ref_other = inputs.reference.point(layer, other, al.ref_index[cols])
-            if ref_other.shape == ref.shape and not same_rows(ref_other, ref).all():
-                return other
-    return None
 
 
 def _q_rotation(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> dict | None:
@@ -217,7 +207,7 @@ def _passed_input(inputs: DiagnosisInputs, op, cols: np.ndarray) -> str | None:
 
 def _input_weight(inputs: DiagnosisInputs, op, cols: np.ndarray) -> dict | None:
     """Where the candidate's output of a two-input add at `cols` (up to FACTOR_ROWS) is one input plus
-    c times the other (c not 1), leaving at most FACTOR_LEFT of its change from the reference's:
+    c times the other (c not 1), leaving at most output_accounts.FACTOR_LEFT of its change from the reference's:
     {"scaled", "kept", "weight", "left"}; else None."""
     if len(op.inputs) != 2:
         return None
@@ -229,61 +219,7 @@ def _input_weight(inputs: DiagnosisInputs, op, cols: np.ndarray) -> dict | None:
     if any(r.shape != out.shape for r in rows.values()):
         return None
     for scaled, kept in (tuple(rows), tuple(rows)[::-1]):
-        fit = _one_factor(out - rows[kept], rows[scaled], change)
+        fit = one_factor(out - rows[kept], rows[scaled], change)
         if fit is not None and abs(fit[0] - 1) > 1e-3:
             return {"scaled": scaled, "kept": kept, "weight": fit[0], "left": fit[1]}
     return None
-
-
-def _output_factor(inputs: DiagnosisInputs, layer: int | None, tensor: str,
-                   cols: np.ndarray) -> tuple[float, float] | None:
-    """(c, share of the change left) where the candidate's rows at `cols` (up to FACTOR_ROWS) are the
-    reference's times one factor c, leaving at most FACTOR_LEFT of their difference unexplained."""
-    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
-    ref = inputs.reference.point(layer, tensor, al.ref_index[cols]).astype(np.float64)
-    cand = inputs.candidate.point(layer, tensor, al.cand_index[cols]).astype(np.float64)
-    return _one_factor(cand, ref, float(np.linalg.norm(cand - ref)))
-
-
-def _output_offset(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np.ndarray) -> dict | None:
-    """Where the candidate's rows at `cols` (two or more, up to FACTOR_ROWS) are the reference's plus one
-    and the same vector, leaving at most FACTOR_LEFT of their change: {"norm", "left"}; else None."""
-    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
-    if cols.size < 2:
-        return None
-    ref = inputs.reference.point(layer, tensor, al.ref_index[cols]).astype(np.float64).reshape(cols.size, -1)
-    change = inputs.candidate.point(layer, tensor, al.cand_index[cols]).astype(np.float64).reshape(cols.size, -1) - ref
-    offset, size = change.mean(axis=0), float(np.linalg.norm(change))
-    if not np.isfinite(size) or size == 0:
-        return None
-    left = float(np.linalg.norm(change - offset)) / size
-    return {"norm": float(np.linalg.norm(offset)), "left": left} if left <= FACTOR_LEFT else None
-
-
-def _row_factors(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np.ndarray) -> dict | None:
-    """Where each of the candidate's rows at `cols` (up to FACTOR_ROWS) is the reference's row times a
-    factor of its own (least squares, leaving at most FACTOR_LEFT of that row's change), the factors
-    not all one: {"min", "max", "left"}; else None."""
-    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
-    ref = inputs.reference.point(layer, tensor, al.ref_index[cols]).astype(np.float64).reshape(cols.size, -1)
-    cand = inputs.candidate.point(layer, tensor, al.cand_index[cols]).astype(np.float64).reshape(cols.size, -1)
-    power, change = (ref * ref).sum(axis=1), np.linalg.norm(cand - ref, axis=1)
-    if not (np.isfinite(power).all() and np.isfinite(change).all()) or (power == 0).any() or (change == 0).any():
-        return None
-    factors = (cand * ref).sum(axis=1) / power
-    left = np.linalg.norm(cand - factors[:, None] * ref, axis=1) / change
-    if (left > FACTOR_LEFT).any() or np.ptp(factors) <= 1e-3 * np.abs(factors).max():
-        return None
-    return {"min": float(factors.min()), "max": float(factors.max()), "left": float(left.max())}
-
-
-def _one_factor(target: np.ndarray, x: np.ndarray, change: float) -> tuple[float, float] | None:
-    """(c, share left) where `target` is c times `x` by least squares, leaving at most FACTOR_LEFT
-    of `change` (the candidate's difference from the reference) unexplained; else None."""
-    power = float((x * x).sum())
-    if not (np.isfinite(change) and np.isfinite(power)) or change == 0 or power == 0:
-        return None
-    factor = float((target * x).sum() / power)
-    left = float(np.linalg.norm(target - factor * x)) / change
-    return (factor, left) if left <= FACTOR_LEFT else None
-

@@ -65,7 +65,9 @@ def classify(k_pre: np.ndarray, k: np.ndarray, atol: float, rtol: float,
         residual = np.abs(m_cand - factor[:, None] * m_ref).max(axis=1)
         same_shape = residual <= bound
         unscaled = np.abs(factor - 1) * top <= bound
-        kind = np.where(same_shape & unscaled, ROTATION, np.where(same_shape & np.isfinite(factor), SCALED, CONTENT))
+        # a zero row keeps no content to scale (a slot never written): content, not a factor of 0
+        scaled = same_shape & np.isfinite(factor) & (np.abs(m_cand).max(axis=1) > 0)
+        kind = np.where(same_shape & unscaled, ROTATION, np.where(scaled, SCALED, CONTENT))
         return kind, np.where(np.isfinite(factor), factor, np.nan), residual / np.maximum(top, 1e-300)
 
 
