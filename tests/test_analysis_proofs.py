@@ -121,6 +121,7 @@ def traces(tmp_path_factory, model):
         "offset": (model, Faults(encoded={p: p + 5 for p in USER}), CHUNKS),
         "local": (model, Faults(encoded={p: p - 16 for p in USER}, context_start={p: 16 for p in USER}), CHUNKS),
         "scaling": (model, Faults(encoded={p: p / 2 for p in range(64)}), CHUNKS),
+        "reversed": (model, Faults(encoded={p: -p for p in USER}), CHUNKS),    # RoPE's sin sign flipped
         "base": (AttentionModel(layers=3, seed=1, rope_base=20000.0), Faults(), CHUNKS),
         "stale": (model, Faults(stale={8: 2, 9: 3}), CHUNKS),
         # tests/test_analysis.py's faults too, for the checks every report must pass
@@ -343,6 +344,15 @@ def test_keys_written_one_slot_late_are_stored_otherwise_with_the_unwritten_slot
     assert not [d for d in found if d["kind"] in ("rope_mismatch", "position_mismatch")], found
     (cc,) = [d for d in found if d["kind"] == "cache_content_mismatch"]
     assert cc["positions"][0] == 12 and cc["zero_row_positions"] == {"k": [12]} and cc["source_positions"][1] == 12
+
+
+def test_keys_rotated_the_other_way_are_encoded_at_minus_their_positions(traces):
+    """Red-team round 5, t49: RoPE's sin with the wrong sign rotates to -p; it was a rope_mismatch of
+    meaningless frequency ratios, as only positions from 0 up were tried."""
+    (pm,) = diagnoses(traces, "reversed", "position_mismatch")
+    assert (pm["position_factor"], pm["offset"], pm["positions"][0]) == (-1, None, USER[0]), pm
+    assert pm["encoded_positions"] == [-USER[-1], -USER[0]] and "rotated the other way" in pm["evidence"]
+    assert not diagnoses(traces, "reversed", "rope_mismatch")
 
 
 def test_an_output_scaled_by_a_factor_per_row_is_named(traces, tmp_path):

@@ -59,10 +59,9 @@ def _positions(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
         shift = f"offset {offset:+d}" if single else f"offsets {int(values[0]):+d} to {int(values[-1]):+d}"
         evidence = (f"layer {layer}, positions {span_text(lo, hi)}: {_same(inputs, keys, gcols)} while k after RoPE "
                     f"differs (rel {fmt(k_rel)}), so the keys hold the same content rotated to other positions; the "
-                    f"rotation angles fit encoded positions {span_text(int(enc[0]), int(enc[-1]))} (fit quality "
+                    f"rotation angles fit encoded positions {_span(int(enc.min()), int(enc.max()))} (fit quality "
                     f"{fmt(float(quality.min()))}), expected {span_text(lo, hi)}: "
-                    + (f"every one of them encoded at {factor} times its position (RoPE applied {factor} times, or its "
-                       f"positions or frequencies scaled by {factor})" if factor else shift))
+                    + (_factor_text(factor) if factor else shift))
         if not factor and values.size > 1 and enc.min() == enc.max():
             evidence += (f" (every one of them encoded at position {int(enc[0])}"
                          + (": the keys were stored without RoPE)" if enc[0] == 0 else ")"))
@@ -83,13 +82,25 @@ def _positions(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:
     return out
 
 
+def _span(lo: int, hi: int) -> str:
+    return span_text(lo, hi) if lo >= 0 else f"{lo} to {hi}"
+
+
+def _factor_text(factor: int) -> str:
+    if factor == -1:
+        return ("every one of them encoded at minus its position: rotated the other way (the sign of RoPE's sin "
+                "flipped, or rotate_half's halves swapped)")
+    return (f"every one of them encoded at {factor} times its position (RoPE applied {factor} times, or its "
+            f"positions or frequencies scaled by {factor})")
+
+
 def position_factor(encoded: np.ndarray, expected: np.ndarray) -> int | None:
-    """f where every row is encoded at exactly f times its expected position (f >= 2, at least two
-    rows), else None."""
+    """f where every row is encoded at exactly f times its expected position (f >= 2, or f < 0: -1 is
+    a rotation the other way; at least two rows), else None."""
     if encoded.size < 2 or (expected <= 0).any() or (encoded % expected).any():
         return None
     ratios = np.unique(encoded // expected)
-    return int(ratios[0]) if ratios.size == 1 and ratios[0] >= 2 else None
+    return int(ratios[0]) if ratios.size == 1 and (ratios[0] >= 2 or ratios[0] < 0) else None
 
 
 def _frequencies(inputs: DiagnosisInputs, keys: KeyRows) -> list[Diagnosis]:

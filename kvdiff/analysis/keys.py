@@ -92,7 +92,8 @@ def key_rows(k_pre_ref: np.ndarray, k_cand: np.ndarray, cols: np.ndarray, cached
              horizon: int, atol: float, rtol: float, dtypes: tuple[str, ...], scale: float = 1.0) -> KeyRows:
     kind, factor, rel = classify(k_pre_ref[cols], k_cand[cols], atol, rtol, scale)
     if thetas is not None and cols.size:
-        encoded, quality = estimate_positions(k_pre_ref[cols], k_cand[cols], thetas, horizon)
+        # negative positions too: a rotation the other way (the sin's sign flipped) encodes -p
+        encoded, quality = estimate_positions(k_pre_ref[cols], k_cand[cols], thetas, horizon, -horizon)
     else:
         encoded, quality = np.full(cols.size, -1, dtype=np.int64), np.zeros(cols.size)
     slack = max(_QUALITY_SLACK.get(d, 2e-3) for d in dtypes)
