@@ -355,6 +355,21 @@ def test_keys_rotated_the_other_way_are_encoded_at_minus_their_positions(traces)
     assert not diagnoses(traces, "reversed", "rope_mismatch")
 
 
+def test_a_norm_computed_in_bfloat16_is_named_by_its_values(traces, tmp_path):
+    """Red-team round 5, t50: an attention norm computed in bfloat16 on one path; its rows are no other
+    eps or weight, but every element is a bfloat16 value within bfloat16's rounding of the norm."""
+    from kvdiff.analysis.storage import round_to
+
+    cand = tmp_path / "bf16-norm.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        f["layers/1/attn_norm"][12:] = round_to(f["layers/1/attn_norm"][12:], "bfloat16")
+    (nc,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "norm_consistency"]
+    assert nc["candidate_inconsistent"]["norm"] == "attn_norm" and nc["candidate_form"]["form"] == "precision", nc
+    assert "computed in bfloat16" in nc["evidence"]
+
+
 def test_an_output_scaled_by_a_factor_per_row_is_named(traces, tmp_path):
     """Each row of layer 1's MLP output scaled by its own factor (a mixture's routing weights not
     renormalised: red-team round 5, t28): the account is exact, so the claim is proved."""

@@ -65,8 +65,8 @@ def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
         form = candidate_form(inputs.candidate, cmp.alignment, c, np.flatnonzero(~c.cand_consistent & comparable),
                               cmp.tolerances)
         if form is not None:
-            parts.append(f"its rows there are {form.text} (every tested row within the recomputation's tolerance, "
-                         f"rel up to {fmt(form.rel)})")
+            parts.append(f"its rows there are {form.text}" + ("" if form.form == "precision" else
+                         f" (every tested row within the recomputation's tolerance, rel up to {fmt(form.rel)})"))
     declared = _declared(inputs, checks)
     if declared is not None:
         parts.append(f"the candidate's trace declares another {_where(declared[0])} than the reference's: "
