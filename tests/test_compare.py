@@ -215,9 +215,10 @@ def test_assert_tokens_match_names_the_prompt_when_given_generates_whole_output(
 
 
 def test_the_zoom_window_holds_a_divergence_after_noise_not_the_noise():
-    """Red-team round 5, t53: the first bits to part are proved within tolerance (noise at layer 0,
-    position 0) and a later layer's rows beyond it: the window holds the divergence, where the
-    diagnoses can name it; a first difference of unknown size keeps the window on it."""
+    """Red-team round 5, t53 and t56: the first bits to part are not proved beyond tolerance (noise, or a
+    digest difference of unknown size, at layer 0) and a later layer's rows are: the window holds the
+    divergence, where the diagnoses can name it; a divergence inside the first difference's window
+    keeps that window."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -226,15 +227,16 @@ def test_the_zoom_window_holds_a_divergence_after_noise_not_the_noise():
     from kvdiff.analysis.tolerance import Tier
     from kvdiff.run.zoom import zoom_window
 
-    tiers = np.full((30, 100), Tier.BITWISE, dtype=np.int8)
-    tiers[0, :] = Tier.NOISE
-    tiers[20, 62:] = Tier.DIVERGENT
-    cmp = SimpleNamespace(points={"v": SimpleNamespace(layers=list(range(30)), tier=tiers)}, alignment=SimpleNamespace(
-        positions=np.arange(100), computed=np.arange(100) >= 62))
-    noise, divergence = (Location(layer, position, "v", None, tier.label, 0.0, 0.0, None)
-                         for layer, position, tier in ((0, 0, Tier.NOISE), (20, 62, Tier.DIVERGENT)))
-    first_pass = SimpleNamespace(comparison=cmp, first_bit_difference=noise, first_divergence=divergence)
-    assert zoom_window(first_pass, 30).layers == (19, 21)
-    unsized = SimpleNamespace(comparison=cmp, first_bit_difference=Location(0, 0, "v", None, Tier.DIFFERENT.label,
-                                                                             0.0, 0.0, None), first_divergence=divergence)
-    assert zoom_window(unsized, 30).layers == (0, 1)
+    def first_pass(bits_tier, divergent_layer):
+        tiers = np.full((30, 100), Tier.BITWISE, dtype=np.int8)
+        tiers[0, :] = bits_tier
+        tiers[divergent_layer, 62:] = Tier.DIVERGENT
+        cmp = SimpleNamespace(points={"v": SimpleNamespace(layers=list(range(30)), tier=tiers)},
+                              alignment=SimpleNamespace(positions=np.arange(100), computed=np.arange(100) >= 62))
+        bits, breach = (Location(layer, position, "v", None, tier.label, 0.0, 0.0, None)
+                        for layer, position, tier in ((0, 0, bits_tier), (divergent_layer, 62, Tier.DIVERGENT)))
+        return SimpleNamespace(comparison=cmp, first_bit_difference=bits, first_divergence=breach)
+
+    assert zoom_window(first_pass(Tier.NOISE, 20), 30).layers == (19, 21)
+    assert zoom_window(first_pass(Tier.DIFFERENT, 20), 30).layers == (19, 21)
+    assert zoom_window(first_pass(Tier.DIFFERENT, 1), 30).layers == (0, 1)

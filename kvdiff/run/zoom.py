@@ -21,7 +21,7 @@ import numpy as np
 from kvdiff.analysis import Divergence
 from kvdiff.analysis.diagnosis import Diagnosis
 from kvdiff.analysis.digests import first_digest_mismatch
-from kvdiff.analysis.search import bits_differ, breaches_tolerance
+from kvdiff.analysis.search import Location, bits_differ, breaches_tolerance
 from kvdiff.analysis.tolerance import Tier
 from kvdiff.trace import open_trace
 
@@ -49,6 +49,11 @@ class ZoomWindow:
     def to_json(self) -> dict:
         return {"layers": list(self.layers), "positions": list(self.positions)}
 
+    def holds(self, cell: Location) -> bool:
+        """Whether the cell is inside the window (a final point's layer: any)."""
+        layer_in = cell.layer is None or self.layers[0] <= cell.layer <= self.layers[1]
+        return layer_in and self.positions[0] <= cell.position <= self.positions[1]
+
     def recorder_args(self, flip_position: int | None) -> dict:
         """`TraceRecorder.for_model`'s window arguments: this window, with the final points, and
         the logits at the first token flip (`flip_position`) where it lies outside."""
@@ -62,16 +67,24 @@ def zoom_window(first_pass: Divergence, num_layers: int, layers: int = ZOOM_LAYE
                 positions: int = ZOOM_POSITIONS, beyond_tolerance: bool = False) -> ZoomWindow | None:
     """The window around the first bit difference of a digest-only diff; None where none differs.
     `beyond_tolerance`: around the first row the statistics prove beyond tolerance instead, for
-    two runs whose bits differ everywhere (an engine against the reference); so too where the
-    statistics prove the first differing bits within tolerance and a later row beyond it (noise
-    first, the divergence at a later layer: the window then holds the divergence, not the noise)."""
-    noise_first = first_pass.first_bit_difference is not None and first_pass.first_bit_difference.tier == Tier.NOISE.label
-    if noise_first and first_pass.first_divergence is not None:
-        beyond_tolerance = True     # the first bits to part are proved within tolerance: zoom where the runs diverge
-    first = first_pass.first_divergence if beyond_tolerance else first_pass.first_bit_difference
-    cells = breaches_tolerance if beyond_tolerance else bits_differ
-    if first is None:
+    two runs whose bits differ everywhere (an engine against the reference); so too where the first
+    differing bits are not proved beyond tolerance and the first row that is lies outside their
+    window (noise or an unsized difference at layer 0, the divergence at layer 20: the window then
+    holds the divergence, which the diagnoses explain)."""
+    bits, breach = first_pass.first_bit_difference, first_pass.first_divergence
+    if bits is None:
         return None
+    if beyond_tolerance:
+        return None if breach is None else _around(first_pass, breach, breaches_tolerance, num_layers, layers, positions)
+    window = _around(first_pass, bits, bits_differ, num_layers, layers, positions)
+    if breach is not None and bits.tier != Tier.DIVERGENT.label and not window.holds(breach):
+        return _around(first_pass, breach, breaches_tolerance, num_layers, layers, positions)
+    return window
+
+
+def _around(first_pass: Divergence, first: Location, cells, num_layers: int, layers: int,
+            positions: int) -> ZoomWindow:
+    """The window from `first` (the first cell of `cells`: bits differing, or beyond tolerance)."""
     cmp = first_pass.comparison
     last_position = int(cmp.alignment.positions.max())
     start = 0 if first.position < ZOOM_FROM_START else first.position
