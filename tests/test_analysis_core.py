@@ -76,6 +76,21 @@ def test_rope_frequencies_and_encoded_positions_are_read_back_without_the_base(b
     assert np.allclose(back, rope(k_pre[16:28], torch.arange(12), base).numpy(), atol=1e-4)
 
 
+def test_rope_frequencies_are_read_past_rows_rotated_one_position_on():
+    """The reference's own decode rows encoded one position on (a bug in every run: red-team round 5,
+    t12) bent the least-squares line: thetas 0.24% off, and cached keys rotated exactly one position
+    on fit no integer position."""
+    g = torch.Generator().manual_seed(0)
+    k_pre = torch.randn(134, 3, 64, generator=g)
+    positions = torch.arange(134)
+    k = rope(k_pre, torch.where(positions >= 96, positions + 1, positions), 100000.0).numpy()
+    thetas = estimate_thetas(k_pre.numpy(), k, positions.numpy())
+    assert np.allclose(thetas, 100000.0 ** (-np.arange(0, 64, 2) / 64), rtol=1e-5, atol=1e-8)
+    _, quality = estimate_positions(k_pre[88:96].numpy(), rope(k_pre[88:96], positions[88:96] + 1, 100000.0).numpy(),
+                                    thetas, 4096)
+    assert quality.min() > 0.99999
+
+
 def test_attention_mass_matches_a_direct_softmax_with_gqa():
     g = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(6, 4, 8, generator=g), torch.randn(6, 2, 8, generator=g), torch.randn(6, 2, 8, generator=g)

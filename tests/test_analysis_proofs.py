@@ -10,6 +10,7 @@ contradict each other or one its own measurement refutes.
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import h5py
@@ -586,3 +587,20 @@ def test_keys_at_several_offsets_give_no_single_offset(tmp_path, model):
     (pm,) = [d for d in kvdiff.diff(ref, cand).to_json()["diagnoses"] if d["kind"] == "position_mismatch"]
     assert pm["positions"] == [16, 27] and pm["offset"] is None and pm["encoded_positions"] == [21, 34], pm
     assert "2 different offsets" in pm["evidence"]
+
+
+def test_a_final_norm_is_proved_only_from_the_last_layer(tiny_llama, tmp_path):
+    """Traces that stop before the last layer (a zoom window, `--layers`): the final norm's input is
+    the model's last layer, not the last one recorded (red-team round 5, t56 had it 'proved' from
+    resid_post of layer 1 of 30)."""
+    model, tok = tiny_llama
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ref = Path(kvdiff.record(model, tok, messages, tmp_path / "ref.h5", max_new_tokens=2, layers="0", trace_mode="full"))
+    cand = tmp_path / "cand.h5"
+    cand.write_bytes(ref.read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        f["final/final_norm"][:] = f["final/final_norm"][:] * np.float32(1.5)
+    op = kvdiff.diff(ref, cand).to_json()["first_operation"]
+    assert op["tensor"] == "final_norm" and not op["proved"], op
+    assert op["inputs"] == [{"point": "resid_post", "layer": model.config.num_hidden_layers - 1, "tier": "not compared"}]

@@ -73,6 +73,7 @@ class Comparison:
     final: dict[str, PointMap]                  # final points (one row, layer None)
     norms: list[NormCheck] = field(default_factory=list)
     bytes_compared: int = 0
+    last_layer: int | None = None               # the model's last layer (the final norm's input), where known
 
 
 def _row_nbytes(ref: TraceReader, cand: TraceReader, layer: int | None, points: Sequence[str]) -> int:
@@ -149,7 +150,7 @@ def compare(ref: TraceReader, cand: TraceReader, alignment: Alignment, tolerance
     out = Comparison(alignment, tolerances, layers,
                      {p: PointMap.empty(p, list(layers), pos) for p in shared},
                      {p: PointMap.empty(p, [None], pos) for p in FINAL_POINTS
-                      if p in ref.meta.points and p in cand.meta.points})
+                      if p in ref.meta.points and p in cand.meta.points}, last_layer=ref.meta.dims.num_layers - 1)
     layer_bytes = pos.size * _row_nbytes(ref, cand, layers[0], shared) if layers else 0
     block_bytes = min(max(layer_bytes // 4, _BLOCK_BYTES[0]), _BLOCK_BYTES[1])
     for row, layer in enumerate(layers):

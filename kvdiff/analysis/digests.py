@@ -64,7 +64,7 @@ def digest_comparison(ref: TraceReader, cand: TraceReader, alignment: Alignment,
     return Comparison(alignment, tolerances, layers if points else [],
                       {p: _digest_map(ref, cand, p, layers, alignment, tolerances) for p in points},
                       {p: _digest_map(ref, cand, p, [None], alignment, tolerances)
-                       for p in FINAL_POINTS if p in shared})
+                       for p in FINAL_POINTS if p in shared}, last_layer=ref.meta.dims.num_layers - 1)
 
 
 def _statistics_agree(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -137,7 +137,8 @@ def _norm_first(comparison: Comparison, where: Location | None) -> Operation | N
         return None
     name, ((source, _),) = OPERATIONS[check.norm]
     position = key[0]
-    inp = _input_check(comparison, source, check.layer if check.layer is not None else comparison.layers[-1],
+    last = comparison.last_layer if comparison.last_layer is not None else comparison.layers[-1]
+    inp = _input_check(comparison, source, check.layer if check.layer is not None else last,
                        position, False)
     tier = int(check.output_tier[col])
     return Operation(name, check.layer, position, check.norm, Tier(tier).label if tier >= 0 else "not compared", True,
@@ -169,8 +170,8 @@ def first_operation(comparison: Comparison, where: Location | None) -> Operation
     layers = comparison.layers
     checks = []
     for point, offset in sources:
-        if where.tensor == "final_norm":
-            layer = layers[-1] if layers else None
+        if where.tensor == "final_norm":      # the model's last layer's output, where the comparison holds it
+            layer = comparison.last_layer if comparison.last_layer is not None else (layers[-1] if layers else None)
         elif where.layer is None:
             layer = None
         else:

@@ -54,9 +54,18 @@ def estimate_thetas(k_pre: np.ndarray, k: np.ndarray, positions: np.ndarray) -> 
         return None
     step = (unit[consecutive + 1] * np.conj(unit[consecutive])).sum(axis=0)
     coarse = np.mod(np.angle(step), 2 * np.pi)
-    # Refine with every position: the residual phase grows linearly with p (least squares).
+    # Refine: the residual phase grows linearly with p. Most rows' slope (a median) first, then least
+    # squares over the rows that fit it (rows rotated to other positions, such as a run's decode steps
+    # encoded one position on, would bend the line).
     p = positions.astype(np.float64)[:, None]
     residual = np.angle(unit * np.exp(-1j * p * coarse[None, :]))
+    ahead = p[:, 0] > 0
+    if ahead.sum() < 2:
+        return coarse + (p * residual).sum(axis=0) / max(float((p * p).sum()), 1.0)
+    robust = coarse + np.median(residual[ahead] / p[ahead], axis=0)      # most rows' slope, whatever the others'
+    misfit = np.abs(np.angle(unit * np.exp(-1j * p * robust[None, :]))).mean(axis=1)
+    kept = misfit <= 3 * float(np.median(misfit)) + 1e-9
+    p, residual = p[kept], residual[kept]
     return coarse + (p * residual).sum(axis=0) / max(float((p * p).sum()), 1.0)
 
 
