@@ -604,3 +604,21 @@ def test_a_final_norm_is_proved_only_from_the_last_layer(tiny_llama, tmp_path):
     op = kvdiff.diff(ref, cand).to_json()["first_operation"]
     assert op["tensor"] == "final_norm" and not op["proved"], op
     assert op["inputs"] == [{"point": "resid_post", "layer": model.config.num_hidden_layers - 1, "tier": "not compared"}]
+
+
+def test_kv_rows_attention_did_not_read_are_a_recording_not_an_engine_bug(traces, tmp_path):
+    """The candidate's layer-0 k and v rows at 0-15 are each other's, yet attention's output there and
+    at every later position is the reference's (red-team round 5, t13: an adapter that recorded the
+    cache's reads swapped): the claim says attention did not read them, with no engine confidence."""
+    cand = tmp_path / "unread.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        k, v = f["layers/0/k"][:16], f["layers/0/v"][:16]
+        f["layers/0/k"][:16], f["layers/0/v"][:16] = v, k
+    (cc,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "cache_content_mismatch"]
+    assert cc["read_by_attention"] is False and cc["confidence"] <= 0.3, cc
+    assert "did not read them as recorded" in cc["evidence"]
+    real = [d for d in kvdiff.diff(traces["reference"], traces["stale"]).to_json()["diagnoses"]
+            if d["kind"] == "cache_content_mismatch"]
+    assert real and all("read_by_attention" not in d for d in real)      # stale rows attention read: the engine's

@@ -27,6 +27,7 @@ from kvdiff.analysis.diagnosis import DiagnosisInputs
 from kvdiff.analysis.divergence import Divergence, recorded_with_different
 from kvdiff.analysis.operation import first_operation
 from kvdiff.analysis.digests import check_window, digest_comparison, with_window
+from kvdiff.analysis.read_check import checked_reads
 from kvdiff.analysis.search import all_maps, first_bit_difference, first_non_finite, first_tolerance_breach, location
 from kvdiff.analysis.tolerance import Tier, Tolerance, Tolerances
 from kvdiff.errors import InputError
@@ -119,7 +120,7 @@ def _diff_open(ref: TraceReader, cand: TraceReader, baseline: TraceReader | None
     rope_claimed = any(d.kind in ("position_mismatch", "rope_mismatch") for d in diagnoses)
     diagnoses = (diagnoses + diagnose_operation(inputs, window_div, rope_claimed) + diagnose_norms(inputs)
                  + ([] if unsized else diagnose_noise(inputs, first_bit, first_div)))
-    diagnoses = consistent(diagnoses)       # of two contradicting claims, the stronger (never both)
+    diagnoses = consistent(checked_reads(inputs, diagnoses))     # of two contradicting claims, the stronger
     diagnoses.sort(key=lambda d: d.positions[0] if d.positions else -1)
     td = whole.alignment.first_token_divergence
     token_loc = None
