@@ -359,8 +359,6 @@ def test_keys_rotated_the_other_way_are_encoded_at_minus_their_positions(traces)
 def test_a_norm_computed_in_bfloat16_is_named_by_its_values(traces, tmp_path):
     """Red-team round 5, t50: an attention norm computed in bfloat16 on one path; its rows are no other
     eps or weight, but every element is a bfloat16 value within bfloat16's rounding of the norm."""
-    from kvdiff.analysis.storage import round_to
-
     cand = tmp_path / "bf16-norm.h5"
     cand.write_bytes(traces["reference"].read_bytes())
     with h5py.File(cand, "r+") as f:
@@ -622,3 +620,25 @@ def test_kv_rows_attention_did_not_read_are_a_recording_not_an_engine_bug(traces
     real = [d for d in kvdiff.diff(traces["reference"], traces["stale"]).to_json()["diagnoses"]
             if d["kind"] == "cache_content_mismatch"]
     assert real and all("read_by_attention" not in d for d in real)      # stale rows attention read: the engine's
+
+
+def test_computed_values_stored_in_bfloat16_are_named_so(traces, tmp_path):
+    """Red-team round 5, t71: the rows a forward computed, V stored through bfloat16 (K right)."""
+    cand = tmp_path / "v-bf16.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        f["layers/0/v"][12:] = round_to(f["layers/0/v"][12:], "bfloat16")
+    ops = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
+    assert ops and (ops[0]["tensor"], ops[0]["rounding"], ops[0]["confidence"]) == ("v", "bfloat16", 1.0), ops
+
+
+def test_a_report_leads_with_the_cause_not_an_expert_flip_that_follows_it():
+    """Red-team round 5, t28 and t42b: an MLP's weights and a k bias broke first; the experts a later
+    token chose followed (cause upstream), and the report led with that flip."""
+    from kvdiff.analysis.diagnosis import top_diagnosis
+
+    op = Diagnosis("operation_mismatch", "user", (49, 72), "", {"layer": 0}, 1.0, "p")
+    follows = Diagnosis("expert_flip", "user", (54, 54), "", {"layer": 1, "cause": "upstream"}, 1.0, "f")
+    router = Diagnosis("expert_flip", "user", (54, 54), "", {"layer": 1, "cause": "router"}, 1.0, "r")
+    assert top_diagnosis([op, follows]) is op and top_diagnosis([op, router]) is router

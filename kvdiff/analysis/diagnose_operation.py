@@ -23,7 +23,7 @@ from kvdiff.analysis.operation import first_operation
 from kvdiff.analysis.rope import estimate_positions
 from kvdiff.analysis.search import Location
 from kvdiff.analysis.output_accounts import (FACTOR_ROWS, moved_rows, one_factor, output_factor, output_offset,
-                                             recorded_as, row_factors)
+                                             recorded_as, row_factors, stored_output)
 from kvdiff.analysis.tolerance import Tier
 
 _OWN_RULE = ("attention (", "RoPE", "K read from", "V read from", "attention norm", "MLP norm", "final norm", "between ",
@@ -106,6 +106,7 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
                "positions_inputs_match": m, "output_factor": None, "recorded_as": recorded,
                **({} if moved is None else {"source_positions": moved["sources"]})}
     factor = None if moved is not None else output_factor(inputs, op.layer, op.tensor, cols)
+    stored = None
     rotated = _q_rotation(inputs, op.layer, cols) if op.tensor == "q" else None
     details["q_rotation"] = rotated
     if rotated is not None:
@@ -132,6 +133,11 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
         evidence += (f"; its output is the reference's times {fmt(factor[0])} (that leaves {fmt(factor[1])} of the "
                      f"change unexplained): the operation's weights or its result scaled by one factor")
         proof += f"; {op.tensor} = {fmt(factor[0])} x the reference's, {fmt(factor[1])} of the change left"
+    elif moved is None and weighted is None and passed is None and (stored := stored_output(inputs, op.layer, op.tensor,
+                                                                                          cols)) is not None:
+        details.update(stored.details)
+        evidence += f"; {stored.evidence}"
+        proof += f"; {stored.proof}"
     elif moved is None and weighted is None and passed is None and (offset := output_offset(inputs, op.layer, op.tensor, cols)) is not None:
         details["output_offset"] = offset
         evidence += (f"; every row is the reference's plus one and the same vector (norm {fmt(offset['norm'])}, leaving "
@@ -146,7 +152,8 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
     # the share of positions broken hedges a claim the tiers alone make (inputs within tolerance may still
     # be amplified past it); an exact account of every broken position is a proof of its own
     proved = (rotated is not None or passed is not None or weighted is not None or details["output_factor"] is not None
-              or "row_factors" in details or "output_offset" in details or "source_positions" in details)
+              or "row_factors" in details or "output_offset" in details or "source_positions" in details
+              or stored is not None)
     confidence = 1.0 if proved else n / m
     return [Diagnosis("operation_mismatch", inputs.chunks.chunk_of(lo), (lo, hi), evidence, details,
                       confidence=confidence if recorded is None else min(confidence, RECORDED_CONFIDENCE), proof=proof)]

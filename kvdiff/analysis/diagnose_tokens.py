@@ -46,6 +46,8 @@ def diagnose_sampling(inputs: DiagnosisInputs) -> list[Diagnosis]:
     if not at.size or steps.token_id[at[0]] == own_top[at[0]]:
         return []
     i = at[0]
+    if not np.isfinite(steps.topk_values[i]).all():
+        return []           # no argmax of NaN logits: non_finite's finding, not a sampling rule
     chosen, top = int(steps.token_id[i]), int(own_top[i])
     ranked = [int(t) for t in steps.topk_ids[i]]
     if chosen in ranked and steps.topk_values[i][ranked.index(chosen)] == steps.topk_values[i][0]:

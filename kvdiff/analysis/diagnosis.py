@@ -56,9 +56,12 @@ PRIORITY = ("nondeterministic", "tokenization_mismatch", "non_finite", "sampling
 
 def top_diagnosis(diagnoses: list[Diagnosis]) -> Diagnosis | None:
     """The diagnosis the report leads with: the highest kind in `PRIORITY`, the earliest of it; a run
-    that did not repeat itself only after the first difference comes last (the rest stands)."""
+    that did not repeat itself only after the first difference comes last (the rest stands), and an
+    expert flip whose router input already differed (`upstream`) after the operations that caused it."""
     rank = {kind: i for i, kind in enumerate(PRIORITY)}
+    consequence = rank["norm_consistency"]      # a flip that follows an earlier divergence leads after its cause
     return min(diagnoses, key=lambda d: len(PRIORITY) if d.details.get("after_first_difference")
+               else consequence if d.kind == "expert_flip" and d.details.get("cause") == "upstream"
                else rank.get(d.kind, len(PRIORITY)), default=None)
 
 

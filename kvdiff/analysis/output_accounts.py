@@ -1,5 +1,5 @@
 """How an operation's broken output rows relate to the reference's: one factor, one added vector, a
-factor per row, rows of other positions, another point's rows of the same trace. Each account holds
+factor per row, rows of other positions, another point's rows of the same trace, another storage. Each account holds
 for every row tested (up to FACTOR_ROWS), leaving at most FACTOR_LEFT of the change, or exactly."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 
 from kvdiff.analysis.diagnose_cache import sources
 from kvdiff.analysis.diagnosis import DiagnosisInputs
-from kvdiff.analysis.storage import EXACT, same_rows
+from kvdiff.analysis.storage import EXACT, Storage, same_rows, stored_as
 
 FACTOR_ROWS = 64     # rows an output factor is fitted on
 FACTOR_LEFT = 0.01   # the share of the change a factor may leave unexplained
@@ -51,6 +51,16 @@ def moved_rows(inputs: DiagnosisInputs, op, cols: np.ndarray) -> dict | None:
     return {"sources": [int(s) if m else None for s, m in zip(src, moved)], "count": int(moved.sum()),
             "text": ", ".join(f"{p}<-{q}" for p, q in zip(positions[moved][:6], src[moved][:6])),
             "shift": f" by {int(shifts[0]):+d}" if shifts.size == 1 else ""}
+
+def stored_output(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np.ndarray) -> Storage | None:
+    """Where the candidate's rows at `cols` (up to FACTOR_ROWS) are the reference's stored otherwise
+    (a narrower float, an integer grid with scales, another element order, one factor per head:
+    `storage.stored_as`), that storage; else None."""
+    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
+    ref = inputs.reference.point(layer, tensor, al.ref_index[cols])
+    cand = inputs.candidate.point(layer, tensor, al.cand_index[cols])
+    return stored_as(ref, cand, tensor) if ref.shape == cand.shape and ref.ndim >= 2 else None
+
 
 def output_offset(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np.ndarray) -> dict | None:
     """Where the candidate's rows at `cols` (two or more, up to FACTOR_ROWS) are the reference's plus one
