@@ -642,3 +642,16 @@ def test_a_report_leads_with_the_cause_not_an_expert_flip_that_follows_it():
     follows = Diagnosis("expert_flip", "user", (54, 54), "", {"layer": 1, "cause": "upstream"}, 1.0, "f")
     router = Diagnosis("expert_flip", "user", (54, 54), "", {"layer": 1, "cause": "router"}, 1.0, "r")
     assert top_diagnosis([op, follows]) is op and top_diagnosis([op, router]) is router
+
+
+def test_attention_outputs_written_one_row_late_are_named(traces, tmp_path):
+    """Red-team round 5, t59: layer 0's attention results scattered one row late in the forward's output
+    (an output index off by one): each z row from 13 on is the reference's of the position before."""
+    cand = tmp_path / "z-late.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        z = f["layers/0/z"][:]
+        f["layers/0/z"][13:] = z[12:-1]
+    (am,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "attention_mismatch"]
+    assert am["positions"][0] == 13 and am["source_positions"][:3] == [12, 13, 14] and "off by -1" in am["evidence"], am

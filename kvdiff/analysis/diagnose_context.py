@@ -36,6 +36,7 @@ from kvdiff.analysis.attention_verdict import Verdict, explain, explain_referenc
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.latent import attention_points, attention_rows, rope_columns, value_point
 from kvdiff.analysis.operation import attention_point
+from kvdiff.analysis.output_accounts import FACTOR_ROWS, moved_rows
 from kvdiff.analysis.rope import estimate_positions, rotate
 from kvdiff.analysis.diagnose_cached_context import diagnose_missing_context_in_cache  # noqa: F401 (re-exported)
 
@@ -201,6 +202,11 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
         details.update(explanation=h.name, **h.fields())
         found = (f": {h.text} explains it (leaves {fmt(verdict.best.residual)} of the change unexplained"
                  f"{_same_note(verdict)})")
+    elif (moved := moved_rows(inputs, layer, point, cols)) is not None and moved["count"] == min(cols.size, FACTOR_ROWS):
+        details["source_positions"] = moved["sources"]
+        found = (f"; its rows are, exactly, the reference's {point} rows of other positions ({moved['text']}): "
+                 f"attention's results written to other rows (an output index off{moved['shift']}), not computed "
+                 f"otherwise")
     else:
         found = ("; no tested explanation (hidden keys, another scale, a sliding window, the next key or every later key "
                  "of the forward visible, its own key hidden, the KV heads tiled, a soft-cap, keys never written to the "

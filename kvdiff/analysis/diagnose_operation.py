@@ -85,7 +85,7 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
     spans = ", ".join(span_text(a, b) for a, b in runs(positions)[:4]) + ("..." if len(runs(positions)) > 4 else "")
     every = "every one" if n == m else f"{n} of them"
     recorded = recorded_as(inputs, op, cols)
-    moved = moved_rows(inputs, op, cols) if recorded is None else None
+    moved = moved_rows(inputs, op.layer, op.tensor, cols) if recorded is None else None
     verdict = "the operation itself differs" + _not_rotated(inputs, op.name, cols)
     if recorded is not None:
         verdict = (f"but the candidate's {op.tensor} rows there are exactly its own {recorded} rows, which the "

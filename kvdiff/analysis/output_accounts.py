@@ -34,14 +34,14 @@ def recorded_as(inputs: DiagnosisInputs, op, cols: np.ndarray) -> str | None:
                 return other
     return None
 
-def moved_rows(inputs: DiagnosisInputs, op, cols: np.ndarray) -> dict | None:
+def moved_rows(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np.ndarray) -> dict | None:
     """Where most of the candidate's broken rows at `cols` (two or more, up to FACTOR_ROWS) are, exactly,
-    the reference's rows of `op`'s output at other positions: {"sources" (per row, or None), "count",
-    "text", "shift" (", by N" where one offset holds for them all, else "")}; else None."""
+    the reference's rows of `tensor` at other positions: {"sources" (per row, or None), "count",
+    "text", "shift" (" by N" where one offset holds for them all, else "")}; else None."""
     al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
-    if op.layer is None or cols.size < 2:
+    if layer is None or cols.size < 2:
         return None
-    ref, cand = inputs.rows(op.layer, op.tensor)
+    ref, cand = inputs.rows(layer, tensor)
     positions = al.positions[cols]
     src, dist = sources(ref, cand[cols], al.positions, own=positions)
     moved = (dist <= EXACT) & (src != positions)
