@@ -268,8 +268,9 @@ def _rounding_note(inputs: DiagnosisInputs, attn_rel: float, details: dict) -> s
     names = " or ".join(name for name, _ in fits)
     units = ", ".join(f"{name}'s unit roundoff {fmt(roundoff)}" for name, roundoff in fits)
     return (f"; the difference is as large as rounding to {names} makes it (relative {fmt(size)}; {units}): attention "
-            f"computed in {names}, or K/V stored in it (a flash-attention kernel, a narrower cache), gives as much"
-            + ("; the data do not tell which" if len(fits) > 1 else ""))
+            f"computed in {names}, or K/V stored in it (a flash-attention kernel, a narrower cache), would differ by as "
+            f"much, a size the data show, not a cause they prove (a small bias on the scores may be as large)"
+            + ("; the data do not tell which format" if len(fits) > 1 else ""))
 
 
 def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
