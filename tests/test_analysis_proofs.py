@@ -552,6 +552,20 @@ def test_an_engine_that_fed_a_token_twice_is_a_tokenization_mismatch(traces, tmp
     assert not [d for d in report["diagnoses"] if d["kind"] == "operation_mismatch"]
 
 
+def test_whole_rows_of_the_position_before_are_no_token_fed(traces, tmp_path):
+    """Every layer-0 row from 12 on, keys included, is the reference's of the position before (an
+    adapter labelling its rows one position late: red-team round 5, t73): no token was fed otherwise."""
+    cand = tmp_path / "late-rows.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        for point in ("resid_pre", "attn_norm", "q", "k_pre_rope", "k", "v"):
+            rows = f[f"layers/0/{point}"][:]
+            f[f"layers/0/{point}"][12:20] = rows[11:19]
+    assert not [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"]
+                if d["kind"] == "tokenization_mismatch"]
+
+
 def test_a_cache_block_read_in_another_blocks_place_is_named(traces):
     """From the first decode step (28) on, attention reads key slots 0-15 as the rows of 16-31 (a block
     table entry naming another block of 16): nothing else explains the rows."""

@@ -193,6 +193,19 @@ def other_tokens_fed(inputs: DiagnosisInputs, cols: np.ndarray) -> Diagnosis | N
               f"positions from {first}")
 
 
+def _whole_rows(inputs: DiagnosisInputs, found: list[tuple[int, int]]) -> bool:
+    """Whether the candidate's first-layer keys at most found positions are the reference's keys of their
+    source positions exactly, rotated there: whole rows of other positions, not other tokens fed here."""
+    if "k" not in inputs.comparison.points:
+        return False
+    al = inputs.comparison.alignment
+    column = {int(p): i for i, p in enumerate(al.positions)}
+    ref, cand = inputs.rows(inputs.comparison.layers[0], "k")
+    rows = [(column[p], column[q]) for p, q in found if p in column and q in column]
+    # most, not all: a token repeated nearby may name another source than the row's own
+    return bool(rows) and 2 * int(same_rows(cand[[p for p, _ in rows]], ref[[q for _, q in rows]]).sum()) >= len(rows)
+
+
 def _embedded_tokens(inputs: DiagnosisInputs, cols: np.ndarray) -> dict | None:
     """Where the candidate's first-layer input rows at `cols` (up to EMBEDDED_ROWS) each equal exactly the
     reference's row at a position holding another token (an embedding depends on the token alone):
@@ -209,6 +222,8 @@ def _embedded_tokens(inputs: DiagnosisInputs, cols: np.ndarray) -> dict | None:
         if not src or position >= sequence.size or sequence[src[0]] == sequence[position]:
             return None
         found.append((position, min(src, key=lambda q: abs(q - position))))
+    if _whole_rows(inputs, found):
+        return None         # rows of other positions labelled these: RoPE too was the source's, no token was fed
     shifts = {q - p for p, q in found}
     shown = ", ".join(f"{p} holds {inputs.token_text(int(sequence[q]))!r} (the token at {q})" for p, q in found[:4])
     return {"positions": [p for p, _ in found], "tokens": [int(sequence[q]) for _, q in found],
