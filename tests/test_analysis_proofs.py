@@ -669,3 +669,19 @@ def test_attention_outputs_written_one_row_late_are_named(traces, tmp_path):
         f["layers/0/z"][13:] = z[12:-1]
     (am,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "attention_mismatch"]
     assert am["positions"][0] == 13 and am["source_positions"][:3] == [12, 13, 14] and "off by -1" in am["evidence"], am
+
+
+def test_a_large_divergence_past_a_rounding_sized_first_breach_is_pointed_out(traces, tmp_path):
+    """Red-team round 5, t61: attention rounded to float16 breaks tolerance first (legitimately, a flash
+    kernel), and layer 2's values halved later are a bug of their own: the report points at them."""
+    cand = tmp_path / "two.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        f["layers/0/z"][12:] = f["layers/0/z"][12:].astype(np.float16).astype(np.float32)
+        f["layers/2/v"][20:] = f["layers/2/v"][20:] * np.float32(0.5)
+    report = kvdiff.diff(traces["reference"], cand).to_json()
+    first, large = report["first_divergence"], report["first_large_divergence"]
+    assert (first["layer"], first["tensor"]) == (0, "z") and first["rel"] < 1e-3
+    assert (large["layer"], large["position"], large["tensor"]) == (2, 20, "v"), large
+    assert kvdiff.diff(traces["reference"], traces["scale"]).to_json()["first_large_divergence"] is None

@@ -28,7 +28,8 @@ from kvdiff.analysis.divergence import Divergence, recorded_with_different
 from kvdiff.analysis.operation import first_operation
 from kvdiff.analysis.digests import check_window, digest_comparison, with_window
 from kvdiff.analysis.read_check import checked_reads
-from kvdiff.analysis.search import all_maps, first_bit_difference, first_non_finite, first_tolerance_breach, location
+from kvdiff.analysis.search import (all_maps, first_bit_difference, first_large_divergence, first_non_finite,
+                                    first_tolerance_breach, location)
 from kvdiff.analysis.tolerance import Tier, Tolerance, Tolerances
 from kvdiff.errors import InputError
 from kvdiff.trace import TraceReader, open_trace
@@ -136,7 +137,7 @@ def _diff_open(ref: TraceReader, cand: TraceReader, baseline: TraceReader | None
                        "candidate": [text(i) for i in cand.meta.generated_ids]},
         chunk_of={int(p): chunks.chunk_of(int(p)) for p in whole.alignment.positions},
         first_operation=first_operation(cmp, window_div or first_bit_difference(cmp, chunks)),
-        recomputed=_recomputed(cand, chunks))
+        recomputed=_recomputed(cand, chunks), first_large_divergence=first_large_divergence(whole, chunks, first_div))
     if baseline is not None:
         base = _compare(ref, baseline, tolerances, text)[1]
         base_chunks = ChunkLookup.of(baseline)

@@ -98,6 +98,7 @@ class Divergence:
     attribution: Attribution | None = None
     first_operation: Operation | None = None     # the operation that first breaks (analysis.operation)
     recomputed: dict | None = None               # blend: which placed positions were computed again
+    first_large_divergence: Location | None = None   # past a first breach of rounding size, the first far larger
 
     @property
     def comparable_until(self) -> int | None:
@@ -162,6 +163,7 @@ class Divergence:
             "tokens_identical": self.tokens_identical,
             "first_bit_difference": loc(self.first_bit_difference),
             "first_divergence": loc(self.first_divergence),
+            "first_large_divergence": loc(self.first_large_divergence),
             "first_operation": None if self.first_operation is None else self.first_operation.to_json(),
             "diagnoses": [_strict(d.to_json()) for d in self.diagnoses],     # details may hold NaN (NaN traces)
             "top_diagnosis": None if not self.diagnoses else self.diagnoses.index(top_diagnosis(self.diagnoses)),
@@ -185,8 +187,8 @@ class Divergence:
                           "tokens": self.token_strings["candidate"], "strategy": self.candidate.strategy,
                           "numerics": self.candidate.numerics},
             "first_token_divergence": self._token_divergence_json(),
-            **{k: findings[k] for k in ("first_bit_difference", "first_divergence", "first_operation",
-                                        "diagnoses", "top_diagnosis")},
+            **{k: findings[k] for k in ("first_bit_difference", "first_divergence", "first_large_divergence",
+                                        "first_operation", "diagnoses", "top_diagnosis")},
             "chunks": [c.to_json() for c in self.chunks],
             "comparable_until": al.comparable_until,
             "first_input_difference": al.first_input_difference,

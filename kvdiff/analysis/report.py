@@ -77,7 +77,8 @@ class Report:
         return value if isinstance(value, dict) else {}
 
     def first(self, key: str) -> dict[str, Any] | None:
-        """`first_token_divergence`, `first_bit_difference` or `first_divergence`, or None."""
+        """`first_token_divergence`, `first_bit_difference`, `first_divergence` or `first_large_divergence`,
+        or None."""
         value = self.raw.get(key)
         return value if isinstance(value, dict) else None
 

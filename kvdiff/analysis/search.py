@@ -92,6 +92,18 @@ def first_tolerance_breach(comparison: Comparison, chunks: ChunkLookup) -> Locat
     return first_where(comparison, chunks, breaches_tolerance)
 
 
+LARGE_REL = 1e-3     # rel (squared norms' ratio) of a difference no rounding makes: about 4.5% of a row's norm
+
+
+def first_large_divergence(comparison: Comparison, chunks: ChunkLookup, first: Location | None) -> Location | None:
+    """Where the first breach (`first`) is small (rel below LARGE_REL, the size of a narrower format's
+    rounding), the first cell beyond tolerance by far more (rel at least LARGE_REL): a second cause a
+    rounding-sized first breach may hide; else None."""
+    if first is None or first.rel is None or not first.rel < LARGE_REL:
+        return None
+    return first_where(comparison, chunks, lambda pmap: breaches_tolerance(pmap) & (pmap.rel >= LARGE_REL))
+
+
 def first_non_finite(comparison: Comparison, chunks: ChunkLookup) -> Location | None:
     return first_where(comparison, chunks, lambda m: (m.tier != Tier.INCOMPARABLE) & (m.tier >= 0)
                        & ~(m.ref_finite & m.cand_finite))

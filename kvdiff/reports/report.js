@@ -122,6 +122,7 @@
 
   function firsts() {
     const rows = [["first bit difference", R.first_bit_difference], ["first tolerance breach", R.first_divergence]]
+      .concat(R.first_large_divergence ? [["first large divergence", R.first_large_divergence]] : [])
       .map(([label, ev]) => ev ? [label, ev.tensor, ev.layer, ev.position + " " + JSON.stringify(String(tokenAt(ev.position))),
         ev.chunk, ev.tier || "", fmt(ev.max_abs), fmt(ev.rel)] : [label, "none", "", "", "", "", "", ""]);
     table("firsts", ["event", "tensor", "layer", "position", "chunk", "tier", "largest |difference|",

@@ -140,10 +140,12 @@ class _Report:
     def firsts(self) -> Table:
         table = self.table("event", "details", title="firsts")
         for label, key in (("first bit difference", "first_bit_difference"),
-                           ("first tolerance breach", "first_divergence")):
+                           ("first tolerance breach", "first_divergence"),
+                           ("first large divergence", "first_large_divergence")):
             event = self.view.first(key)
             if event is None:
-                table.add_row(label, "none")
+                if key != "first_large_divergence":      # only where a rounding-sized breach came first
+                    table.add_row(label, "none")
                 continue
             tier = f"{event['tier']}, " if "tier" in event else ""
             table.add_row(label, Text(
