@@ -195,7 +195,8 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
             proof=verdict.proof())
     if h is None and not proved:
         return None
-    same = "q, k and v match the reference where attention read them" if proved else \
+    values = value_point(inputs.reference.meta.dims)          # v, or the latent it is expanded from
+    same = f"q, k and {values} match the reference where attention read them" if proved else \
         "recomputed from the candidate's own q, k and v"
     details: dict = {"layer": layer, "explanation": None, "inputs_match": proved, **(fit if h is not None else only)}
     if h is not None:
@@ -219,7 +220,7 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
     if h is not None:
         return Diagnosis("attention_mismatch", chunk, (lo, hi), evidence, details, confidence=verdict.confidence,
                          proof=verdict.proof())
-    proof = (f"q at {cols.size} rows and k, v at every earlier position within tolerance, {point} divergent there "
+    proof = (f"q at {cols.size} rows and k, {values} at every earlier position within tolerance, {point} divergent there "
              f"(rel up to {fmt(attn_rel)})") + ("" if verdict is None else f"; {verdict.proof()}")
     return Diagnosis("attention_mismatch", chunk, (lo, hi), evidence, details, confidence=1.0, proof=proof)
 
