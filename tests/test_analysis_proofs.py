@@ -685,3 +685,26 @@ def test_a_large_divergence_past_a_rounding_sized_first_breach_is_pointed_out(tr
     assert (first["layer"], first["tensor"]) == (0, "z") and first["rel"] < 1e-3
     assert (large["layer"], large["position"], large["tensor"]) == (2, 20, "v"), large
     assert kvdiff.diff(traces["reference"], traces["scale"]).to_json()["first_large_divergence"] is None
+
+
+def test_step_logits_made_otherwise_from_a_matching_row_are_named(tiny_llama, tmp_path):
+    """Traces without logits per position (an engine that projects only the rows it samples): the
+    candidate's recorded step logits soft-capped at 10 while every row, the final norm's included,
+    matches (red-team round 5, t20 had nothing to say)."""
+    from kvdiff.trace.points import ALL_POINTS
+
+    model, tok = tiny_llama
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    capture = [p for p in ALL_POINTS if p != "logits"]
+    ref = Path(kvdiff.record(model, tok, messages, tmp_path / "ref.h5", max_new_tokens=3, capture=capture,
+                             trace_mode="full"))
+    cand = tmp_path / "cand.h5"
+    cand.write_bytes(ref.read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        values = f["steps/topk_values"][:]
+        f["steps/topk_values"][:] = 10 * np.tanh(values / 10)
+    report = kvdiff.diff(ref, cand).to_json()
+    (lm,) = [d for d in report["diagnoses"] if d["kind"] == "logits_mismatch"]
+    assert (lm["step"], lm["from_steps"]) == (0, True) and lm["candidate_top_logit"] < lm["reference_top_logit"], lm
+    assert not kvdiff.diff(ref, ref).to_json()["diagnoses"]

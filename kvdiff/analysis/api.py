@@ -22,7 +22,7 @@ from kvdiff.analysis.diagnose_norms import diagnose_norms
 from kvdiff.analysis.diagnose_operation import diagnose_operation
 from kvdiff.analysis.diagnose_position import diagnose_position_mismatch
 from kvdiff.analysis.diagnose_tokens import (diagnose_logits, diagnose_noise, diagnose_non_finite, diagnose_sampling,
-                                              diagnose_tokenization)
+                                              diagnose_step_logits, diagnose_tokenization)
 from kvdiff.analysis.diagnosis import DiagnosisInputs
 from kvdiff.analysis.divergence import Divergence, recorded_with_different
 from kvdiff.analysis.operation import first_operation
@@ -114,6 +114,7 @@ def _diff_open(ref: TraceReader, cand: TraceReader, baseline: TraceReader | None
     unsized = any((m.tier == Tier.DIFFERENT).any() for m in all_maps(whole))
     inputs = DiagnosisInputs(ref, cand, cmp, chunks, text)
     diagnoses = (diagnose_tokenization(inputs) + diagnose_sampling(inputs) + diagnose_logits(inputs, whole)
+                 + diagnose_step_logits(inputs, whole)
                  + diagnose_non_finite(inputs, first_non_finite(cmp, chunks))
                  + diagnose_cache_content(inputs) + diagnose_cache_layers(inputs) + diagnose_position_mismatch(inputs)
                  + diagnose_missing_context(inputs) + diagnose_missing_context_in_cache(inputs)

@@ -22,7 +22,7 @@ from kvdiff.analysis.diagnosis import PRIORITY, Diagnosis
 EXPLAINS = 0.5      # diagnose_context's bound on the share an explanation may leave unexplained
 
 DIVERGENCES = ("position_mismatch", "rope_mismatch", "missing_context", "attention_mismatch", "cache_content_mismatch",
-               "operation_mismatch", "expert_flip", "non_finite")
+               "operation_mismatch", "expert_flip", "non_finite", "logits_mismatch")
 _EXCLUSIVE = {frozenset(p) for p in (("position_mismatch", "rope_mismatch"),
                                      ("position_mismatch", "cache_content_mismatch"),
                                      ("rope_mismatch", "cache_content_mismatch"),

@@ -134,6 +134,43 @@ def _near_tie(inputs: DiagnosisInputs, first_divergence: Location | None) -> Dia
                            f"{fmt(min(margins))} <= {fmt(threshold)}")
 
 
+def diagnose_step_logits(inputs: DiagnosisInputs, whole: Comparison) -> list[Diagnosis]:
+    """logits_mismatch where the traces hold no logits per position (an engine that projects only the
+    rows it samples): at the first step both runs took the same tokens up to, whose recorded top-1
+    logit differs beyond the logits tolerance while the final-norm row there matches, the logits the
+    candidate sampled from were made otherwise from that row (a logits processor on one side, a
+    soft-cap left on). `whole`: the comparison of every row (a digest trace's digests too)."""
+    if "logits" in whole.final:
+        return []
+    ref, cand = inputs.reference.steps, inputs.candidate.steps
+    n = min(ref.step.size, cand.step.size)
+    if not n or ref.topk_values.ndim != 2 or cand.topk_values.ndim != 2:
+        return []
+    same = np.cumprod(ref.token_id[:n] == cand.token_id[:n]).astype(bool)
+    a, b = ref.topk_values[:n, 0].astype(np.float64), cand.topk_values[:n, 0].astype(np.float64)
+    tolerance = whole.tolerances.for_point("logits")
+    with np.errstate(invalid="ignore"):
+        differ = same & np.isfinite(a) & np.isfinite(b) & (np.abs(a - b) > tolerance.bound(np.maximum(np.abs(a), np.abs(b))))
+    if not differ.any():
+        return []
+    i = int(np.flatnonzero(differ)[0])
+    position = int(cand.position[i])
+    final_norm, al = whole.final.get("final_norm"), whole.alignment
+    col = np.flatnonzero(al.positions == position)
+    if final_norm is None or not col.size or int(final_norm.tier[0, col[0]]) not in (Tier.BITWISE, Tier.NOISE):
+        return []       # the row the logits come from differs already (or is not known to match): not after it
+    evidence = (f"step {int(cand.step[i])} (position {position}): the runs chose the same tokens so far, but the "
+                f"logits row the candidate sampled from has top-1 {fmt(float(b[i]))} where the reference's has "
+                f"{fmt(float(a[i]))} ({int(differ.sum())} of {n} steps differ beyond the logits tolerance), while its "
+                f"final-norm row there matches the reference's: the logits were made otherwise from that row (the LM "
+                f"head, a soft-cap or another logits processor on one side)")
+    return [Diagnosis("logits_mismatch", inputs.chunks.chunk_of(position), (position, position), evidence,
+                      {"step": int(cand.step[i]), "from_steps": True, "reference_top_logit": float(a[i]),
+                       "candidate_top_logit": float(b[i])}, confidence=1.0,
+                      proof=f"recorded step {int(cand.step[i])}: top-1 logit {fmt(float(a[i]))} (reference) vs "
+                            f"{fmt(float(b[i]))} (candidate), the same tokens chosen up to it")]
+
+
 def diagnose_noise(inputs: DiagnosisInputs, first_bit: Location | None, first_divergence: Location | None) -> list[Diagnosis]:
     tie = _near_tie(inputs, first_divergence)
     if tie is not None:
