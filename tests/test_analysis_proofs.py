@@ -708,3 +708,15 @@ def test_step_logits_made_otherwise_from_a_matching_row_are_named(tiny_llama, tm
     (lm,) = [d for d in report["diagnoses"] if d["kind"] == "logits_mismatch"]
     assert (lm["step"], lm["from_steps"]) == (0, True) and lm["candidate_top_logit"] < lm["reference_top_logit"], lm
     assert not kvdiff.diff(ref, ref).to_json()["diagnoses"]
+
+
+def test_rows_of_another_layer_under_this_layers_index_are_named(traces, tmp_path):
+    """Layer 1's MLP output holds the reference's layer-2 rows (an adapter labelling layers one off, as
+    red-team round 5's t15 did): another layer's rows, not the MLP computing otherwise."""
+    cand = tmp_path / "layer-off.h5"
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        f["layers/1/mlp_out"][:] = f["layers/2/mlp_out"][:]
+    (op,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
+    assert (op["operation"], op["layer"], op["source_layer"], op["confidence"]) == ("MLP", 1, 2, 1.0), op

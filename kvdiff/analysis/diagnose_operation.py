@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvdiff.analysis.diagnose_cache import source_layer
 from kvdiff.analysis.diagnose_tokens import other_tokens_fed
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, runs, span_text
 from kvdiff.analysis.keys import ROTATION
@@ -85,9 +86,16 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
     spans = ", ".join(span_text(a, b) for a, b in runs(positions)[:4]) + ("..." if len(runs(positions)) > 4 else "")
     every = "every one" if n == m else f"{n} of them"
     recorded = recorded_as(inputs, op, cols)
-    moved = moved_rows(inputs, op.layer, op.tensor, cols) if recorded is None else None
+    layers = inputs.comparison.layers
+    other_layer = source_layer(inputs, [op.tensor], layers.index(op.layer), cols[:FACTOR_ROWS]) \
+        if recorded is None and op.layer in layers else None
+    moved = moved_rows(inputs, op.layer, op.tensor, cols) if recorded is None and other_layer is None else None
     verdict = "the operation itself differs" + _not_rotated(inputs, op.name, cols)
-    if recorded is not None:
+    if other_layer is not None:
+        verdict = (f"but those rows are, exactly, the reference's {op.tensor} rows of layer {other_layer}: another "
+                   f"layer's rows under this layer's index (the trace's layers labelled otherwise, or the layers run "
+                   f"out of order), not the operation computing otherwise")
+    elif recorded is not None:
         verdict = (f"but the candidate's {op.tensor} rows there are exactly its own {recorded} rows, which the "
                    f"reference's are not: its trace holds {recorded} under the name {op.tensor} (a recording that took "
                    f"the wrong tensor, such as an adapter's), so the operation is not shown to differ")
@@ -97,15 +105,19 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
                    f"off{moved['shift']}), not the operation computing otherwise")
     evidence = (f"{where_text}: {op.name} breaks where its inputs ({ins}) match the reference: of the {m} compared "
                 f"positions with matching inputs, its output {op.tensor} differs at {every} (positions {spans}; rel up "
-                f"to {fmt(rel)}): {verdict}" + ("" if n == m or recorded or moved else ", not at every position"))
+                f"to {fmt(rel)}): {verdict}" + ("" if n == m or recorded or moved or other_layer is not None
+                                               else ", not at every position"))
     proof = (f"{op.tensor} divergent at {n} of {m} positions where {ins} are within tolerance"
              + ("" if recorded is None else f"; the candidate's {op.tensor} = its own {recorded} exactly there")
              + ("" if moved is None else f"; {moved['count']} {op.tensor} rows equal the reference's at other "
-                                         f"positions exactly"))
+                                         f"positions exactly")
+             + ("" if other_layer is None else f"; {op.tensor} equals the reference's at layer {other_layer} exactly"))
     details = {"operation": op.name, "layer": op.layer, "tensor": op.tensor, "positions_broken": n,
                "positions_inputs_match": m, "output_factor": None, "recorded_as": recorded,
+               **({} if other_layer is None else {"source_layer": other_layer}),
                **({} if moved is None else {"source_positions": moved["sources"]})}
-    factor = None if moved is not None else output_factor(inputs, op.layer, op.tensor, cols)
+    accounted = moved is not None or other_layer is not None        # rows of other positions or layers
+    factor = None if accounted else output_factor(inputs, op.layer, op.tensor, cols)
     stored = None
     rotated = _q_rotation(inputs, op.layer, cols) if op.tensor == "q" else None
     details["q_rotation"] = rotated
@@ -133,17 +145,17 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
         evidence += (f"; its output is the reference's times {fmt(factor[0])} (that leaves {fmt(factor[1])} of the "
                      f"change unexplained): the operation's weights or its result scaled by one factor")
         proof += f"; {op.tensor} = {fmt(factor[0])} x the reference's, {fmt(factor[1])} of the change left"
-    elif moved is None and weighted is None and passed is None and (stored := stored_output(inputs, op.layer, op.tensor,
+    elif not accounted and weighted is None and passed is None and (stored := stored_output(inputs, op.layer, op.tensor,
                                                                                           cols)) is not None:
         details.update(stored.details)
         evidence += f"; {stored.evidence}"
         proof += f"; {stored.proof}"
-    elif moved is None and weighted is None and passed is None and (offset := output_offset(inputs, op.layer, op.tensor, cols)) is not None:
+    elif not accounted and weighted is None and passed is None and (offset := output_offset(inputs, op.layer, op.tensor, cols)) is not None:
         details["output_offset"] = offset
         evidence += (f"; every row is the reference's plus one and the same vector (norm {fmt(offset['norm'])}, leaving "
                      f"{fmt(offset['left'])} of the change): a bias added or left out")
         proof += f"; {op.tensor} = the reference's + one constant vector, {fmt(offset['left'])} of the change left"
-    elif moved is None and weighted is None and passed is None and (rows := row_factors(inputs, op.layer, op.tensor, cols)) is not None:
+    elif not accounted and weighted is None and passed is None and (rows := row_factors(inputs, op.layer, op.tensor, cols)) is not None:
         details["row_factors"] = rows
         evidence += (f"; each row is the reference's times a factor of its own ({fmt(rows['min'])} to "
                      f"{fmt(rows['max'])}, leaving at most {fmt(rows['left'])} of a row's change): a weight per token "
@@ -153,7 +165,7 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
     # be amplified past it); an exact account of every broken position is a proof of its own
     proved = (rotated is not None or passed is not None or weighted is not None or details["output_factor"] is not None
               or "row_factors" in details or "output_offset" in details or "source_positions" in details
-              or stored is not None)
+              or stored is not None or other_layer is not None)
     confidence = 1.0 if proved else n / m
     return [Diagnosis("operation_mismatch", inputs.chunks.chunk_of(lo), (lo, hi), evidence, details,
                       confidence=confidence if recorded is None else min(confidence, RECORDED_CONFIDENCE), proof=proof)]
