@@ -9,6 +9,7 @@ contradict each other or one its own measurement refutes.
 
 from __future__ import annotations
 
+import contextlib
 import io
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -134,6 +135,15 @@ def traces(tmp_path_factory, model):
     }
     return {name: write_trace(m, root / f"{name}.h5", PROMPT, STEPS, strategy="reference" if name == "reference"
                               else "prefix", faults=faults, chunks=chunks) for name, (m, faults, chunks) in runs.items()}
+
+
+@contextlib.contextmanager
+def edited(traces, cand: Path):
+    """A copy of the reference trace at `cand`, open for writing and marked a prefix candidate."""
+    cand.write_bytes(traces["reference"].read_bytes())
+    with h5py.File(cand, "r+") as f:
+        f.attrs["strategy"] = "prefix"
+        yield cand, f
 
 
 def diagnoses(traces, name: str, kind: str | None = None) -> list[dict]:
@@ -270,10 +280,7 @@ def test_rows_off_an_integer_grid_are_named_no_quantization(traces, tmp_path):
 
 
 def test_a_changed_projection_is_an_operation_mismatch_at_every_position(traces, tmp_path):
-    cand = tmp_path / "mlp.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / "mlp.h5") as (cand, f):
         f["layers/1/mlp_out"][:] = f["layers/1/mlp_out"][:] * np.float32(1.01)
     with open_trace(traces["reference"]) as ref, open_trace(cand) as c:
         cmp, _ = _compare(ref, c, None, str)
@@ -287,10 +294,7 @@ def test_rope_pairing_the_dimensions_otherwise_is_rope_not_the_cache(traces, tmp
     """From position 12, q and k are rotated with other pairs (red-team round 5, t48: a partial rotary
     dimension): k_pre_rope matches, k keeps none of its pair magnitudes. RoPE computes otherwise: an
     operation_mismatch on RoPE, not a key stored otherwise (the q rows depart too)."""
-    cand = tmp_path / "pairs.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / "pairs.h5") as (cand, f):
         for point in ("q", "k"):
             rows = f[f"layers/0/{point}"][:]
             half = rows.shape[-1] // 2
@@ -306,10 +310,7 @@ def test_rope_pairing_the_dimensions_otherwise_is_rope_not_the_cache(traces, tmp
 def test_a_bias_left_out_is_one_constant_vector_on_every_row(traces, tmp_path):
     """Layer 1's MLP output lacks a bias from position 12 on (red-team round 5, t42b: k_proj without
     its bias): every broken row is the reference's plus one vector, an exact account."""
-    cand = tmp_path / "bias.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / "bias.h5") as (cand, f):
         out = f["layers/1/mlp_out"][:]
         bias = np.random.default_rng(0).normal(size=out.shape[1:]).astype(np.float32)
         f["layers/1/mlp_out"][12:] = out[12:] - bias
@@ -321,10 +322,7 @@ def test_a_bias_left_out_is_one_constant_vector_on_every_row(traces, tmp_path):
 def _written_one_slot_late(traces, tmp_path, point):
     """A copy of the reference whose layer-0 `point` rows from 12 on were written one slot late: the
     slot of 12 never written (zeros), that of p holding p - 1's row."""
-    cand = tmp_path / f"{point}-late.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / f"{point}-late.h5") as (cand, f):
         rows = f[f"layers/0/{point}"][:]
         rows[13:], rows[12] = rows[12:-1].copy(), 0
         f[f"layers/0/{point}"][:] = rows
@@ -359,10 +357,7 @@ def test_keys_rotated_the_other_way_are_encoded_at_minus_their_positions(traces)
 def test_a_norm_computed_in_bfloat16_is_named_by_its_values(traces, tmp_path):
     """Red-team round 5, t50: an attention norm computed in bfloat16 on one path; its rows are no other
     eps or weight, but every element is a bfloat16 value within bfloat16's rounding of the norm."""
-    cand = tmp_path / "bf16-norm.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / "bf16-norm.h5") as (cand, f):
         f["layers/1/attn_norm"][12:] = round_to(f["layers/1/attn_norm"][12:], "bfloat16")
     (nc,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "norm_consistency"]
     assert nc["candidate_inconsistent"]["norm"] == "attn_norm" and nc["candidate_form"]["form"] == "precision", nc
@@ -372,10 +367,7 @@ def test_a_norm_computed_in_bfloat16_is_named_by_its_values(traces, tmp_path):
 def test_an_output_scaled_by_a_factor_per_row_is_named(traces, tmp_path):
     """Each row of layer 1's MLP output scaled by its own factor (a mixture's routing weights not
     renormalised: red-team round 5, t28): the account is exact, so the claim is proved."""
-    cand = tmp_path / "rows.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / "rows.h5") as (cand, f):
         out = f["layers/1/mlp_out"][:]
         f["layers/1/mlp_out"][:] = out * np.linspace(0.5, 0.9, out.shape[0], dtype=np.float32)[:, None]
     (op,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
@@ -512,10 +504,7 @@ def test_values_whose_elements_the_cache_reordered_are_named_a_layout(traces, tm
 def test_a_residual_dropped_at_one_position_is_proved_there_with_full_confidence(traces, tmp_path):
     """One decode position's residual add after the MLP at layer 1 returns the MLP's output alone (red-team
     v5: confidence 1/89 had ranked this exact account below everything)."""
-    cand = tmp_path / "dropped.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / "dropped.h5") as (cand, f):
         last = f["layers/1/resid_post"].shape[0] - 1
         f["layers/1/resid_post"][last] = f["layers/1/mlp_out"][last]
     (op,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
@@ -525,10 +514,7 @@ def test_a_residual_dropped_at_one_position_is_proved_there_with_full_confidence
 def test_a_point_recorded_under_another_name_is_not_called_the_engines_operation(traces, tmp_path):
     """An adapter records k (after RoPE) as k_pre_rope (red-team round 5, t22): the k projection "breaks"
     only in the trace, whose k_pre_rope rows are its own k rows; the claim says so, without confidence."""
-    cand = tmp_path / "relabelled.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / "relabelled.h5") as (cand, f):
         f["layers/0/k_pre_rope"][:] = f["layers/0/k"][:]
     (op,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
     assert (op["tensor"], op["layer"], op["recorded_as"]) == ("k_pre_rope", 0, "k") and op["confidence"] <= 0.3, op
@@ -539,10 +525,7 @@ def test_an_engine_that_fed_a_token_twice_is_a_tokenization_mismatch(traces, tmp
     """Both traces declare the same prompt, but from position 12 the candidate's engine embedded each
     position's previous token (a boundary token doubled: red-team round 5, t24): layer 0's input rows
     are the reference's rows of the position before, exactly."""
-    cand = tmp_path / "doubled.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / "doubled.h5") as (cand, f):
         rows = f["layers/0/resid_pre"][:]
         rows[12:20] = rows[11:19]
         f["layers/0/resid_pre"][:] = rows
@@ -555,10 +538,7 @@ def test_an_engine_that_fed_a_token_twice_is_a_tokenization_mismatch(traces, tmp
 def test_whole_rows_of_the_position_before_are_no_token_fed(traces, tmp_path):
     """Every layer-0 row from 12 on, keys included, is the reference's of the position before (an
     adapter labelling its rows one position late: red-team round 5, t73): no token was fed otherwise."""
-    cand = tmp_path / "late-rows.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / "late-rows.h5") as (cand, f):
         for point in ("resid_pre", "attn_norm", "q", "k_pre_rope", "k", "v"):
             rows = f[f"layers/0/{point}"][:]
             f[f"layers/0/{point}"][12:20] = rows[11:19]
@@ -578,10 +558,7 @@ def test_computed_keys_stored_rounded_where_attention_read_them_are_named(traces
     """An engine whose cache holds K in bfloat16 records k as attention read it from there: at the rows it
     computed, k is its own k_pre_rope rotated and then rounded (red-team round 4 c00c: the first
     operation was 'RoPE on k' with no diagnosis)."""
-    cand = tmp_path / "k-bf16.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / "k-bf16.h5") as (cand, f):
         f["layers/0/k"][16:28] = round_to(f["layers/0/k"][16:28], "bfloat16")
     found = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"]
              if d["kind"] == "cache_content_mismatch"]
@@ -622,10 +599,7 @@ def test_kv_rows_attention_did_not_read_are_a_recording_not_an_engine_bug(traces
     """The candidate's layer-0 k and v rows at 0-15 are each other's, yet attention's output there and
     at every later position is the reference's (red-team round 5, t13: an adapter that recorded the
     cache's reads swapped): the claim says attention did not read them, with no engine confidence."""
-    cand = tmp_path / "unread.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / "unread.h5") as (cand, f):
         k, v = f["layers/0/k"][:16], f["layers/0/v"][:16]
         f["layers/0/k"][:16], f["layers/0/v"][:16] = v, k
     (cc,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "cache_content_mismatch"]
@@ -638,10 +612,7 @@ def test_kv_rows_attention_did_not_read_are_a_recording_not_an_engine_bug(traces
 
 def test_computed_values_stored_in_bfloat16_are_named_so(traces, tmp_path):
     """Red-team round 5, t71: the rows a forward computed, V stored through bfloat16 (K right)."""
-    cand = tmp_path / "v-bf16.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / "v-bf16.h5") as (cand, f):
         f["layers/0/v"][12:] = round_to(f["layers/0/v"][12:], "bfloat16")
     ops = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
     assert ops and (ops[0]["tensor"], ops[0]["rounding"], ops[0]["confidence"]) == ("v", "bfloat16", 1.0), ops
@@ -661,10 +632,7 @@ def test_a_report_leads_with_the_cause_not_an_expert_flip_that_follows_it():
 def test_attention_outputs_written_one_row_late_are_named(traces, tmp_path):
     """Red-team round 5, t59: layer 0's attention results scattered one row late in the forward's output
     (an output index off by one): each z row from 13 on is the reference's of the position before."""
-    cand = tmp_path / "z-late.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / "z-late.h5") as (cand, f):
         z = f["layers/0/z"][:]
         f["layers/0/z"][13:] = z[12:-1]
     (am,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "attention_mismatch"]
@@ -674,10 +642,7 @@ def test_attention_outputs_written_one_row_late_are_named(traces, tmp_path):
 def test_a_large_divergence_past_a_rounding_sized_first_breach_is_pointed_out(traces, tmp_path):
     """Red-team round 5, t61: attention rounded to float16 breaks tolerance first (legitimately, a flash
     kernel), and layer 2's values halved later are a bug of their own: the report points at them."""
-    cand = tmp_path / "two.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / "two.h5") as (cand, f):
         f["layers/0/z"][12:] = f["layers/0/z"][12:].astype(np.float16).astype(np.float32)
         f["layers/2/v"][20:] = f["layers/2/v"][20:] * np.float32(0.5)
     report = kvdiff.diff(traces["reference"], cand).to_json()
@@ -713,10 +678,7 @@ def test_step_logits_made_otherwise_from_a_matching_row_are_named(tiny_llama, tm
 def test_rows_of_another_layer_under_this_layers_index_are_named(traces, tmp_path):
     """Layer 1's MLP output holds the reference's layer-2 rows (an adapter labelling layers one off, as
     red-team round 5's t15 did): another layer's rows, not the MLP computing otherwise."""
-    cand = tmp_path / "layer-off.h5"
-    cand.write_bytes(traces["reference"].read_bytes())
-    with h5py.File(cand, "r+") as f:
-        f.attrs["strategy"] = "prefix"
+    with edited(traces, tmp_path / "layer-off.h5") as (cand, f):
         f["layers/1/mlp_out"][:] = f["layers/2/mlp_out"][:]
     (op,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
     assert (op["operation"], op["layer"], op["source_layer"], op["confidence"]) == ("MLP", 1, 2, 1.0), op

@@ -37,7 +37,7 @@ from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_
 from kvdiff.analysis.latent import attention_points, attention_rows, rope_columns, value_point
 from kvdiff.analysis.operation import attention_point
 from kvdiff.analysis.output_accounts import FACTOR_ROWS, moved_rows
-from kvdiff.analysis.rope import estimate_positions, rotate
+from kvdiff.analysis.rope import frame_shift, rotate
 from kvdiff.analysis.diagnose_cached_context import diagnose_missing_context_in_cache  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,9 @@ def _test(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> list[tuple[A
         test.heads = differing_heads(ref.out, cand.out, test.rows, ref.dims[0], tol.atol, tol.rtol)
     tests = [(test, "")]
     rope = rope_columns(dims)
-    delta = _frame_shift(inputs, {"q": (ref.q[..., rope], cand.q[..., rope]), "k": inputs.rows(layer, "k")}, test.rows)
+    horizon = int(positions.max()) + 1
+    delta = None if inputs.thetas is None else frame_shift(
+        inputs.thetas, horizon, {"q": (ref.q[..., rope], cand.q[..., rope]), "k": inputs.rows(layer, "k")}, test.rows)
     if delta is not None:
         q = cand.q.copy()
         q[test.rows, ..., rope] = rotate(q[test.rows, ..., rope], delta.astype(np.float64), inputs.thetas)
@@ -106,23 +108,6 @@ def _test(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> list[tuple[A
         tests.append((AttentionTest(ref, moved, test.rows, test.fit, heads=test.heads),
                       f" (with q rotated {shifts} positions to its keys' RoPE offset)"))
     return tests
-
-
-def _frame_shift(inputs: DiagnosisInputs, rows: dict, cols: np.ndarray) -> np.ndarray | None:
-    """Per column, the rotation (in positions) taking the candidate's q into its own k's frame, where
-    both are exact rotations of the reference's and the offsets differ at some column; else None.
-    `rows`: point -> (reference's, candidate's) rows of the columns RoPE rotates."""
-    if inputs.thetas is None:
-        return None
-    horizon = int(inputs.comparison.alignment.positions.max()) + 1
-    found = []
-    for point in ("q", "k"):
-        ref, cand = rows[point]
-        shift, quality = estimate_positions(ref[cols], cand[cols], inputs.thetas, horizon, -horizon, batch=8)
-        found.append((shift, quality >= 1 - 1e-4))
-    (dq, okq), (dk, okk) = found
-    delta = np.where(okq & okk, dk - dq, 0)
-    return delta if delta.any() else None
 
 
 def _boundary_note(verdict: Verdict) -> str:

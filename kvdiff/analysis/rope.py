@@ -97,3 +97,17 @@ def rotate(x: np.ndarray, delta: np.ndarray, thetas: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):     # rows holding NaN or Inf stay non-finite
         z = _complex(x) * np.exp(1j * delta[:, None, None] * thetas[None, None, :])
     return np.concatenate([z.real, z.imag], axis=-1).astype(np.float32)
+
+
+def frame_shift(thetas: np.ndarray, horizon: int, rows: dict, cols: np.ndarray) -> np.ndarray | None:
+    """Per column, the rotation (in positions) taking the candidate's q into its own k's frame, where
+    both are exact rotations of the reference's and the offsets differ at some column; else None.
+    `rows`: point -> (reference's, candidate's) rows of the columns RoPE rotates."""
+    found = []
+    for point in ("q", "k"):
+        ref, cand = rows[point]
+        shift, quality = estimate_positions(ref[cols], cand[cols], thetas, horizon, -horizon, batch=8)
+        found.append((shift, quality >= 1 - 1e-4))
+    (dq, okq), (dk, okk) = found
+    delta = np.where(okq & okk, dk - dq, 0)
+    return delta if delta.any() else None
