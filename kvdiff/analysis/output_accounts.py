@@ -1,6 +1,7 @@
 """How an operation's broken output rows relate to the reference's: one factor, one added vector, a
-factor per row, rows of other positions, another point's rows of the same trace, another storage. Each account holds
-for every row tested (up to FACTOR_ROWS), leaving at most FACTOR_LEFT of the change, or exactly."""
+factor per row, rows of other positions, another point's rows of the same trace, another storage.
+Each account holds for every row tested (up to FACTOR_ROWS), leaving at most FACTOR_LEFT of the
+change, or exactly."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ FACTOR_LEFT = 0.01   # the share of the change a factor may leave unexplained
 
 def recorded_as(inputs: DiagnosisInputs, op, cols: np.ndarray) -> str | None:
     """Another point of the same layer, not one of `op`'s inputs (an output that is its input is
-    diagnose_operation's `_passed_input`), whose candidate rows at `cols` (up to FACTOR_ROWS) are op's output rows
-    exactly, where the reference's two differ: one tensor recorded under two names."""
+    diagnose_operation's `_passed_input`), whose candidate rows at `cols` (up to FACTOR_ROWS) are
+    op's output rows exactly, where the reference's two differ: one tensor recorded under two names."""
     layer, tensor, skip = op.layer, op.tensor, {op.tensor} | {c.point for c in op.inputs}
     if layer is None:
         return None
@@ -33,6 +34,7 @@ def recorded_as(inputs: DiagnosisInputs, op, cols: np.ndarray) -> str | None:
             if ref_other.shape == ref.shape and not same_rows(ref_other, ref).all():
                 return other
     return None
+
 
 def moved_rows(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np.ndarray) -> dict | None:
     """Where most of the candidate's broken rows at `cols` (two or more, up to FACTOR_ROWS) are, exactly,
@@ -51,6 +53,7 @@ def moved_rows(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np
     return {"sources": [int(s) if m else None for s, m in zip(src, moved)], "count": int(moved.sum()),
             "text": ", ".join(f"{p}<-{q}" for p, q in zip(positions[moved][:6], src[moved][:6])),
             "shift": f" by {int(shifts[0]):+d}" if shifts.size == 1 else ""}
+
 
 def stored_output(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np.ndarray) -> Storage | None:
     """Where the candidate's rows at `cols` (up to FACTOR_ROWS) are the reference's stored otherwise
@@ -76,6 +79,7 @@ def output_offset(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols:
     left = float(np.linalg.norm(change - offset)) / size
     return {"norm": float(np.linalg.norm(offset)), "left": left} if left <= FACTOR_LEFT else None
 
+
 def row_factors(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np.ndarray) -> dict | None:
     """Where each of the candidate's rows at `cols` (up to FACTOR_ROWS) is the reference's row times a
     factor of its own (least squares, leaving at most FACTOR_LEFT of that row's change), the factors
@@ -92,6 +96,7 @@ def row_factors(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: n
         return None
     return {"min": float(factors.min()), "max": float(factors.max()), "left": float(left.max())}
 
+
 def output_factor(inputs: DiagnosisInputs, layer: int | None, tensor: str,
                    cols: np.ndarray) -> tuple[float, float] | None:
     """(c, share of the change left) where the candidate's rows at `cols` (up to FACTOR_ROWS) are the
@@ -100,11 +105,6 @@ def output_factor(inputs: DiagnosisInputs, layer: int | None, tensor: str,
     ref = inputs.reference.point(layer, tensor, al.ref_index[cols]).astype(np.float64)
     cand = inputs.candidate.point(layer, tensor, al.cand_index[cols]).astype(np.float64)
     return one_factor(cand, ref, float(np.linalg.norm(cand - ref)))
-
-
-
-
-
 
 
 def one_factor(target: np.ndarray, x: np.ndarray, change: float) -> tuple[float, float] | None:
