@@ -38,6 +38,7 @@ from kvdiff.analysis.latent import attention_points, attention_rows, rope_column
 from kvdiff.analysis.operation import attention_point
 from kvdiff.analysis.output_accounts import FACTOR_ROWS, moved_rows
 from kvdiff.analysis.rope import frame_shift, rotate
+from kvdiff.analysis.storage import UNIT_ROUNDOFF
 from kvdiff.analysis.diagnose_cached_context import diagnose_missing_context_in_cache  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -236,10 +237,6 @@ def _emit_reference(inputs: DiagnosisInputs, row: int, cols: np.ndarray, own: Ve
                      details, confidence=verdict.confidence if h is not None else 1.0, proof=proof)
 
 
-# unit roundoff of the formats an attention kernel may compute in, narrowest first
-_ROUNDOFF = (("float16", 2.0 ** -11), ("bfloat16", 2.0 ** -8))
-
-
 def _rounding_note(inputs: DiagnosisInputs, attn_rel: float, details: dict) -> str:
     """Where float32 traces' attention outputs differ by about what rounding to a narrower format
     moves a row: say so (a kernel computing in it, such as a flash-attention kernel, would). `rel` is the squared
@@ -247,7 +244,7 @@ def _rounding_note(inputs: DiagnosisInputs, attn_rel: float, details: dict) -> s
     if {inputs.reference.meta.dtype, inputs.candidate.meta.dtype} != {"float32"} or not np.isfinite(attn_rel):
         return ""
     size = float(np.sqrt(2 * attn_rel))
-    fits = [(name, roundoff) for name, roundoff in _ROUNDOFF if roundoff / 16 <= size <= 4 * roundoff]
+    fits = [(name, roundoff) for name, roundoff in UNIT_ROUNDOFF if roundoff / 16 <= size <= 4 * roundoff]
     if not fits:
         return ""
     details["rounding_size"] = fits[0][0]

@@ -124,9 +124,9 @@ def diagnose_expert_flip(inputs: DiagnosisInputs) -> list[Diagnosis]:
     tokens = np.unique(np.concatenate([cols for _, cols in flips])).size
     why, own_text = _WHY[cause], ""
     if selection:
-        why = (f"the {selection['side']}'s chosen experts {ids} are not the top {k} of its own router's {ranked.removeprefix('the ')} "
-               f"({selection['own_top_k']} are): {why}")
-        own_text = f"; the {selection['side']}'s experts are not a top-{k} set of its own router's {ranked.removeprefix('the ')}"
+        own = f"its own router's {ranked.removeprefix('the ')}"
+        why = f"the {selection['side']}'s chosen experts {ids} are not the top {k} of {own} ({selection['own_top_k']} are): {why}"
+        own_text = f"; the {selection['side']}'s experts are not a top-{k} set of {own}"
     evidence = (f"layer {layer}, position {position}" + (f" {token!r}" if token is not None else "")
                 + f": the router chose experts {ref_ids} in the reference and {cand_ids} here; the reference's "
                 f"margin between {ranked} ranked {k} and {k + 1} was {fmt(margin)} and the router logits moved by up "

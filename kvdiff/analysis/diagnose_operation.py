@@ -24,7 +24,7 @@ from kvdiff.analysis.operation import first_operation
 from kvdiff.analysis.rope import estimate_positions
 from kvdiff.analysis.search import Location
 from kvdiff.analysis.output_accounts import (FACTOR_ROWS, moved_rows, one_factor, output_factor, output_offset,
-                                             recorded_as, row_factors, stored_output)
+                                             recorded_as, row_factors, stored_output, tested_rows)
 from kvdiff.analysis.tolerance import Tier
 
 _OWN_RULE = ("attention (", "RoPE", "K read from", "V read from", "attention norm", "MLP norm", "final norm", "between ",
@@ -117,7 +117,8 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
                **({} if other_layer is None else {"source_layer": other_layer}),
                **({} if moved is None else {"source_positions": moved["sources"]})}
     accounted = moved is not None or other_layer is not None        # rows of other positions or layers
-    factor = None if accounted else output_factor(inputs, op.layer, op.tensor, cols)
+    ref_rows, cand_rows = tested_rows(inputs, op.layer, op.tensor, cols)
+    factor = None if accounted else output_factor(ref_rows, cand_rows)
     stored = None
     rotated = _q_rotation(inputs, op.layer, cols) if op.tensor == "q" else None
     details["q_rotation"] = rotated
@@ -134,6 +135,7 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
                      f"input ({others}) was not combined in")
         proof += f"; {op.tensor} within tolerance of the candidate's own {passed} at those positions"
     weighted = _input_weight(inputs, op, cols) if passed is None and op.name.startswith("residual add") else None
+    unaccounted = not accounted and passed is None        # no account above: the rows' own accounts below
     details["input_weight"] = weighted
     if weighted is not None:
         evidence += (f"; its output is {weighted['kept']} plus {fmt(weighted['weight'])} x {weighted['scaled']} (that "
@@ -145,17 +147,16 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
         evidence += (f"; its output is the reference's times {fmt(factor[0])} (that leaves {fmt(factor[1])} of the "
                      f"change unexplained): the operation's weights or its result scaled by one factor")
         proof += f"; {op.tensor} = {fmt(factor[0])} x the reference's, {fmt(factor[1])} of the change left"
-    elif not accounted and weighted is None and passed is None and (stored := stored_output(inputs, op.layer, op.tensor,
-                                                                                          cols)) is not None:
+    elif unaccounted and (stored := stored_output(ref_rows, cand_rows, op.tensor)) is not None:
         details.update(stored.details)
         evidence += f"; {stored.evidence}"
         proof += f"; {stored.proof}"
-    elif not accounted and weighted is None and passed is None and (offset := output_offset(inputs, op.layer, op.tensor, cols)) is not None:
+    elif unaccounted and (offset := output_offset(ref_rows, cand_rows)) is not None:
         details["output_offset"] = offset
         evidence += (f"; every row is the reference's plus one and the same vector (norm {fmt(offset['norm'])}, leaving "
                      f"{fmt(offset['left'])} of the change): a bias added or left out")
         proof += f"; {op.tensor} = the reference's + one constant vector, {fmt(offset['left'])} of the change left"
-    elif not accounted and weighted is None and passed is None and (rows := row_factors(inputs, op.layer, op.tensor, cols)) is not None:
+    elif unaccounted and (rows := row_factors(ref_rows, cand_rows)) is not None:
         details["row_factors"] = rows
         evidence += (f"; each row is the reference's times a factor of its own ({fmt(rows['min'])} to "
                      f"{fmt(rows['max'])}, leaving at most {fmt(rows['left'])} of a row's change): a weight per token "
@@ -180,8 +181,6 @@ def _not_rotated(inputs: DiagnosisInputs, name: str, cols: np.ndarray) -> str:
     return (": k's rotate_half pairs do not keep the magnitudes of its own k_pre_rope (which matches the "
             "reference's), so no rotation with the model's pairs gives it: RoPE paired or rotated the dimensions "
             "otherwise (other pairs, a partial rotary dimension, another layout), not to other positions")
-
-
 
 
 def _q_rotation(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> dict | None:

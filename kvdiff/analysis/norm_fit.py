@@ -5,8 +5,9 @@ the weight and eps its trace declares, is tried against the forms engines get wr
 epsilon (solved from the rows), Gemma's (1 + w) scale, no weight, the norm skipped (its output is
 its input) and the output times one factor. A form is named only where it reproduces every tested
 row within the recomputation tolerance; else, in a float32 trace, a norm computed in bfloat16 or
-float16 (every output element a value of that format, within a few of its roundoffs). Where the two traces declare different norms, what differs
-(eps, the weight by one offset or factor, or elsewhere) is said from the declared values.
+float16 (every output element a value of that format, within a few of its roundoffs). Where the
+two traces declare different norms, what differs (eps, the weight by one offset or factor, or
+elsewhere) is said from the declared values.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 from kvdiff.analysis.align import Alignment
 from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.norms import NORM_IO, RECOMPUTE_FLOAT32, NormCheck, recompute_rms_norm
-from kvdiff.analysis.storage import round_to
+from kvdiff.analysis.storage import UNIT_ROUNDOFF, round_to
 from kvdiff.analysis.tolerance import Tolerance, Tolerances
 from kvdiff.errors import TraceError
 from kvdiff.trace import TraceReader
@@ -29,7 +30,8 @@ ROWS = 64       # rows a fit is tested on (the first ones that break the declare
 @dataclass(frozen=True)
 class NormFit:
     """A form that reproduces the candidate's norm: `form` ("eps", "one plus weight", "no weight",
-    "skipped", "scaled", "precision"), in words, its value (the epsilon or the factor), and the worst rel left."""
+    "skipped", "scaled", "precision"), in words, its value (the epsilon or the factor), and the worst
+    rel left."""
 
     form: str
     text: str
@@ -79,14 +81,10 @@ def fit_norm(x: np.ndarray, out: np.ndarray, weight: np.ndarray, eps: float, dty
     return _narrower(out, declared) if dtype == "float32" else None
 
 
-# unit roundoff of the formats a norm kernel may compute in, narrowest first
-_NARROWER = (("bfloat16", 2.0 ** -8), ("float16", 2.0 ** -11))
-
-
 def _narrower(out: np.ndarray, declared: np.ndarray) -> NormFit | None:
     """The declared norm computed in a narrower format, where every output element is a value of it
     and every row within a few of its unit roundoffs of the float32 norm; else None."""
-    for name, roundoff in _NARROWER:
+    for name, roundoff in reversed(UNIT_ROUNDOFF):     # the coarser grid first: its values lie on the finer one
         if not np.array_equal(round_to(out, name), out.astype(np.float32)):
             continue
         rel = float(np.nanmax(np.abs(out - declared)) / max(float(np.nanmax(np.abs(declared))), 1e-30))

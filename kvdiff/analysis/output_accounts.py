@@ -55,24 +55,28 @@ def moved_rows(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np
             "shift": f" by {int(shifts[0]):+d}" if shifts.size == 1 else ""}
 
 
-def stored_output(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np.ndarray) -> Storage | None:
-    """Where the candidate's rows at `cols` (up to FACTOR_ROWS) are the reference's stored otherwise
-    (a narrower float, an integer grid with scales, another element order, one factor per head:
-    `storage.stored_as`), that storage; else None."""
+def tested_rows(inputs: DiagnosisInputs, layer: int | None, tensor: str,
+                cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The reference's and the candidate's `tensor` rows at `cols` (up to FACTOR_ROWS), as recorded:
+    what the accounts below are tested on, read once."""
     al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
-    ref = inputs.reference.point(layer, tensor, al.ref_index[cols])
-    cand = inputs.candidate.point(layer, tensor, al.cand_index[cols])
+    return inputs.reference.point(layer, tensor, al.ref_index[cols]), inputs.candidate.point(layer, tensor,
+                                                                                             al.cand_index[cols])
+
+
+def stored_output(ref: np.ndarray, cand: np.ndarray, tensor: str) -> Storage | None:
+    """Where the candidate's rows are the reference's stored otherwise (a narrower float, an integer
+    grid with scales, another element order, one factor per head: `storage.stored_as`), that storage;
+    else None."""
     return stored_as(ref, cand, tensor) if ref.shape == cand.shape and ref.ndim >= 2 else None
 
 
-def output_offset(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np.ndarray) -> dict | None:
-    """Where the candidate's rows at `cols` (two or more, up to FACTOR_ROWS) are the reference's plus one
-    and the same vector, leaving at most FACTOR_LEFT of their change: {"norm", "left"}; else None."""
-    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
-    if cols.size < 2:
+def output_offset(ref: np.ndarray, cand: np.ndarray) -> dict | None:
+    """Where the candidate's rows (two or more) are the reference's plus one and the same vector,
+    leaving at most FACTOR_LEFT of their change: {"norm", "left"}; else None."""
+    if ref.shape[0] < 2:
         return None
-    ref = inputs.reference.point(layer, tensor, al.ref_index[cols]).astype(np.float64).reshape(cols.size, -1)
-    change = inputs.candidate.point(layer, tensor, al.cand_index[cols]).astype(np.float64).reshape(cols.size, -1) - ref
+    change = cand.astype(np.float64).reshape(cand.shape[0], -1) - ref.astype(np.float64).reshape(ref.shape[0], -1)
     offset, size = change.mean(axis=0), float(np.linalg.norm(change))
     if not np.isfinite(size) or size == 0:
         return None
@@ -80,13 +84,12 @@ def output_offset(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols:
     return {"norm": float(np.linalg.norm(offset)), "left": left} if left <= FACTOR_LEFT else None
 
 
-def row_factors(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np.ndarray) -> dict | None:
-    """Where each of the candidate's rows at `cols` (up to FACTOR_ROWS) is the reference's row times a
-    factor of its own (least squares, leaving at most FACTOR_LEFT of that row's change), the factors
-    not all one: {"min", "max", "left"}; else None."""
-    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
-    ref = inputs.reference.point(layer, tensor, al.ref_index[cols]).astype(np.float64).reshape(cols.size, -1)
-    cand = inputs.candidate.point(layer, tensor, al.cand_index[cols]).astype(np.float64).reshape(cols.size, -1)
+def row_factors(ref: np.ndarray, cand: np.ndarray) -> dict | None:
+    """Where each of the candidate's rows is the reference's row times a factor of its own (least
+    squares, leaving at most FACTOR_LEFT of that row's change), the factors not all one: {"min",
+    "max", "left"}; else None."""
+    ref = ref.astype(np.float64).reshape(ref.shape[0], -1)
+    cand = cand.astype(np.float64).reshape(cand.shape[0], -1)
     power, change = (ref * ref).sum(axis=1), np.linalg.norm(cand - ref, axis=1)
     if not (np.isfinite(power).all() and np.isfinite(change).all()) or (power == 0).any() or (change == 0).any():
         return None
@@ -97,13 +100,10 @@ def row_factors(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: n
     return {"min": float(factors.min()), "max": float(factors.max()), "left": float(left.max())}
 
 
-def output_factor(inputs: DiagnosisInputs, layer: int | None, tensor: str,
-                   cols: np.ndarray) -> tuple[float, float] | None:
-    """(c, share of the change left) where the candidate's rows at `cols` (up to FACTOR_ROWS) are the
-    reference's times one factor c, leaving at most FACTOR_LEFT of their difference unexplained."""
-    al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
-    ref = inputs.reference.point(layer, tensor, al.ref_index[cols]).astype(np.float64)
-    cand = inputs.candidate.point(layer, tensor, al.cand_index[cols]).astype(np.float64)
+def output_factor(ref: np.ndarray, cand: np.ndarray) -> tuple[float, float] | None:
+    """(c, share of the change left) where the candidate's rows are the reference's times one factor
+    c, leaving at most FACTOR_LEFT of their difference unexplained."""
+    ref, cand = ref.astype(np.float64), cand.astype(np.float64)
     return one_factor(cand, ref, float(np.linalg.norm(cand - ref)))
 
 

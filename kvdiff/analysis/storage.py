@@ -68,6 +68,10 @@ def same_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return rel <= EXACT
 
 
+# unit roundoff of the narrower floats a kernel may compute in, the smallest first
+UNIT_ROUNDOFF = (("float16", 2.0 ** -11), ("bfloat16", 2.0 ** -8))
+
+
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     """float32 values rounded to `dtype` (round to nearest even) and back."""
     x = np.ascontiguousarray(x, dtype=np.float32)

@@ -109,7 +109,8 @@ def compare_engine(messages: Messages, *, engine: str | EngineName | AdapterEngi
                                                       loaded.config.num_hidden_layers, tokenizer, step)
         finally:
             target.close()
-        recorded_hit = _cached_positions(out_dir / "warm.h5", runs["warm"].cache_hit_tokens, target.info.name)
+        recorded_hit = _cached_positions(main.candidate.kv_only_positions.size, runs["warm"].cache_hit_tokens,
+                                         target.info.name)
         noise = diff(out_dir / "cold.h5", out_dir / "cold-again.h5", tokenizer=tokenizer)
         floor = noise_floor(noise)
         extra = {} if options.trace_mode is TraceMode.FULL else {
@@ -203,13 +204,10 @@ def _recorded_run(target: Target, recorded: _Recorded, label: str, path: Path, w
     return run
 
 
-def _cached_positions(warm: Path, counted: int, engine: str) -> int:
-    """How many positions the warm trace records as read from the cache; a count other than the
-    engine's own (`counted`) is said: the adapter's count or its recording is wrong."""
-    from kvdiff.trace import open_trace
-
-    with open_trace(warm) as trace:
-        recorded = int(trace.meta.kv_only_positions.size)
+def _cached_positions(recorded: int, counted: int, engine: str) -> int:
+    """How many positions the warm trace records as read from the cache (`recorded`); a count other
+    than the engine's own (`counted`) is said: the adapter's count or its recording is wrong."""
+    recorded = int(recorded)
     if recorded != counted:
         log.warning("%s counted %d prompt tokens from its cache, but the warm trace records %d positions read from "
                     "it: the engine's count or its adapter's recording is wrong", engine, counted, recorded)

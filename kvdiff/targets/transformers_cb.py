@@ -29,23 +29,23 @@ from kvdiff.probes.model_meta import model_dims
 from kvdiff.probes.spec import ProbeSpec, default_spec
 from kvdiff.targets.protocol import TargetInfo, TargetRun, refuse_fixed
 from kvdiff.targets.transformers_cb_probes import RunProbes, RunRequest
+from kvdiff.trace.format import ModelDims
 from kvdiff.trace.points import ALL_POINTS, FINAL_POINTS, KNOWN_POINTS, MOE_POINTS, POST_NORM_POINTS
 from kvdiff.trace.sink import ProbeSink
 
 log = logging.getLogger(__name__)
 
 POINTS = tuple(p for p in ALL_POINTS if p != "logits")
+_CB_LOGGER = "ContinuousBatchingLogger"
 
 
-def _points(model) -> tuple[str, ...]:
+def _points(model, dims: ModelDims) -> tuple[str, ...]:
     """What the target records of `model`: every dense point but logits (the engine projects only
     the rows it samples), with a router in every layer the router's points, with post-norms those."""
-    dims = model_dims(model)
     routed = dims.num_experts and all(hasattr(block.mlp, "gate") or hasattr(block.mlp, "router")
                                       for block in model.model.layers[:dims.num_layers])
     extra = (MOE_POINTS if routed else ()) + (POST_NORM_POINTS if dims.post_norms else ())
     return tuple(p for p in dims.points() if p in POINTS or p in extra)
-_CB_LOGGER = "ContinuousBatchingLogger"
 
 
 class TransformersTarget:
@@ -69,13 +69,14 @@ class TransformersTarget:
             model, folder = folder_or_model, Path(str(getattr(folder_or_model, "name_or_path", "") or "model"))
             if tokenizer is None:
                 raise InputError("TransformersTarget(model): pass the model's tokenizer too")
-        if model_dims(model).latent_dim:
+        dims = model_dims(model)
+        if dims.latent_dim:
             raise UnsupportedModelError(
                 "transformers' continuous batching caches multi-head latent attention's K and V expanded per "
                 "head, not the latent kvdiff's traces hold: compare this model on kvdiff's own engine (no --engine)")
         self.model, self.tokenizer, self.spec = model.eval(), tokenizer, spec or default_spec(model)
         self.info = TargetInfo("transformers", transformers.__version__, folder)
-        self.points: tuple[str, ...] = _points(model)
+        self.points: tuple[str, ...] = _points(model, dims)
         try:
             self.cb_config = transformers.ContinuousBatchingConfig(**{
                 "page_size": block_size, "num_blocks": num_blocks, "max_batch_tokens": max_batch_tokens,
