@@ -191,6 +191,24 @@ def test_the_next_key_visible_is_an_attention_mismatch_not_a_missing_context(tra
     assert am and am[0]["explanation"] == "next key" and am[0]["positions"][0] == 0
 
 
+def test_rows_whose_keys_were_not_all_recorded_do_not_stop_the_attention_test(traces, tmp_path):
+    """Red-team round 6, t01 and t03: a zoom window's rows and, past it, the first flip's logits row
+    (whose keys were not recorded): the rows that can be tested are, and the explanation is named.
+    Before, the last row's unrecorded keys left the whole test out ("the attention itself differs")."""
+    kept = np.array([*range(21), 27])          # 27: the last prompt row, before the tokens flip
+    paths = []
+    for name in ("reference", "next"):
+        path = tmp_path / f"{name}.h5"
+        path.write_bytes(Path(traces[name]).read_bytes())
+        with h5py.File(path, "r+") as f:
+            del f["positions"]
+            f["positions"] = kept
+        paths.append(path)
+    found = kvdiff.diff(*paths).to_json()["diagnoses"]
+    am = [d for d in found if d["kind"] == "attention_mismatch"]
+    assert am and am[0]["explanation"] == "next key", am    # the window's last row does not see its next key
+
+
 def test_a_chunk_encoded_at_an_offset_is_a_position_mismatch_and_its_context_was_attended(traces):
     found = diagnoses(traces, "offset")
     (pm,) = [d for d in found if d["kind"] == "position_mismatch"]

@@ -176,7 +176,7 @@ def test_the_writer_records_kv_only_positions_under_schema_2_and_refuses_other_r
     with open_trace(tmp_path / "t.h5") as tr:
         assert tr.meta.schema_version == 2 and tr.meta.kv_only_positions.tolist() == [1, 2]
         assert tr.positions.tolist() == list(range(6))
-    with pytest.raises(ProbeIntegrityError, match="resid_pre holds rows for positions 1, whose K/V were read"):
+    with pytest.raises(ProbeIntegrityError, match="resid_pre holds rows for positions 1, where only k and v are"):
         _small_trace(tmp_path / "u.h5", [1, 2], extra_row=True)
     assert not (tmp_path / "u.h5").exists()
 
@@ -188,7 +188,7 @@ def test_the_writer_records_kv_only_positions_under_schema_2_and_refuses_other_r
      "kv_only_positions must be strictly increasing"),
     (lambda f: (f.__delitem__("kv_only_positions"), f.create_dataset("kv_only_positions", data=np.array([9]))),
      "kv_only_positions holds positions that /positions does not"),
-    (lambda f: f.attrs.__setitem__("schema_version", 4), r"has schema 4, newer than this kvdiff reads \(1 to 3\)"),
+    (lambda f: f.attrs.__setitem__("schema_version", 5), r"has schema 5, newer than this kvdiff reads \(1 to 4\)"),
 ])
 def test_the_reader_refuses_kv_only_positions_that_break_the_format(tmp_path, change, words):
     path = tmp_path / "t.h5"

@@ -227,16 +227,50 @@ def test_the_zoom_window_holds_a_divergence_after_noise_not_the_noise():
     from kvdiff.analysis.tolerance import Tier
     from kvdiff.run.zoom import zoom_window
 
-    def first_pass(bits_tier, divergent_layer):
-        tiers = np.full((30, 100), Tier.BITWISE, dtype=np.int8)
+    def first_pass(bits_tier, divergent_layer, length=100):
+        tiers = np.full((30, length), Tier.BITWISE, dtype=np.int8)
         tiers[0, :] = bits_tier
         tiers[divergent_layer, 62:] = Tier.DIVERGENT
         cmp = SimpleNamespace(points={"v": SimpleNamespace(layers=list(range(30)), tier=tiers)},
-                              alignment=SimpleNamespace(positions=np.arange(100), computed=np.arange(100) >= 62))
+                              alignment=SimpleNamespace(positions=np.arange(length), computed=np.arange(length) >= 62))
         bits, breach = (Location(layer, position, "v", None, tier.label, 0.0, 0.0, None)
                         for layer, position, tier in ((0, 0, bits_tier), (divergent_layer, 62, Tier.DIVERGENT)))
         return SimpleNamespace(comparison=cmp, first_bit_difference=bits, first_divergence=breach)
 
     assert zoom_window(first_pass(Tier.NOISE, 20), 30).layers == (19, 21)
+    # red-team round 6, t01: the breach inside the noise's window, near its end: the window reaches
+    # 64 positions past it (its rows are what the diagnoses test), not only to the noise's 64th
+    assert zoom_window(first_pass(Tier.NOISE, 1, length=200), 30).positions == (0, 125)
     assert zoom_window(first_pass(Tier.DIFFERENT, 20), 30).layers == (19, 21)
     assert zoom_window(first_pass(Tier.DIFFERENT, 1), 30).layers == (0, 1)
+
+
+def test_a_zoom_window_past_its_start_keeps_the_keys_attention_read_where_attention_parts_first():
+    """Red-team round 5, t02: where the window starts at the first difference (past ZOOM_FROM_START)
+    and that difference is attention's output, the window keeps k and v at every earlier position
+    (its keys, up to MAX_KEY_POSITIONS); not where another point parts first, nor where it starts at 0."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kvdiff.analysis.search import Location
+    from kvdiff.analysis.tolerance import Tier
+    from kvdiff.run.zoom import MAX_KEY_POSITIONS, zoom_window
+
+    def first_pass(point, position, length):
+        tiers = np.full((4, length), Tier.BITWISE, dtype=np.int8)
+        tiers[1, position:] = Tier.DIVERGENT
+        cmp = SimpleNamespace(points={point: SimpleNamespace(layers=list(range(4)), tier=tiers)},
+                              alignment=SimpleNamespace(positions=np.arange(length), computed=np.ones(length, bool)))
+        cell = Location(1, position, point, None, Tier.DIVERGENT.label, 1.0, 1.0, None)
+        return SimpleNamespace(comparison=cmp, first_bit_difference=cell, first_divergence=cell)
+
+    window = zoom_window(first_pass("z", 600, 700), 4)
+    assert window.positions == (600, 663) and window.keys == (0, 599)
+    assert window.row_args() == {"layers": "0-2", "positions": "600-663", "key_positions": "0-599"}
+    assert window.to_json()["key_positions"] == [0, 599]
+    assert zoom_window(first_pass("attn_out", 600, 700), 4).keys == (0, 599)
+    assert zoom_window(first_pass("v", 600, 700), 4).keys is None          # the rows that part are in the window
+    assert zoom_window(first_pass("z", 100, 700), 4).keys is None          # the window starts at 0
+    far = MAX_KEY_POSITIONS + 10
+    assert zoom_window(first_pass("z", far, far + 20), 4).keys is None

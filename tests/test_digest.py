@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 import kvdiff
 from kvdiff.analysis import diff
+from kvdiff.analysis.align import align
 from kvdiff.analysis.digests import first_digest_mismatch
 from kvdiff.cli import app
 from kvdiff.errors import InputError
@@ -412,6 +413,36 @@ def test_inspect_says_what_a_digest_trace_holds_every_row_and_its_window(tiny_ll
     digests, window = text[text.index(" digests "):text.index(" window full rows")], text[text.index(" window full rows"):]
     assert "layers 0-2" in digests and every in digests and "logits" in digests
     assert "layers 1, positions 2-9" in window and "window rows" in window
+
+def test_a_window_keeps_k_and_v_at_its_key_positions_and_nothing_else_there(tiny_llama, tmp_path):
+    """A zoom window's keys (ZoomWindow.keys): the positions before it hold k and v rows of its
+    layers, as computed, listed as key-only (schema 4); no other point holds a row there, the diff
+    compares k and v there and leaves the other points' cells to their digests, and `inspect` says so."""
+    import h5py
+
+    model, tokenizer = tiny_llama
+    keyed = _record(model, tokenizer, tmp_path / "keys.h5", trace_mode="digest", layers="1", positions="6-9",
+                    key_positions="0-5")
+    full = _record(model, tokenizer, tmp_path / "full.h5")
+    with open_trace(keyed) as t, open_trace(full) as f:
+        assert t.meta.schema_version == 4 and t.meta.key_only_positions.tolist() == list(range(6))
+        assert t.positions.tolist() == list(range(10))
+        for point in ("k", "v"):
+            assert np.array_equal(t.point(1, point), f.point(1, point, slice(0, 10)))
+    with open_trace(keyed) as t:                          # the full rows: every point but k and v at 6-9 only
+        rows = align(t.meta, t.meta, t.positions, t.positions, t.steps, t.steps, str)
+        assert rows.computed.tolist() == [False] * 6 + [True] * 4 and not rows.kv_only.any()
+    divergence = diff(keyed, keyed)
+    assert divergence.first_bit_difference is None
+    q, k = (divergence.comparison.points[p] for p in ("q", "k"))
+    assert (k.tier[k.row_of(1), :10] == 0).all() and (q.tier[q.row_of(1), :10] == 0).all()   # q by its digests
+    text = " ".join(CliRunner().invoke(app, ["inspect", str(keyed)], terminal_width=300).output.split())
+    assert "key rows positions 0-5: only k and v kept in full" in text
+    with h5py.File(keyed, "r+") as h:                     # a reader of schema 3 would take the missing rows for data
+        h.attrs["schema_version"] = 3
+    with pytest.raises(InputError, match="key_only_positions needs schema 4"):
+        diff(keyed, keyed)
+
 
 def test_equal_hashes_are_not_bitwise_where_the_statistics_prove_the_rows_differ(tiny_llama, tmp_path):
     """A 2^-32 hash collision, or a trace edited by hand: the statistics' proof of a difference wins."""

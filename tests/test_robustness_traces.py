@@ -82,8 +82,8 @@ NOT_TRACES = {
     "foreign-hdf5": (_foreign, "is an HDF5 file but not a kvdiff trace"),
     "incomplete": (lambda traces, tmp: mutated(traces, tmp, lambda f: f.attrs.__setitem__("complete", False)),
                    "is incomplete: its writer did not finish (killed or failed); record it again"),
-    "newer-schema": (lambda traces, tmp: mutated(traces, tmp, lambda f: f.attrs.__setitem__("schema_version", 4)),
-                     "has schema 4, newer than this kvdiff reads (1 to 3): upgrade kvdiff"),
+    "newer-schema": (lambda traces, tmp: mutated(traces, tmp, lambda f: f.attrs.__setitem__("schema_version", 5)),
+                     "has schema 5, newer than this kvdiff reads (1 to 4): upgrade kvdiff"),
 }
 
 

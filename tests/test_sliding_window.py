@@ -23,6 +23,7 @@ from kvdiff.engine.row_group import RowGroup
 from kvdiff.engine.tiny import build_tiny_model
 from kvdiff.options import Strategy
 from kvdiff.run.compare import compare
+from kvdiff.trace import open_trace
 
 from conftest import SHARING_SYSTEM, SEED_PROMPT, SEED_SYSTEM, assert_every_strategy_runs, assert_reference_is_transformers_generation
 
@@ -125,3 +126,56 @@ def test_keys_out_of_every_rows_window_are_not_read(exact):
         decode = ForwardAttention.build([_group([200], 201)], [slice(0, 1)], (WINDOW, None), keys_of, False, cpu)
         assert decode.plans[WINDOW].plan.lengths.tolist() == [WINDOW] and decode.plans[None].plan.lengths.tolist() == [201]
         assert torch.equal(decode.plans[WINDOW].plan.table[0], torch.arange(201 - WINDOW, 201))
+
+
+def test_a_windowed_layer_attended_globally_past_the_zoom_start_is_named_from_the_window_keys(windowed, tmp_path,
+                                                                                               monkeypatch):
+    """Red-team round 5, t02: a warm prefill gives the sliding-window layers no window. Its first
+    difference (z, layer 0) lies past where the zoom window starts, so the window keeps k and v at
+    every earlier position too (its keys), and the traces declare each layer's window: attention is
+    recomputed within the model's window, and the one without it is named. Before, the window held
+    no earlier keys (nothing was tested: "the attention itself differs"), and a standard without the
+    model's window would have made the reference's window the departure."""
+    import kvdiff.engine.runner as runner
+    import kvdiff.run.zoom as zoom
+
+    monkeypatch.setattr(zoom, "ZOOM_FROM_START", 8)       # the window starts at the first difference, not at 0
+    inner = runner.ModelRunner._keys
+
+    def global_after_the_start(self, groups, window):
+        later = any(len(g.positions) > 1 and min(g.positions) > 0 for g in groups)
+        return inner(self, groups, None if later else window)
+
+    monkeypatch.setattr(runner.ModelRunner, "_keys", global_after_the_start)
+    result = compare(MESSAGES, model=NAME, strategy="prefix", numerics="exact", warm=OTHER, max_new_tokens=8,
+                     out=tmp_path / "run", model_cache={KEY: windowed})
+    report = result.report.to_json()
+    first = report["first_bit_difference"]
+    assert (first["layer"], first["tensor"]) == (0, "z") and first["position"] >= WINDOW
+    assert report["digest"]["zoom"]["key_positions"] == [0, first["position"] - 1]
+    top = report["diagnoses"][report["top_diagnosis"]]
+    assert (top["kind"], top["layer"], top["explanation"]) == ("attention_mismatch", 0, "no window"), top
+    assert top["fit_residual"] < 1e-3 and top.get("side") != "reference"
+    assert f"sliding window of {WINDOW} not applied" in top["evidence"]
+    with open_trace(result.reference_trace) as ref:
+        assert ref.meta.dims.layer_windows == (WINDOW, WINDOW, 0)
+        assert ref.meta.key_only_positions.tolist() == list(range(first["position"]))
+        assert ref.meta.schema_version == 4
+
+
+def test_a_trace_declares_each_layers_window_and_refuses_a_malformed_list(windowed, tmp_path):
+    import h5py
+
+    from kvdiff.analysis import diff
+    from kvdiff.errors import InputError
+    from kvdiff.run.record import record
+
+    model, tok = windowed
+    path = record(model, tok, MESSAGES, tmp_path / "t.h5", max_new_tokens=2, capture="k,v")
+    with open_trace(path) as t:
+        assert t.meta.dims.layer_windows == (WINDOW, WINDOW, 0)
+        assert [t.meta.dims.window_of(i) for i in (0, 1, 2, None)] == [WINDOW, WINDOW, None, None]
+    with h5py.File(path, "r+") as f:
+        f.attrs["layer_windows"] = np.array([WINDOW, 0], dtype=np.int64)
+    with pytest.raises(InputError, match=r"layer_windows must hold one window per layer \(3 integers"):
+        diff(path, path)

@@ -43,11 +43,14 @@ class Alignment:
     text_identical: bool
     kv_only: np.ndarray                # bool per aligned position: a trace read its K/V from a cache and
                                        # recorded only k and v there; its other points are not compared
+    key_only: np.ndarray | None = None  # bool per aligned position: a trace computed it but kept only k and
+                                        # v (a zoom window's keys); its other points are not compared
 
     @property
     def computed(self) -> np.ndarray:
-        """Bool per aligned position: both traces computed it, so every point can be compared."""
-        return ~self.kv_only
+        """Bool per aligned position: both traces computed it and recorded every point there, so every
+        point can be compared."""
+        return ~self.kv_only if self.key_only is None else ~(self.kv_only | self.key_only)
 
     @property
     def comparable(self) -> np.ndarray:
@@ -86,10 +89,13 @@ def _token_divergence(ref: TraceMeta, cand: TraceMeta, ref_steps: StepRecords, c
 
 
 def align(ref: TraceMeta, cand: TraceMeta, ref_positions: np.ndarray, cand_positions: np.ndarray,
-          ref_steps: StepRecords, cand_steps: StepRecords, text: TokenText) -> Alignment:
-    """Align by position; positions at or after the first differing input token are incomparable."""
+          ref_steps: StepRecords, cand_steps: StepRecords, text: TokenText, rows: bool = True) -> Alignment:
+    """Align by position; positions at or after the first differing input token are incomparable.
+    `rows`: the positions are those of full rows, where a digest trace's key-only ones hold k and v
+    only (False for its digest positions, where every point's digest is whole)."""
     common, ri, ci = np.intersect1d(ref_positions, cand_positions, assume_unique=True, return_indices=True)
     kv_only = np.isin(common, ref.kv_only_positions) | np.isin(common, cand.kv_only_positions)
+    key_only = np.isin(common, ref.key_only_positions) | np.isin(common, cand.key_only_positions) if rows else None
     first_input = first_difference(ref.input_ids, cand.input_ids)
     token_div = None if first_input is not None else _token_divergence(ref, cand, ref_steps, cand_steps, text)
     if first_input is not None:
@@ -103,4 +109,4 @@ def align(ref: TraceMeta, cand: TraceMeta, ref_positions: np.ndarray, cand_posit
         only_reference=np.setdiff1d(ref_positions, cand_positions), only_candidate=np.setdiff1d(cand_positions, ref_positions),
         prompt_length=int(ref.input_ids.size), first_input_difference=first_input, first_token_divergence=token_div,
         tokens_identical=first_input is None and token_div is None, text_identical=ref.text == cand.text,
-        kv_only=kv_only)
+        kv_only=kv_only, key_only=key_only)

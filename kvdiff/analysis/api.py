@@ -87,7 +87,7 @@ def _compare(ref: TraceReader, cand: TraceReader, tolerances: Mapping[str, Toler
         return rows, rows
     check_window(ref)
     check_window(cand)
-    whole = align(ref.meta, cand.meta, ref.digest_positions, cand.digest_positions, *steps, text)
+    whole = align(ref.meta, cand.meta, ref.digest_positions, cand.digest_positions, *steps, text, rows=False)
     return rows, with_window(digest_comparison(ref, cand, whole, tols), rows)
 
 

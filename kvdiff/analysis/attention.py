@@ -20,14 +20,15 @@ def _grouped(q_row: np.ndarray, rows: np.ndarray, n: int, weights: np.ndarray | 
 
 
 def span_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, query_rows: np.ndarray,
-                   span: tuple[int, int], scale: float) -> tuple[np.ndarray, np.ndarray]:
+                   span: tuple[int, int], scale: float, window: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per query row, in one pass over its softmax: the share of its attention mass (mean over
     heads) on key positions within `span`, and how far its attention output (all heads, before
     o_proj) moves, relative to its norm, when those keys are left out (1 where it sees no other).
 
     q: (n, heads, d), k and v: (n, kv_heads, d) rows at increasing `positions`; `query_rows` index
-    q; each query attends causally to keys at positions <= its own. Softmax in float64; NaN for a
-    query row whose scores hold NaN or Inf.
+    q; each query attends causally to keys at positions <= its own (and, with the layer's sliding
+    `window`, past its own minus the window). Softmax in float64; NaN for a query row whose scores
+    hold NaN or Inf.
     """
     inside = (positions >= span[0]) & (positions <= span[1])
     seen = np.searchsorted(positions, positions[query_rows], side="right")
@@ -35,6 +36,8 @@ def span_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.nd
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         for i, (row, n) in enumerate(zip(query_rows, seen)):
             scores = _grouped(q[row], k, n) * scale
+            if window is not None:
+                scores[:, positions[:n] <= positions[row] - window] = -np.inf
             scores -= scores.max(axis=1, keepdims=True)
             weights = np.exp(scores)
             weights /= weights.sum(axis=1, keepdims=True)

@@ -1,22 +1,22 @@
 """Attention hypotheses tested on what the traces recorded (issue #27).
 
 A hypothesis says how the candidate computed its attention from its own recorded q, k and v: the
-reference's causal softmax, with some keys hidden, with another softmax scale, with the next key
-visible too. It predicts the candidate's attention output before o_proj. Where the traces recorded
-that output (`z`), the prediction is compared with it as it is: every tested row is an exact test.
-Traces without it hold o_proj's output (`attn_out`) only, and not o_proj. o_proj is linear and the
-same in both traces (the same weights), so the reference's rows (its causal attention recomputed
-from its own q, k, v, against the attn_out it recorded) determine it on the span of their attention
-outputs: where they span the whole space (a prompt at least heads x head_dim long) the test is
-exact. Where they do not, the candidate's other rows under the same hypothesis fit the rest, and
-each tested row is predicted from all the others (leave-one-out, so a row never vouches for itself).
-A hypothesis is scored by the share of the candidate's change (its attn_out minus the reference's)
-the prediction leaves unexplained: `residual` 0 explains the rows exactly, 1 explains nothing.
+model's causal softmax (within the layer's sliding window, where the trace declares one), with some
+keys hidden, with another softmax scale, with the next key visible too. It predicts the candidate's
+attention output before o_proj. Where the traces recorded that output (`z`), every tested row is an
+exact test. Traces without it hold o_proj's output (`attn_out`) only, and not o_proj, which is
+linear and the same in both traces: the reference's rows (its attention recomputed from its own q,
+k, v, against the attn_out it recorded) determine it on the span of their attention outputs, the
+whole space for a prompt at least heads x head_dim long (an exact test). Where they do not, the
+candidate's other rows under the same hypothesis fit the rest, each tested row predicted from all
+the others (leave-one-out, so a row never vouches for itself). A hypothesis is scored by the share
+of the candidate's change (its attn_out minus the reference's) the prediction leaves unexplained:
+`residual` 0 explains the rows exactly, 1 explains nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -37,10 +37,7 @@ class Hypothesis:
     key rows 0..n_keys-1 (n_keys = its own row + 2 where a next key exists, or `reach(test_row)`
     where the hypothesis reads further), and a scale factor."""
 
-    name: str                                  # "standard", "hidden", "scale", "next key", "chunk alone",
-                                               # "not causal", "window", "own key hidden", "kv heads", "softcap",
-                                               # "zeroed", "not cached", "kv swapped", "lagged mask",
-                                               # "shifted writes", "moved block", "no sinks"
+    name: str                                  # its kind: one of attention_verdict._PREFER
     text: str                                  # in words, for the evidence
     visible: Callable[[int, int], np.ndarray]
     scale: float = 1.0
@@ -59,6 +56,7 @@ class Hypothesis:
     shift: int | None = None                   # "shifted writes": row r's K/V written at slot r + shift
     block: tuple | None = None                 # "moved block": (block size, slots (first, last), rows held (first, last))
     sinks: bool = True                         # the rows' sink logits in the softmax, where they have them
+    own_window: bool = False                   # `visible` replaces the layer's sliding window (its own, or none)
 
     def fields(self) -> dict:
         """What a report says of this explanation beside its name: its fitted or chosen values."""
@@ -184,6 +182,7 @@ class AttentionTest:
     fit: OProjFit | RecordedOutput
     raw: dict = field(default_factory=dict, repr=False)   # row -> q k^T (float32), shared by `on`
     heads: np.ndarray | None = None             # with z recorded: the query heads compared, where only they differ
+    window: int | None = None                   # the layer's sliding window, as the model declares it
 
     @property
     def point(self) -> str:
@@ -192,23 +191,23 @@ class AttentionTest:
 
     @classmethod
     def build(cls, ref: AttentionRows, cand: AttentionRows, rows: np.ndarray, noise: float,
-              recorded: bool = False) -> "AttentionTest | None":
-        """The test on `rows`; `recorded`: the rows' `out` is z (attention's output before o_proj)."""
+              recorded: bool = False, window: int | None = None) -> "AttentionTest | None":
+        """The test on `rows`; `recorded`: the rows' `out` is z (attention's output before o_proj);
+        `window`: the layer's sliding window."""
         if recorded:
-            return cls(ref, cand, cap_rows(rows), RecordedOutput())
+            return cls(ref, cand, cap_rows(rows), RecordedOutput(), window=window)
         heads, n = ref.q.shape[1], ref.q.shape[0]
         fit_rows = np.arange(min(n, heads * ref.v.shape[2] + EXTRA_FIT_ROWS))    # the earliest: the fewest keys to attend
-        causal = lambda r: np.ones(r + 1, bool)
-        z = np.stack([ref.attend(r, ref.raw_scores(r, r + 1), causal(r), 1.0) for r in fit_rows])
+        z = np.stack([ref.attend(r, ref.raw_scores(r, r + 1), in_window(r, r + 1, window), 1.0) for r in fit_rows])
         out = ref.out[fit_rows].astype(np.float64)
         finite = np.isfinite(z).all(axis=1) & np.isfinite(out).all(axis=1)      # NaN is non_finite's finding
         if not finite.any():
             return None
-        return cls(ref, cand, cap_rows(rows), OProjFit(z[finite], out[finite], noise))
+        return cls(ref, cand, cap_rows(rows), OProjFit(z[finite], out[finite], noise), window=window)
 
     def on(self, rows: np.ndarray, most: int = MAX_ROWS) -> "AttentionTest":
         """The same test (o_proj fit, q k^T computed so far) on other candidate rows (at most `most`)."""
-        return AttentionTest(self.ref, self.cand, cap_rows(rows, most), self.fit, self.raw, self.heads)
+        return AttentionTest(self.ref, self.cand, cap_rows(rows, most), self.fit, self.raw, self.heads, self.window)
 
     def compared(self, x: np.ndarray) -> np.ndarray:
         """Rows (n, heads * dv) of attention outputs: the columns of the heads compared."""
@@ -218,8 +217,7 @@ class AttentionTest:
 
     def keys_and_values(self, swapped: bool) -> AttentionRows:
         """The candidate's rows, or (`swapped`) with its k and v in each other's place."""
-        c = self.cand
-        return AttentionRows(c.q, c.v, c.k, c.out, c.scale, c.sinks) if swapped else c
+        return replace(self.cand, k=self.cand.v, v=self.cand.k) if swapped else self.cand
 
     def scores(self, row: int, n_keys: int, kv_heads: tuple[int, ...] | None = None,
                swapped: bool = False) -> np.ndarray:
@@ -240,8 +238,9 @@ class AttentionTest:
         keys = [self.n_keys(r, h) for r in self.rows]
         if max(keys) > self.cand.k.shape[0] or (h.swapped and self.cand.k.shape != self.cand.v.shape):
             return self._untestable()
-        rows = self.keys_and_values(h.swapped)
-        return np.stack([rows.attend(r, self.scores(r, n, h.kv_heads, h.swapped), h.visible(r, n), h.scale,
+        rows, window = self.keys_and_values(h.swapped), None if h.own_window else self.window
+        return np.stack([rows.attend(r, self.scores(r, n, h.kv_heads, h.swapped),
+                                     h.visible(r, n) & in_window(r, n, window), h.scale,
                                      h.kv_heads, h.softcap, None if h.zeroed is None else h.zeroed(r, n), sinks=h.sinks)
                           for r, n in zip(self.rows, keys)])
 
@@ -259,7 +258,8 @@ class AttentionTest:
                 return self._untestable()
             src = np.maximum(order, 0)
             raw = self.scores(int(r), max(n, 1))[:, src]
-            out.append(self.cand.attend(int(r), raw, np.ones(order.size, bool), h.scale, zeroed=order < 0, values=src))
+            out.append(self.cand.attend(int(r), raw, in_window(int(r), order.size, self.window), h.scale,
+                                        zeroed=order < 0, values=src))
         return np.stack(out)
 
     def own_miss(self, h: Hypothesis) -> float:
@@ -293,3 +293,8 @@ def cap_rows(rows: np.ndarray, most: int = MAX_ROWS) -> np.ndarray:
 
 def causal(row: int, n: int) -> np.ndarray:
     return np.arange(n) <= row
+
+
+def in_window(row: int, n: int, window: int | None) -> np.ndarray:
+    """Keys 0..n-1 a sliding window of `window` leaves `row` (every key where None)."""
+    return np.ones(n, bool) if window is None else np.arange(n) > row - window

@@ -40,7 +40,7 @@ def key_candidates(first: int, extra: list[int]) -> list[int]:
 def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], int | None],
                same_forward: Callable[[int, int], bool], forward_end: Callable[[int], int],
                heads: tuple[int, int] = (1, 1), differing: np.ndarray | None = None,
-               sinks: bool = False) -> list[Hypothesis]:
+               sinks: bool = False, window: int | None = None) -> list[Hypothesis]:
     """Every hypothesis but the fitted ones (scale, soft-cap): the reference's attention, hidden keys
     (one key, spans ending before the first tested row, spans from 0), each row's chunk alone, the next
     key visible, every later key of the row's forward visible (`forward_end(row)`: one past its
@@ -48,8 +48,15 @@ def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], i
     never written to the cache (`unwritten_keys`), K and V swapped, and (`heads`: query and KV heads)
     the KV heads tiled over the query heads, and, where the query heads that differ (`differing`) are
     one KV head's, those reading another KV head; where the rows have attention sinks (`sinks`), the
-    sinks left out of the softmax."""
-    out = [Hypothesis("standard", "every earlier position attended, as the reference does", causal)]
+    sinks left out of the softmax; where the layer has a sliding window (`window`: every hypothesis
+    but the windows of their own is tested within it), every earlier position attended without it."""
+    if window is None:
+        out = [Hypothesis("standard", "every earlier position attended, as the reference does", causal)]
+    else:
+        out = [Hypothesis("standard", f"every earlier position within the layer's sliding window of {window} attended, "
+                          "as the model does", causal),
+               Hypothesis("no window", f"every earlier position attended: the layer's sliding window of {window} not "
+                          "applied", causal, own_window=True)]
     keys = key_candidates(first, boundaries)
     spans = {(j, j) for j in keys} | {(a, first - 1) for a in keys} | {(0, b) for b in keys}
     for lo, hi in sorted(spans):
@@ -209,7 +216,7 @@ def fit_softcap(test: AttentionTest, lo: float = 0.5, hi: float = SOFTCAP_HI) ->
 
 def window_hypothesis(w: int) -> Hypothesis:
     return Hypothesis("window", f"each row attending only its own and the {w - 1} positions before it (a sliding "
-                      f"window of {w})", sliding_window(w), window=w)
+                      f"window of {w})", sliding_window(w), window=w, own_window=True)
 
 
 def fit_window(test: AttentionTest) -> Score:

@@ -25,9 +25,9 @@ from kvdiff.analysis.diagnosis import DiagnosisInputs, fmt
 MARGIN = 0.5        # and at most this share of what the next-best explanation leaves,
 NEAR_EXACT = 1e-2   # what an explanation that fits the rows leaves (float32 recomputation: ~1e-6 to 1e-3)
 NESTED_MARGIN = 0.8  # or, where that one hides an overlapping span (one key more or less at an end), this
-_PREFER = ("standard", "hidden", "scale", "next key", "chunk alone", "not causal", "window", "own key hidden",
-           "kv heads", "softcap", "no sinks", "not cached", "zeroed", "kv swapped", "lagged mask", "shifted writes",
-           "moved block")
+_PREFER = ("standard", "hidden", "scale", "next key", "chunk alone", "not causal", "no window", "window",
+           "own key hidden", "kv heads", "softcap", "no sinks", "not cached", "zeroed", "kv swapped", "lagged mask",
+           "shifted writes", "moved block")
 
 
 def _nested(a: Score, b: Score) -> bool:
@@ -94,7 +94,7 @@ class Verdict:
         rest = "".join(f"; {label}, {o.hypothesis.text}: {fmt(o.residual)}" for label, o in
                        (("next best", self.rival), ("best overlapping span", self.boundary)) if o is not None)
         if self.best.hypothesis.name != "standard" and self.standard not in (self.rival, self.boundary):
-            rest += f"; every earlier position attended: {fmt(self.standard.residual)}"
+            rest += f"; {self.standard.hypothesis.text}: {fmt(self.standard.residual)}"
         if self.tied:
             rest += ("; the same prediction at these rows (the data do not tell them apart; the simplest is named): "
                      + "; ".join(t.hypothesis.text for t in self.tied))
@@ -146,7 +146,8 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
         return reach[col]
 
     family = hypotheses(first, starts + [s - 1 for s in starts], chunk_start, same_forward, forward_end,
-                        tests[0][0].cand.dims[:2], tests[0][0].heads, sinks=tests[0][0].cand.sinks is not None)
+                        tests[0][0].cand.dims[:2], tests[0][0].heads, sinks=tests[0][0].cand.sinks is not None,
+                        window=tests[0][0].window)
     scores, owner = [], {}
 
     def score_each_test(score) -> None:
@@ -203,10 +204,10 @@ def explain_reference(test: AttentionTest, first: int) -> Verdict | None:
     than OWN_MARGIN times what the candidate's misses (both computed in a narrow format)."""
     if test.point != "z":
         return None
-    rev = AttentionTest(test.cand, test.ref, test.rows, RecordedOutput(), heads=test.heads)
+    rev = AttentionTest(test.cand, test.ref, test.rows, RecordedOutput(), heads=test.heads, window=test.window)
     # the reference's forwards are not known here: no hypothesis spans a forward or a chunk
     family = hypotheses(first, [], lambda col: None, lambda a, b: False, lambda col: col + 1,
-                        test.ref.dims[:2], test.heads)
+                        test.ref.dims[:2], test.heads, window=test.window)
     scores = _scores(rev, family)
     standard = next(s for s in scores if s.hypothesis.name == "standard")
     if rev.own_miss(standard.hypothesis) <= max(SHARED_MISS, OWN_MARGIN * test.own_miss(standard.hypothesis)):
@@ -223,7 +224,7 @@ def _reference_shares(test: AttentionTest, best: Score, standard: Score) -> bool
     is not what differs between them."""
     if test.point != "z" or best.hypothesis.name == "standard":
         return False
-    own = AttentionTest(test.ref, test.ref, test.rows, RecordedOutput(), heads=test.heads)
+    own = AttentionTest(test.ref, test.ref, test.rows, RecordedOutput(), heads=test.heads, window=test.window)
     standard_miss = own.own_miss(standard.hypothesis)
     return bool(standard_miss > SHARED_MISS and own.own_miss(best.hypothesis) <= MARGIN * standard_miss)
 

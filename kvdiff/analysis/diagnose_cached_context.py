@@ -95,7 +95,8 @@ def diagnose_missing_context_in_cache(inputs: DiagnosisInputs) -> list[Diagnosis
             out.append(_computed_otherwise(inputs, chunk, (lo, hi), before, layer, vp, k_rel, v_rel, None))
             continue
         unattended = (int(positions[0]), span[0] - 1)
-        mass, _ = span_attention(ref_q, ref_k, ref_v, positions, gcols, unattended, inputs.reference.meta.dims.attn_scale)
+        mass, _ = span_attention(ref_q, ref_k, ref_v, positions, gcols, unattended, dims.attn_scale,
+                                 dims.window_of(before))
         evidence = (f"positions {span_text(lo, hi)}, read from the cache: their k and {vp} match the reference at layer "
                     f"{before} (k up to RoPE), and so do K/V at every earlier position, but differ at layer "
                     f"{layer} (k rel {fmt(k_rel)}, {vp} rel {fmt(v_rel)}), so the cached chunk {chunk!r} was computed "

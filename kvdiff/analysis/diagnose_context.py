@@ -90,7 +90,7 @@ def _test(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> list[tuple[A
     sinks = inputs.rows(layer, "attn_sinks") if dims.sinks else (None, None)
     ref, cand = (AttentionRows(*qkv[i], out[i], scale, sinks[i]) for i in (0, 1))
     noise = max(_NOISE.get(t.meta.dtype, 1e-2) for t in (inputs.reference, inputs.candidate))
-    test = AttentionTest.build(ref, cand, cols, noise, recorded=point == "z")
+    test = AttentionTest.build(ref, cand, cols, noise, recorded=point == "z", window=dims.window_of(layer))
     if test is None:
         return None
     if point == "z":        # where only some heads differ, the others only dilute what a hypothesis explains
@@ -106,7 +106,7 @@ def _test(inputs: DiagnosisInputs, layer: int, cols: np.ndarray) -> list[tuple[A
         q[test.rows, ..., rope] = rotate(q[test.rows, ..., rope], delta.astype(np.float64), inputs.thetas)
         moved = AttentionRows(q, cand.k, cand.v, cand.out, scale, cand.sinks)
         shifts = ", ".join(f"{int(d):+d}" for d in np.unique(delta[delta != 0]))
-        tests.append((AttentionTest(ref, moved, test.rows, test.fit, heads=test.heads),
+        tests.append((AttentionTest(ref, moved, test.rows, test.fit, heads=test.heads, window=test.window),
                       f" (with q rotated {shifts} positions to its keys' RoPE offset)"))
     return tests
 
@@ -162,7 +162,7 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
         ref_q, ref_k, ref_v = verdict.test.ref.q, verdict.test.ref.k, verdict.test.ref.v
         tested = verdict.test.rows[np.isin(verdict.test.rows, cols)]
         mass, _ = span_attention(ref_q, ref_k, ref_v, positions, tested if tested.size else cols[:1], unattended,
-                                 inputs.reference.meta.dims.attn_scale)
+                                 inputs.reference.meta.dims.attn_scale, verdict.test.window)
         u = span_text(*unattended)
         noun, verb = ("position", "was") if unattended[0] == unattended[1] else ("positions", "were")
         evidence = (f"{where}: {point} differs (rel {fmt(attn_rel)}) and is the candidate's own q, k and v attended "
@@ -264,8 +264,10 @@ def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
     row, cols = found
     layer, positions = inputs.comparison.layers[row], inputs.comparison.alignment.positions
     bad = inputs.divergent(attention_point(inputs.comparison), row)
+    # rows whose keys are all recorded (every position up to theirs): a window's rows, not a flip's logits row past it
+    testable = cols[positions[cols] == cols]
     try:
-        tests = _test(inputs, layer, cols)
+        tests = None if not testable.size else _test(inputs, layer, testable)
         overall = None if tests is None else explain(tests, inputs)
     except np.linalg.LinAlgError as exc:       # degenerate rows (no fit): the tiers alone may still prove
         log.debug("attention test at layer %s skipped: %s", layer, exc)
@@ -274,8 +276,9 @@ def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
     for chunk, group in group_by_chunk(inputs, positions[cols]):
         gcols = cols[np.isin(positions[cols], group)]
         verdict = overall
-        if tests is not None and not overall.decisive and gcols.size < cols.size:
-            verdict = explain([(t.on(gcols), note) for t, note in tests], inputs)
+        tested = np.intersect1d(gcols, testable)
+        if tests is not None and not overall.decisive and 0 < tested.size < testable.size:
+            verdict = explain([(t.on(tested), note) for t, note in tests], inputs)
         start = int(gcols[0])
         while start > 0 and bad[start - 1]:
             start -= 1

@@ -83,7 +83,7 @@ def check_window(trace: TraceReader) -> None:
     made; statistics that do not describe their rows would prove breaches outside it."""
     meta = trace.meta
     at = np.searchsorted(trace.digest_positions, trace.positions)
-    computed = np.flatnonzero(~np.isin(trace.positions, meta.kv_only_positions))
+    computed = np.flatnonzero(~np.isin(trace.positions, np.union1d(meta.kv_only_positions, meta.key_only_positions)))
     wanted = [(layer, p) for layer in meta.layers if layer in meta.digest_layers
               for p in meta.points if p in KNOWN_LAYER_POINTS and p in meta.digest_points]
     wanted += [(None, p) for p in meta.points if p in FINAL_POINTS and p in meta.digest_points]

@@ -31,7 +31,8 @@ def model_dims(model: torch.nn.Module) -> ModelDims:
                                              groups_chosen=int(grouped.topk_group))
     return ModelDims(c.num_hidden_layers, heads, kv_heads, head_dim,
                      c.hidden_size, c.vocab_size, head_dim ** -0.5 if scale is None else scale,
-                     *experts, post_norms=int(_post_norms(model)), sinks=int(_sinks(model)), **latent, **groups)
+                     *experts, post_norms=int(_post_norms(model)), sinks=int(_sinks(model)), **latent, **groups,
+                     layer_windows=_windows(model))
 
 
 _found_memo: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[list, tuple]]" = weakref.WeakKeyDictionary()
@@ -90,6 +91,21 @@ def _sinks(model: torch.nn.Module) -> bool:
     """Whether every decoder layer's attention has per-head sink logits (gpt-oss)."""
     layers = getattr(getattr(model, "model", None), "layers", ())
     return bool(layers) and all(isinstance(getattr(layer.self_attn, "sinks", None), torch.Tensor) for layer in layers)
+
+
+def _windows(model: torch.nn.Module) -> tuple[int, ...]:
+    """Each decoder layer's sliding window (0: global), from its attention's own `sliding_window`
+    where the family sets one per layer (Gemma 3, gpt-oss, Qwen2), else the config's; () where no
+    layer has a window shorter than the context."""
+    c = model.config
+    context = getattr(c, "max_position_embeddings", None) or 1 << 62
+    layers = getattr(getattr(model, "model", None), "layers", ())
+    windows = []
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(c, "sliding_window", None)
+        windows.append(int(window) if isinstance(window, int) and 0 < window < context else 0)
+    return tuple(windows) if any(windows) and len(windows) == c.num_hidden_layers else ()
 
 
 def _post_norms(model: torch.nn.Module) -> bool:

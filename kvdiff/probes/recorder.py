@@ -42,6 +42,7 @@ class _Target:
     shape: tuple[int, ...]
     size: int
     digest: bool = False          # a digest trace: the rows are digested (every row of every point)
+    keys: bool = False            # kept at the window's key positions too (k and v)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,10 @@ class TraceRecorder:
         self.digested = digested
         self._declared = digested or selection              # what must fire in every forward
         self._window = np.array(sorted(selection.positions or ()), dtype=np.int64)     # the positions kept, if not all
+        self._keys = np.array(sorted(selection.keys), dtype=np.int64)       # and those where k and v are kept too
+        self._key_only: set[int] = set()              # computed positions where only k and v were kept
+        self._keyed_for: Sequence[int] | None = None
+        self._keyed_cache: tuple[np.ndarray, np.ndarray | None] = (np.zeros(0, np.int64), None)
         self._digests = None if digested is None else DigestTaker(writer, digested.points, digested.layers)
         self._positions: list[int] | None = None
         self._reads_only = False
@@ -156,7 +161,8 @@ class TraceRecorder:
                   positions: str | Iterable[int] | None = None, spec: ProbeSpec | None = None,
                   compression: str | None = None, top_k: int = 5,
                   fingerprint: str | None = None, max_new_tokens: int | None = None,
-                  trace_mode: str = "full", window_final: bool | None = None) -> "TraceRecorder":
+                  trace_mode: str = "full", window_final: bool | None = None,
+                  key_positions: str | Iterable[int] | None = None) -> "TraceRecorder":
         """A recorder writing a trace of `model` (any path: reference, engine) to `path`.
 
         `input_ids` default to the conversation rendered with the chat template. Norm weights and
@@ -167,13 +173,14 @@ class TraceRecorder:
         `max_new_tokens`, if known, sizes a short trace's file to its rows (`TraceWriter`).
         `trace_mode` "digest": every row of the `capture` points of every layer is digested, and
         `layers` x `positions` is the zoom window of full rows (default: none), with the final
-        points when `window_final` (None: when the window holds the last layer).
+        points when `window_final` (None: when the window holds the last layer), and k and v of its
+        layers at `key_positions` too (the keys attention read at the window's rows).
         """
         dims = model_dims(model)
         digested = None
         if trace_mode == "digest":
             digested = Selection.parse(dims.num_layers, capture, None, None, dims.points())
-            selection = digested.window(layers, positions, window_final)
+            selection = digested.window(layers, positions, window_final, key_positions)
         else:
             selection = Selection.parse(dims.num_layers, capture, layers, positions, dims.points())
         ids = list(input_ids) if input_ids is not None else render_prompt_ids(tokenizer, messages)
@@ -223,6 +230,8 @@ class TraceRecorder:
             self._window_kept = bool(self._kept(positions)[0].size)
         kept = self._kept(positions)[0] if self._digests is None else np.asarray(positions, dtype=np.int64)
         (self._read_positions if reads_only else self._computed_positions).update(kept.tolist())
+        if self._keys.size and not reads_only:
+            self._key_only.update(self._at_keys(positions).tolist())
         self._fired = []
         self._logging = positions if self._repeats(positions, reads_only) else None
 
@@ -237,7 +246,7 @@ class TraceRecorder:
             return False
         kept, mask = self._kept(positions)
         if self._digests is not None:           # a digest trace's step outside its window: digests only
-            return kept.size == 0 and self._digests.keeps_by_reference
+            return kept.size == 0 and not self._at_keys(positions).size and self._digests.keeps_by_reference
         return mask is None or bool(mask[0])
 
     def graph_digests(self, positions: Sequence[int]) -> Selection | None:
@@ -247,7 +256,7 @@ class TraceRecorder:
         `take_digested`; None when the forward must be captured as it runs."""
         if self._digests is None or not self._digests.keeps_by_reference:
             return None
-        return None if self._kept(positions)[0].size else self.digested
+        return None if self._kept(positions)[0].size or self._at_keys(positions).size else self.digested
 
     def take_digested(self, fired: list[tuple[str, int | None]], hashes: torch.Tensor, stats: torch.Tensor) -> None:
         """A forward's captures, digested where they ran (`graph_digests`): `fired`, each
@@ -273,6 +282,19 @@ class TraceRecorder:
             return self._kept_cache
         self._kept_for, self._kept_cache = positions, self._kept_now(positions)
         return self._kept_cache
+
+    def _at_keys(self, positions: Sequence[int]) -> np.ndarray:
+        """The positions of `positions` that are the window's key positions (none outside a window)."""
+        return np.intersect1d(np.asarray(positions, dtype=np.int64), self._keys) if self._keys.size else self._keys
+
+    def _kept_with_keys(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
+        """`_kept` for k and v where the window keeps its keys: its positions and the key positions."""
+        if positions is self._keyed_for:
+            return self._keyed_cache
+        pos = np.asarray(positions, dtype=np.int64)
+        mask = np.isin(pos, self._window) | np.isin(pos, self._keys)
+        self._keyed_for, self._keyed_cache = positions, (pos[mask], mask)
+        return self._keyed_cache
 
     def _all_positions(self, positions: Sequence[int]) -> np.ndarray:
         """`positions` as int64, made once per forward (the paths hand every capture the same object)."""
@@ -302,7 +324,8 @@ class TraceRecorder:
             target = _Target(key, f"{point_group(layer)}/norm_stats/{point[6:]}" if full else None, (), 0)
         else:
             shape = self.dims.point_shape(point)
-            target = _Target(key, f"{point_group(layer)}/{point}" if full else None, shape, math.prod(shape), digest)
+            target = _Target(key, f"{point_group(layer)}/{point}" if full else None, shape, math.prod(shape), digest,
+                             full and self.selection.keeps_keys(name))
         self._targets[key] = target
         return target
 
@@ -333,7 +356,7 @@ class TraceRecorder:
             self._digests.take(point, layer, rows, self._all_positions(positions))
             if target.name is None:
                 return
-        pos, mask = self._kept(positions)
+        pos, mask = self._kept_with_keys(positions) if target.keys else self._kept(positions)
         if pos.size == 0:
             return
         if mask is not None:
@@ -422,7 +445,8 @@ class TraceRecorder:
             self.writer.commit()
             return
         kept = self._kept(self._positions)[0].size
-        one_position = len(self._positions) == 1 and kept == (1 if self._digests is None else 0)
+        one_position = len(self._positions) == 1 and kept == (1 if self._digests is None else 0) \
+            and not self._at_keys(self._positions).size
         self._positions = None
         if self._digests is not None:
             self._digests.end_forward()
@@ -524,11 +548,13 @@ class TraceRecorder:
                              f"whose positions are 0-{self._run_end - 1}: choose positions within them")
         records_kv = bool(self._declared.layers) and any(p in self._declared.points for p in READ_POINTS)
         kv_only = sorted(self._read_positions - self._computed_positions) if records_kv else []
+        keeps_keys = bool(self.selection.layers) and any(self.selection.keeps_keys(p) for p in READ_POINTS)
+        key_only = sorted(self._key_only) if keeps_keys else []
         self._write_steps()
         if self._digests is not None:
             self._digests.flush()
         return str(self.writer.close(generated_ids=list(generated_ids), text=text, chunks=list(chunks),
-                                     kv_only_positions=kv_only))
+                                     kv_only_positions=kv_only, key_only_positions=key_only))
 
     def abort(self) -> None:
         """Drop the trace (no file is left at its path)."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from kvdiff.errors import InputError
-from kvdiff.trace.points import ALL_POINTS, FINAL_POINTS, parse_points
+from kvdiff.trace.points import ALL_POINTS, FINAL_POINTS, READ_POINTS, parse_points
 from kvdiff.trace.ranges import format_ranges, out_of_range, parse_ranges
 
 
@@ -27,6 +27,8 @@ class Selection:
     points: tuple[str, ...]
     layers: tuple[int, ...]
     positions: frozenset[int] | None = None    # None: every position
+    # a zoom window's keys: positions (before its own) where k and v of its layers are kept too
+    keys: frozenset[int] = frozenset()
 
     @classmethod
     def parse(cls, num_layers: int, capture: str | Iterable[str] | None = None,
@@ -49,10 +51,12 @@ class Selection:
         return cls(points, tuple(chosen), pos)
 
     def window(self, layers: str | int | Iterable[int] | None = None,
-               positions: str | int | Iterable[int] | None = None, final: bool | None = None) -> "Selection":
+               positions: str | int | Iterable[int] | None = None, final: bool | None = None,
+               keys: str | int | Iterable[int] | None = None) -> "Selection":
         """The zoom window of a digest trace over this selection: full rows of its points at
         `layers` x `positions` (None: every one of them), and of its final points when `final`
-        (None: when the window holds its last layer); nothing when both are None."""
+        (None: when the window holds its last layer); nothing when both are None. `keys`: positions
+        where the window's layers keep their k and v rows too (the keys attention read at its rows)."""
         if layers is None and positions is None:
             return Selection((), (), frozenset())
         chosen = self.layers if layers is None else Selection.parse(max(self.layers, default=-1) + 1, self.points,
@@ -61,7 +65,12 @@ class Selection:
             final = bool(chosen) and bool(self.layers) and chosen[-1] == self.layers[-1]
         points = tuple(p for p in self.points if final or p not in FINAL_POINTS)
         pos = None if positions is None else frozenset(_as_ints(positions, "position"))
-        return Selection(points, tuple(i for i in chosen if i in self.layers), pos)
+        extra = frozenset() if keys is None or pos is None else frozenset(_as_ints(keys, "position")) - pos
+        return Selection(points, tuple(i for i in chosen if i in self.layers), pos, extra)
+
+    def keeps_keys(self, point: str) -> bool:
+        """Whether `point`'s rows are kept at the window's key positions as well."""
+        return bool(self.keys) and point in READ_POINTS and point in self.points
 
     def wants(self, point: str, layer: int | None) -> bool:
         if point not in self.points:

@@ -53,6 +53,8 @@ def describe_trace(tr: TraceReader) -> Group:
                    f"{format_ranges(tr.digest_positions if m.trace_mode == 'digest' else tr.positions)}"),
         *([("kv only", f"positions {format_ranges(m.kv_only_positions)}: K/V read from the cache, "
                        "only k and v recorded")] if m.kv_only_positions.size else []),
+        *([("key rows", f"positions {format_ranges(m.key_only_positions)}: only k and v kept in full, the keys "
+                        "attention read at the window's rows")] if m.key_only_positions.size else []),
         ("text", repr(m.text)),
         *_what_is_recorded(tr, datasets),
     ]

@@ -116,9 +116,9 @@ def compare(
         warm_chunked = chunked if warm_messages is None else split_conversation(tokenizer, warm_messages,
                                                                                 chunk_size=chunk_size)
 
-        def run_both(reference_path: Path, candidate_path: Path, mode: TraceMode, layers: str | None,
-                     positions: str | None) -> None:
-            """Record the reference, then a fresh engine (warmed up first if asked) as the candidate."""
+        def run_both(reference_path: Path, candidate_path: Path, mode: TraceMode, window: dict) -> None:
+            """Record the reference, then a fresh engine (warmed up first if asked) as the candidate;
+            `window`: the rows kept in full (`layers`, `positions`, `key_positions`)."""
             engine = Engine(loaded, tokenizer, strategy=strategy, numerics=numerics, chunk_size=chunk_size,
                             recompute_ratio=options.recompute_ratio, fingerprint=fingerprint)
             engine.check_fits(chunked, max_new_tokens)
@@ -126,16 +126,16 @@ def compare(
                 engine.check_fits(warm_chunked, 1, "warm-up ")
             step("recording the reference")
             record(loaded, tokenizer, chunked.messages, reference_path, max_new_tokens=max_new_tokens,
-                   capture=capture, layers=layers, positions=positions, strategy="reference", numerics=str(numerics),
-                   fingerprint=fingerprint, trace_mode=mode)
+                   capture=capture, strategy="reference", numerics=str(numerics), fingerprint=fingerprint,
+                   trace_mode=mode, **window)
             if warm:
                 step("filling the engine's cache (--warm)")
                 engine.generate([warm_chunked.messages], max_new_tokens=1)
             step(f"running the engine ({strategy}, {numerics})")
             recorder = TraceRecorder.for_model(loaded, tokenizer, chunked.messages, candidate_path,
                                                strategy=str(strategy), numerics=str(numerics), capture=capture,
-                                               layers=layers, positions=positions, fingerprint=fingerprint,
-                                               max_new_tokens=max_new_tokens, trace_mode=mode.value)
+                                               fingerprint=fingerprint, max_new_tokens=max_new_tokens,
+                                               trace_mode=mode.value, **window)
             try:
                 (output,) = engine.generate([chunked.messages], max_new_tokens=max_new_tokens, sinks={0: recorder})
             except BaseException:
@@ -149,7 +149,7 @@ def compare(
                                         for s in chunked.skipped]}
         skipped.update(blend_errors_section(loaded, tokenizer, chunked.messages, options, step, fingerprint))
         if options.trace_mode is TraceMode.FULL:
-            run_both(reference_path, candidate_path, TraceMode.FULL, options.layers, None)
+            run_both(reference_path, candidate_path, TraceMode.FULL, {"layers": options.layers})
             step("diffing")
             divergence = diff(reference_path, candidate_path, tokenizer=tokenizer)
             report = divergence.report(**skipped)
@@ -167,7 +167,7 @@ def _digest_then_zoom(run_both: Callable, out_dir: Path, options: RunOptions, nu
     first pass's when nothing differs; kept beside them as *.first.h5 when the runs disagree)."""
     first = out_dir / FIRST_PASS[0], out_dir / FIRST_PASS[1]
     final = out_dir / "reference.h5", out_dir / "candidate.h5"
-    run_both(*first, TraceMode.DIGEST, None, None)
+    run_both(*first, TraceMode.DIGEST, {})
     step("diffing the digests")
     divergence = diff(*first, tokenizer=tokenizer)
     sizes = {"first_pass": sum(p.stat().st_size for p in first)}
@@ -177,8 +177,8 @@ def _digest_then_zoom(run_both: Callable, out_dir: Path, options: RunOptions, nu
         for path, target in zip(first, final):
             path.replace(target)
     else:
-        step(f"zooming in: layers {window.layer_range}, positions {window.position_range} in full")
-        run_both(*final, TraceMode.DIGEST, window.layer_range, window.position_range)
+        step(f"zooming in: {window.described} in full")
+        run_both(*final, TraceMode.DIGEST, window.row_args())
         sizes["zoom"] = sum(p.stat().st_size for p in final)
         findings = checked_repeat(first, final)
         step("diffing")

@@ -151,7 +151,7 @@ def _zoom(target: Target, recorded: _Recorded, warm_messages: Messages, window: 
         (out_dir / name).replace(out_dir / kept)
     flip = first.first_token_divergence
     args = window.recorder_args(None if flip is None else flip.position)
-    step(f"zooming in: layers {args['layers']}, positions {args['positions']} in full")
+    step(f"zooming in: {window.described} in full")
     runs = _cold_cold_warm(target, recorded, warm_messages, step, ("cold", "warm"), args)
     findings = checked_repeat(tuple(out_dir / name for name in FIRST_PASS),
                               (out_dir / "cold.h5", out_dir / "warm.h5"), ("cold run", "warm run"))

@@ -44,7 +44,7 @@ def against_reference(out_dir: Path, record_reference: Recorder, record_cold: Re
             or zoom_window(against, num_layers, options.zoom_layers, options.zoom_positions)
     findings = []
     if window is not None:
-        step(f"engine vs reference: layers {window.layer_range}, positions {window.position_range} in full")
+        step(f"engine vs reference: {window.described} in full")
         flip = against.first_token_divergence
         args = window.recorder_args(None if flip is None else flip.position)
         reference.replace(out_dir / REFERENCE_FIRST)

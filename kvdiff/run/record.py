@@ -22,7 +22,8 @@ def record(model, tokenizer, messages: list[dict], path: str | os.PathLike, max_
            capture: str | Iterable[str] | None = None, layers: str | Iterable[int] | None = None,
            positions: str | Iterable[int] | None = None, spec: ProbeSpec | None = None,
            strategy: str = "reference", numerics: str = "fast", compression: str | None = None,
-           fingerprint: str | None = None, trace_mode: str = "full", window_final: bool | None = None) -> str:
+           fingerprint: str | None = None, trace_mode: str = "full", window_final: bool | None = None,
+           key_positions: str | Iterable[int] | None = None) -> str:
     """Generate greedily with probes on and write the trace to `path`; returns the path.
 
     The model may be the user's own (changed weights or modules): `spec` maps its module names
@@ -34,7 +35,8 @@ def record(model, tokenizer, messages: list[dict], path: str | os.PathLike, max_
     candidate is recorded with numerics="exact").
     `trace_mode`: "full" (rows of everything selected) or "digest" (a hash and statistics of
     every row; full rows only in the window `layers` x `positions`, none by default, with the
-    final points when `window_final`; None: when the window holds the last layer).
+    final points when `window_final`; None: when the window holds the last layer), and k and v of its
+    layers at `key_positions` too (the keys attention read at the window's rows).
     """
     messages = validate_messages(messages)
     mode = TraceMode.parse(trace_mode)
@@ -43,7 +45,7 @@ def record(model, tokenizer, messages: list[dict], path: str | os.PathLike, max_
                                        capture=capture, layers=layers, positions=positions, spec=spec,
                                        compression=compression, fingerprint=fingerprint,
                                        max_new_tokens=max_new_tokens, trace_mode=mode.value,
-                                       window_final=window_final)
+                                       window_final=window_final, key_positions=key_positions)
     try:
         with exact_numerics(model) if exact else nullcontext(), attach_probes(model, recorder, spec) as probes:
             out = reference_generate(model, tokenizer, messages, max_new_tokens, sink=probes)

@@ -7,8 +7,11 @@ differ at or after the first differing position, and the one before it (where th
 one; when that position is early (below ZOOM_FROM_START) the window starts at position 0
 instead, so that attention at its positions can be recomputed from keys that are all recorded
 (the missing_context proofs); where every position of it was read from a cache, it reaches the
-first position both sides computed. The zoom run records digests too: where they are not the first
-pass's, the engine did not repeat itself, a finding reported as `nondeterministic`.
+first position both sides computed. Where it starts later and the first difference is attention's
+output (z or attn_out), the window keeps k and v of its layers at every earlier position too (its
+`keys`, up to MAX_KEY_POSITIONS): attention read them, and its hypotheses are recomputed from them.
+The zoom run records digests too: where they are not the first pass's, the engine did not repeat
+itself, a finding reported as `nondeterministic`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from kvdiff.trace import open_trace
 ZOOM_LAYERS = 2
 ZOOM_POSITIONS = 64
 ZOOM_FROM_START = 256
+MAX_KEY_POSITIONS = 8192     # the most earlier positions whose keys a window keeps (k and v of its layers)
+ATTENTION_OUTPUTS = ("z", "attn_out")
 FIRST_PASS = ("reference.first.h5", "candidate.first.h5")    # kept beside the zoom traces when they disagree
 
 
@@ -37,6 +42,7 @@ class ZoomWindow:
 
     layers: tuple[int, int]
     positions: tuple[int, int]
+    keys: tuple[int, int] | None = None      # positions before the window whose k and v are kept too
 
     @property
     def layer_range(self) -> str:
@@ -47,7 +53,20 @@ class ZoomWindow:
         return f"{self.positions[0]}-{self.positions[1]}"
 
     def to_json(self) -> dict:
-        return {"layers": list(self.layers), "positions": list(self.positions)}
+        out = {"layers": list(self.layers), "positions": list(self.positions)}
+        return out if self.keys is None else {**out, "key_positions": list(self.keys)}
+
+    @property
+    def described(self) -> str:
+        """The window in words, for progress lines."""
+        keys = "" if self.keys is None else f" (k and v at {self.keys[0]}-{self.keys[1]} too)"
+        return f"layers {self.layer_range}, positions {self.position_range}{keys}"
+
+    def row_args(self) -> dict:
+        """`TraceRecorder.for_model`'s arguments for this window's rows (`layers`, `positions`,
+        `key_positions`)."""
+        keys = None if self.keys is None else f"{self.keys[0]}-{self.keys[1]}"
+        return dict(layers=self.layer_range, positions=self.position_range, key_positions=keys)
 
     def holds(self, cell: Location) -> bool:
         """Whether the cell is inside the window (a final point's layer: any)."""
@@ -57,10 +76,10 @@ class ZoomWindow:
     def recorder_args(self, flip_position: int | None) -> dict:
         """`TraceRecorder.for_model`'s window arguments: this window, with the final points, and
         the logits at the first token flip (`flip_position`) where it lies outside."""
-        positions = self.position_range
+        args = self.row_args()
         if flip_position is not None and not self.positions[0] <= flip_position <= self.positions[1]:
-            positions += f",{flip_position}"
-        return dict(layers=self.layer_range, positions=positions, window_final=True)
+            args["positions"] += f",{flip_position}"
+        return {**args, "window_final": True}
 
 
 def zoom_window(first_pass: Divergence, num_layers: int, layers: int = ZOOM_LAYERS,
@@ -70,16 +89,20 @@ def zoom_window(first_pass: Divergence, num_layers: int, layers: int = ZOOM_LAYE
     two runs whose bits differ everywhere (an engine against the reference); so too where the first
     differing bits are not proved beyond tolerance and the first row that is lies outside their
     window (noise or an unsized difference at layer 0, the divergence at layer 20: the window then
-    holds the divergence, which the diagnoses explain)."""
+    holds the divergence, which the diagnoses explain); where it lies inside their window, that
+    window reaches `positions` positions past it too (the rows the diagnoses test)."""
     bits, breach = first_pass.first_bit_difference, first_pass.first_divergence
     if bits is None:
         return None
     if beyond_tolerance:
         return None if breach is None else _around(first_pass, breach, breaches_tolerance, num_layers, layers, positions)
     window = _around(first_pass, bits, bits_differ, num_layers, layers, positions)
-    if breach is not None and bits.tier != Tier.DIVERGENT.label and not window.holds(breach):
+    if breach is None or bits.tier == Tier.DIVERGENT.label:
+        return window
+    if not window.holds(breach):
         return _around(first_pass, breach, breaches_tolerance, num_layers, layers, positions)
-    return window
+    end = min(breach.position + positions - 1, int(first_pass.comparison.alignment.positions.max()))
+    return replace(window, positions=(window.positions[0], max(window.positions[1], end)))
 
 
 def _around(first_pass: Divergence, first: Location, cells, num_layers: int, layers: int,
@@ -99,8 +122,9 @@ def _around(first_pass: Divergence, first: Location, cells, num_layers: int, lay
     differing = [layer for pmap in cmp.points.values() for row, layer in enumerate(pmap.layers)
                  if (cells(pmap)[row] & in_window).any()]
     low = min(differing, default=num_layers - 1)
+    keys = (0, start - 1) if 0 < start <= MAX_KEY_POSITIONS and first.tensor in ATTENTION_OUTPUTS else None
     # and the layer before, where the rows still agree: the cached-context proofs read K/V there
-    return ZoomWindow((max(low - 1, 0), min(low + layers - 1, num_layers - 1)), (start, end))
+    return ZoomWindow((max(low - 1, 0), min(low + layers - 1, num_layers - 1)), (start, end), keys)
 
 
 def repeat_findings(first_pass: tuple[Path, ...], zoom: tuple[Path, ...],

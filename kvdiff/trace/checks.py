@@ -24,7 +24,8 @@ from kvdiff.errors import TraceError
 from kvdiff.trace.points import (FINAL_NORMS, FINAL_POINTS, KNOWN_LAYER_POINTS, KNOWN_POINTS, LAYER_NORMS,
                                   NORM_STATS)
 from kvdiff.trace.format import (
-    DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FINAL_GROUP, KV_ONLY_SCHEMA_VERSION, ChunkRecord, ModelDims, TraceMeta,
+    DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FINAL_GROUP, KEY_ROWS_SCHEMA_VERSION, KV_ONLY_SCHEMA_VERSION, ChunkRecord,
+    ModelDims, TraceMeta,
 )
 
 _REQUIRED = object()
@@ -385,6 +386,19 @@ def _read_expert_groups(path: Path, f: h5py.File, dims: dict) -> None:
     dims.update(expert_groups=groups, groups_chosen=chosen)
 
 
+def _read_windows(path: Path, f: h5py.File, num_layers: int) -> tuple[int, ...]:
+    """layer_windows: absent (no layer has a sliding window), or one window per layer, 0 for a
+    layer attending every earlier position."""
+    if "layer_windows" not in f.attrs:
+        return ()
+    windows = np.asarray(f.attrs["layer_windows"])
+    if windows.shape != (num_layers,) or windows.dtype.kind not in "iu" or (windows < 0).any() \
+            or (windows > MAX_TOKENS).any():
+        raise malformed(path, f"layer_windows must hold one window per layer ({num_layers} integers, 0 for a global "
+                              f"layer), each at most {MAX_TOKENS}")
+    return tuple(int(w) for w in windows)
+
+
 def read_meta(path: Path, f: h5py.File) -> TraceMeta:
     """The root attributes and the id datasets, each checked for its type and range."""
     attr = lambda name: read_attr(path, f, name)
@@ -402,6 +416,7 @@ def read_meta(path: Path, f: h5py.File) -> TraceMeta:
     if dims["experts_per_token"] > dims["num_experts"]:
         raise malformed(path, f"experts_per_token {dims['experts_per_token']} exceeds num_experts {dims['num_experts']}")
     _read_expert_groups(path, f, dims)
+    dims["layer_windows"] = _read_windows(path, f, dims["num_layers"])
     texts = {name: as_text(path, name, attr(name)) for name in TraceMeta.SCALARS}
     schema = as_int(path, "schema_version", attr("schema_version"), low=1)
     input_ids = read_ints(path, f, "input_ids", dims["vocab_size"])
@@ -419,7 +434,8 @@ def read_meta(path: Path, f: h5py.File) -> TraceMeta:
         generated_ids=read_ints(path, f, "generated_ids", dims["vocab_size"]),
         points=points,
         layers=parse_layers(path, attr("layers"), dims["num_layers"]),
-        schema_version=schema, kv_only_positions=_read_kv_only(path, f, schema), **_digest_meta(path, f, schema, dims))
+        schema_version=schema, kv_only_positions=_read_kv_only(path, f, schema),
+        key_only_positions=_read_key_only(path, f, schema), **_digest_meta(path, f, schema, dims))
 
 
 def _digest_meta(path: Path, f: h5py.File, schema: int, dims: dict) -> dict:
@@ -427,7 +443,7 @@ def _digest_meta(path: Path, f: h5py.File, schema: int, dims: dict) -> dict:
     mode = read_attr(path, f, "trace_mode", "full")
     if mode not in ("full", "digest") or (mode == "digest") != (schema >= DIGEST_SCHEMA_VERSION):
         raise malformed(path, f"trace_mode {mode!r} with schema {schema}: digest traces are of schema "
-                              f"{DIGEST_SCHEMA_VERSION}, full ones of 1 or 2")
+                              f"{DIGEST_SCHEMA_VERSION} or {KEY_ROWS_SCHEMA_VERSION}, full ones of 1 or 2")
     if mode == "full":
         return {}
     return {"trace_mode": mode, "digest_points": parse_points(path, read_attr(path, f, "digest_points")),
@@ -435,18 +451,31 @@ def _digest_meta(path: Path, f: h5py.File, schema: int, dims: dict) -> dict:
 
 
 def _read_kv_only(path: Path, f: h5py.File, schema: int) -> np.ndarray:
-    """/kv_only_positions: present exactly in a trace of schema 2, strictly increasing."""
-    if "kv_only_positions" not in f:
-        if schema == KV_ONLY_SCHEMA_VERSION:
-            raise malformed(path, f"a trace of schema {schema} must hold kv_only_positions")
+    """/kv_only_positions: present in a trace of schema 2, allowed from it on."""
+    return _read_listed(path, f, "kv_only_positions", schema == KV_ONLY_SCHEMA_VERSION,
+                        schema >= KV_ONLY_SCHEMA_VERSION, KV_ONLY_SCHEMA_VERSION)
+
+
+def _read_key_only(path: Path, f: h5py.File, schema: int) -> np.ndarray:
+    """/key_only_positions: present exactly in a trace of schema 4."""
+    return _read_listed(path, f, "key_only_positions", schema == KEY_ROWS_SCHEMA_VERSION,
+                        schema == KEY_ROWS_SCHEMA_VERSION, KEY_ROWS_SCHEMA_VERSION)
+
+
+def _read_listed(path: Path, f: h5py.File, name: str, required: bool, allowed: bool, schema: int) -> np.ndarray:
+    """A strictly increasing list of positions, required or allowed by the trace's schema (`schema`:
+    the one that introduced it), else empty."""
+    if name not in f:
+        if required:
+            raise malformed(path, f"a trace of schema {schema} must hold {name}")
         return np.zeros(0, dtype=np.int64)
-    if schema < KV_ONLY_SCHEMA_VERSION:
-        raise malformed(path, f"kv_only_positions needs schema {KV_ONLY_SCHEMA_VERSION}, not {schema}: "
-                              "a reader of that schema would take its missing rows for data")
-    kv_only = read_ints(path, f, "kv_only_positions")
-    if kv_only.size > 1 and not bool(np.all(kv_only[1:] > kv_only[:-1])):
-        raise malformed(path, "kv_only_positions must be strictly increasing")
-    return kv_only
+    if not allowed:
+        raise malformed(path, f"{name} needs schema {schema}, not {int(f.attrs['schema_version'])}: a reader of that "
+                              "schema would take its missing rows for data")
+    listed = read_ints(path, f, name)
+    if listed.size > 1 and not bool(np.all(listed[1:] > listed[:-1])):
+        raise malformed(path, f"{name} must be strictly increasing")
+    return listed
 
 
 def check_layout(path: Path, f: h5py.File, meta: TraceMeta, positions: np.ndarray) -> None:
@@ -467,6 +496,9 @@ def check_layout(path: Path, f: h5py.File, meta: TraceMeta, positions: np.ndarra
                          f"(--layers, --capture)")
     if meta.trace_mode == "full" and np.setdiff1d(meta.kv_only_positions, positions).size:
         raise malformed(path, "kv_only_positions holds positions that /positions does not")
+    if np.setdiff1d(meta.key_only_positions, positions).size or np.intersect1d(meta.key_only_positions,
+                                                                               meta.kv_only_positions).size:
+        raise malformed(path, "key_only_positions holds positions that /positions does not, or K/V-only ones")
     layers = meta.layers
     dims = meta.dims
     layer_points = tuple(p for p in meta.points if p in KNOWN_LAYER_POINTS)

@@ -26,8 +26,8 @@ from kvdiff.trace.ranges import format_ranges
 from kvdiff.trace.sink import ProbeIntegrityError
 from kvdiff.trace.column import LatchingFile, TraceColumn
 from kvdiff.trace.format import (
-    DIGEST_GROUP, DIGEST_LAYOUT, DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FORMAT_NAME, KV_ONLY_SCHEMA_VERSION, SCHEMA_VERSION,
-    TraceMeta,
+    DIGEST_GROUP, DIGEST_LAYOUT, DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FORMAT_NAME, KEY_ROWS_SCHEMA_VERSION,
+    KV_ONLY_SCHEMA_VERSION, SCHEMA_VERSION, TraceMeta,
 )
 
 _CHUNK_BYTES = 1 << 20            # target HDF5 chunk size
@@ -187,9 +187,9 @@ class TraceFile:
         return np.flatnonzero(union).astype(np.int64)
 
     @staticmethod
-    def _check_complete(columns: Mapping[str, TraceColumn], positions: np.ndarray, kv_only: np.ndarray) -> None:
-        """Every column holds every recorded position; but for k and v, none of `kv_only`."""
-        computed = np.setdiff1d(positions, kv_only, assume_unique=True)
+    def _check_complete(columns: Mapping[str, TraceColumn], positions: np.ndarray, partial: np.ndarray) -> None:
+        """Every column holds every recorded position; only k and v the `partial` ones (K/V-, key-only)."""
+        computed = np.setdiff1d(positions, partial, assume_unique=True)
         for name, col in columns.items():
             digest = name.startswith(DIGEST_GROUP + "/")
             parts = name.removeprefix(DIGEST_GROUP + "/").split("/")
@@ -203,8 +203,8 @@ class TraceFile:
                     raise ProbeIntegrityError(
                         f"{name} holds no rows for positions {format_ranges(missing)}: the probe did not fire there")
                 extra = np.setdiff1d(held, wanted)
-                raise ProbeIntegrityError(f"{name} holds rows for positions {format_ranges(extra)}, whose K/V "
-                                          "were read from the cache: only k and v are recorded there")
+                raise ProbeIntegrityError(f"{name} holds rows for positions {format_ranges(extra)}, where only k "
+                                          "and v are recorded (K/V read from the cache, or a window's keys)")
 
     def _write_tables(self, positions: np.ndarray, steps: list[Steps], provenance: list[Source]) -> None:
         f = self._file
@@ -244,8 +244,12 @@ class TraceFile:
         unrecorded = np.setdiff1d(kv_only, np.union1d(positions, digested), assume_unique=True)
         if unrecorded.size:
             raise ProbeIntegrityError(f"K/V-only positions {format_ranges(unrecorded)} hold no k or v rows")
+        key_only = np.setdiff1d(np.asarray(meta.key_only_positions, dtype=np.int64), kv_only)
+        if np.setdiff1d(key_only, positions, assume_unique=True).size:
+            raise ProbeIntegrityError(f"key-only positions {format_ranges(key_only)} hold no k or v rows")
         # so every dataset's extent ends at the last position
-        self._check_complete(row_columns, positions, np.intersect1d(kv_only, positions, assume_unique=True))
+        partial = np.union1d(np.intersect1d(kv_only, positions, assume_unique=True), key_only)
+        self._check_complete(row_columns, positions, partial)
         self._check_complete(digest_columns, digested, kv_only)
         self._write_tables(positions, steps, provenance)
         closing = _attributes_after_run(meta)
@@ -253,6 +257,9 @@ class TraceFile:
             write_array(self._file, "kv_only_positions", kv_only)
             if meta.trace_mode != "digest":
                 closing["schema_version"] = KV_ONLY_SCHEMA_VERSION
+        if key_only.size:
+            write_array(self._file, "key_only_positions", key_only)
+            closing["schema_version"] = KEY_ROWS_SCHEMA_VERSION
         if meta.trace_mode == "digest":
             write_array(self._file[DIGEST_GROUP], "positions", digested)
         set_attributes(self._file, {**closing, "complete": True})
@@ -276,6 +283,9 @@ def _attributes_before_run(meta: TraceMeta) -> dict:
     """The root's attributes known before the run: the model, dims, messages and what is recorded."""
     attrs = {name: stored_text(getattr(meta, name)) for name in TraceMeta.SCALARS if name not in TraceMeta.SET_BY_RUN}
     attrs.update(asdict(meta.dims))
+    windows = attrs.pop("layer_windows")
+    if windows:
+        attrs["layer_windows"] = np.asarray(windows, dtype=np.int64)
     attrs.update(messages_json=json.dumps(meta.messages), points=json.dumps(list(meta.points)),
                  layers=np.asarray(meta.layers, dtype=np.int64))
     if meta.trace_mode == "digest":

@@ -12,6 +12,7 @@ Layout (docs/trace-format.md is the full description):
     /provenance/<field>                      one row per position with known provenance
     /kv_only_positions                       positions holding k and v rows only (schema 2)
     /digests/positions                       digest traces (schema 3): positions holding digests
+    /key_only_positions                      digest traces with key rows (schema 4): k and v rows only
     /digests/{layers/<i>|final}/hash|stats   per position, each point's hash, rms and max_abs (trace/digest.py)
 """
 
@@ -30,6 +31,7 @@ FORMAT_NAME = "kvdiff-trace"
 SCHEMA_VERSION = 1            # every recorded position holds a row of every recorded point
 KV_ONLY_SCHEMA_VERSION = 2    # some positions hold k and v only (read from a cache): a reader of 1 would misread them
 DIGEST_SCHEMA_VERSION = 3     # digests of every row, full rows only in a window: a reader of 2 would see a partial trace
+KEY_ROWS_SCHEMA_VERSION = 4   # a digest trace whose window's keys before it hold k and v only: a reader of 3 would misread them
 DTYPE_ATTR = "kvdiff_dtype"          # the torch dtype a dataset's rows had when captured
 FINAL_GROUP = "final"
 DIGEST_GROUP = "digests"
@@ -74,6 +76,14 @@ class ModelDims:
     sinks: int = 0                  # 1: every layer's attention has per-head sink logits (gpt-oss), else 0
     expert_groups: int = 0          # DeepSeek's routing: experts in this many groups, chosen by sigmoid score +
     groups_chosen: int = 0          # bias within the best `groups_chosen` (0: the top k of the logits)
+    # each layer's sliding window (0: the layer attends every earlier position); () where no layer has one
+    layer_windows: tuple[int, ...] = ()
+
+    def window_of(self, layer: int | None) -> int | None:
+        """The sliding window of `layer`'s attention (the keys a row sees, its own included), or None."""
+        if layer is None or not self.layer_windows:
+            return None
+        return self.layer_windows[layer] or None
 
     def points(self) -> tuple[str, ...]:
         """The probe points a model of these dims has: the router's only with experts, the post-norms
@@ -148,6 +158,9 @@ class TraceMeta:
     # Positions whose K/V the run read from its cache without computing them: only k and v have
     # rows there (no other point, norm statistics or final point).
     kv_only_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # A digest trace's positions before its zoom window where the run computed every point but kept
+    # only k and v (the keys attention read at the window's rows): computed, not read from a cache.
+    key_only_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # "full": rows of `points` x `layers` at every recorded position. "digest": a digest
     # (trace/digest.py) of every row of `digest_points` x `digest_layers`, and full rows only
     # for `points` x `layers` at the positions of a zoom window (none in a first pass).

@@ -17,7 +17,7 @@ import numpy as np
 from kvdiff.errors import TraceError
 from kvdiff.trace.checks import as_int, check_layout, check_self_contained, read_attr, read_meta, read_positions
 from kvdiff.trace.format import (
-    DIGEST_SCHEMA_VERSION, DTYPE_ATTR, FORMAT_NAME, ProvenanceRecords, StepRecords, digest_path, digest_table_of,
+    DTYPE_ATTR, FORMAT_NAME, KEY_ROWS_SCHEMA_VERSION, ProvenanceRecords, StepRecords, digest_path, digest_table_of,
     digest_tables, from_storage, latent_weight_path, norm_weight_path, point_group, router_bias_path,
 )
 from kvdiff.trace.digest_checks import check_digests
@@ -59,9 +59,9 @@ def _validate(path: Path, f: h5py.File) -> None:
     if not isinstance(name, str) or name != FORMAT_NAME:
         raise TraceError(f"{path} is an HDF5 file but not a kvdiff trace (no format={FORMAT_NAME!r})")
     version = as_int(path, "schema_version", read_attr(path, f, "schema_version"), low=1, high=2 ** 64)
-    if version > DIGEST_SCHEMA_VERSION:
+    if version > KEY_ROWS_SCHEMA_VERSION:
         raise TraceError(f"trace {path} has schema {version}, newer than this kvdiff reads "
-                         f"(1 to {DIGEST_SCHEMA_VERSION}): upgrade kvdiff")
+                         f"(1 to {KEY_ROWS_SCHEMA_VERSION}): upgrade kvdiff")
     complete = read_attr(path, f, "complete", False)
     if not (isinstance(complete, np.bool_) and complete):
         raise TraceError(f"trace {path} is incomplete: its writer did not finish (killed or failed); record it again")

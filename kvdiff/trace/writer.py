@@ -341,11 +341,14 @@ class TraceWriter:
         self._raise_if_failed()
 
     def close(self, generated_ids: Sequence[int] | None = None, text: str | None = None,
-              chunks: Sequence[ChunkRecord] | None = None, kv_only_positions: Sequence[int] | None = None) -> Path:
+              chunks: Sequence[ChunkRecord] | None = None, kv_only_positions: Sequence[int] | None = None,
+              key_only_positions: Sequence[int] | None = None) -> Path:
         """Finish the trace (optionally setting the generation's outcome) and rename it into place.
 
         `kv_only_positions`: positions whose K/V the run read from its cache without computing
         them; only the `k` and `v` datasets hold rows there (docs/trace-format.md).
+        `key_only_positions`: a digest trace's positions before its window where the run kept only
+        the k and v rows it computed (the keys attention read at the window's rows).
         """
         if generated_ids is not None:
             self.meta.generated_ids = np.asarray(generated_ids, dtype=np.int64)
@@ -355,6 +358,8 @@ class TraceWriter:
             self.meta.chunks = list(chunks)
         if kv_only_positions is not None:
             self.meta.kv_only_positions = np.unique(np.asarray(kv_only_positions, dtype=np.int64))
+        if key_only_positions is not None:
+            self.meta.key_only_positions = np.unique(np.asarray(key_only_positions, dtype=np.int64))
         if not self._open:
             raise TraceError(f"trace {self.path} is already closed or aborted")
         try:
