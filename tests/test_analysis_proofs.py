@@ -46,6 +46,7 @@ class AttentionFaults(Faults):
     next_key: bool = False
     window: tuple[int, int] | None = None         # (first query, w): from it on, a sliding window of w keys
     moved_block: tuple[int, int, int, int] | None = None   # (first query, B, dst, src): block dst read as block src
+    stored: dict[int, str] = field(default_factory=dict)   # layer -> K/V stored otherwise from USER on (as read)
 
 
 class AttentionModel(SyntheticModel):
@@ -70,13 +71,19 @@ class AttentionModel(SyntheticModel):
         scale = self.attn_scale * (faults.scale if isinstance(faults, AttentionFaults) else 1.0)
         out: dict = {"layers": [], "norms": []}
         x = self.embed[torch.tensor(ids)]
-        for L in self.weights:
+        for i, L in enumerate(self.weights):
             c = {"resid_pre": x}
             h = c["attn_norm"] = rms_norm(x, L["n1"], self.eps)
             q = rope((h @ L["wq"].T).view(T, H, d), enc, self.base)
             k0 = (h @ L["wk"].T).view(T, KV, d)[src]
             v = (h @ L["wv"].T).view(T, KV, d)[src]
             k = rope(k0, enc, self.base)
+            how, u = faults.stored.get(i) if isinstance(faults, AttentionFaults) else None, USER[0]
+            if how == "kv swapped":          # K and V written to the cache in each other's place
+                k, v = torch.cat([k[:u], v[u:]]), torch.cat([v[:u], k[u:]])
+            elif how in ("k head 1 holds 0", "v head 1 holds 0"):  # KV head 0's row in head 1's place too
+                k, v = k.clone(), v.clone()
+                (k if how[0] == "k" else v)[u:, 1] = (k if how[0] == "k" else v)[u:, 0]
             c.update(q=q, k_pre_rope=k0, k=k, v=v)
             kk, vv = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
             scores = torch.einsum("thd,shd->hts", q, kk) * scale
@@ -120,6 +127,9 @@ def traces(tmp_path_factory, model):
         "next": (model, AttentionFaults(next_key=True), CHUNKS),
         "window": (model, AttentionFaults(window=(16, 11)), CHUNKS),       # 11: none of the windows tried first
         "block": (model, AttentionFaults(moved_block=(28, 16, 0, 1)), CHUNKS),  # decode steps read 16-31 at 0-15
+        "stored swapped": (model, AttentionFaults(stored={1: "kv swapped"}), CHUNKS),
+        "stored head": (model, AttentionFaults(stored={2: "k head 1 holds 0"}), CHUNKS),
+        "stored v head": (model, AttentionFaults(stored={2: "v head 1 holds 0"}), CHUNKS),
         "offset": (model, Faults(encoded={p: p + 5 for p in USER}), CHUNKS),
         "local": (model, Faults(encoded={p: p - 16 for p in USER}, context_start={p: 16 for p in USER}), CHUNKS),
         "scaling": (model, Faults(encoded={p: p / 2 for p in range(64)}), CHUNKS),
@@ -207,6 +217,26 @@ def test_rows_whose_keys_were_not_all_recorded_do_not_stop_the_attention_test(tr
     found = kvdiff.diff(*paths).to_json()["diagnoses"]
     am = [d for d in found if d["kind"] == "attention_mismatch"]
     assert am and am[0]["explanation"] == "next key", am    # the window's last row does not see its next key
+
+
+@pytest.mark.parametrize("name, layer, kind, account, words", [
+    ("stored swapped", 1, "cache_content_mismatch", {"swapped_kv": True}, "computed from inputs that match the reference's"),
+    ("stored head", 2, "cache_content_mismatch", {"head_map": [0, 0], "points": ["k"]}, "computed from inputs that match the reference's"),
+    ("stored v head", 2, "operation_mismatch", {"head_map": [0, 0], "operation": "v projection"},
+     "head 1 holds head 0's rows"),
+])
+def test_kv_rows_a_computed_row_stored_otherwise_past_the_first_layer_are_named(traces, name, layer, kind, account,
+                                                                                words):
+    """Red-team round 6, t15, t34 and t14: at rows the candidate computed past the first layer, with
+    attention's inputs matching (attn_norm, q, k_pre_rope), k and v as attention read them hold the
+    reference's v and k, or one KV head's row in another's place. Before, "RoPE on k" was the first
+    operation and nothing claimed it (a norm verdict led the report), and a v projection whose heads
+    were moved "differed"."""
+    report = kvdiff.diff(traces["reference"], traces[name]).to_json()
+    top = report["diagnoses"][report["top_diagnosis"]]
+    assert (top["kind"], top["layer"], top["positions"][0]) == (kind, layer, USER[0]), top
+    assert {key: top.get(key) for key in account} == account
+    assert words in top["evidence"] and top["confidence"] == 1.0 and top.get("read_by_attention") is not False
 
 
 def test_a_chunk_encoded_at_an_offset_is_a_position_mismatch_and_its_context_was_attended(traces):

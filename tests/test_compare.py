@@ -241,6 +241,12 @@ def test_the_zoom_window_holds_a_divergence_after_noise_not_the_noise():
     # red-team round 6, t01: the breach inside the noise's window, near its end: the window reaches
     # 64 positions past it (its rows are what the diagnoses test), not only to the noise's 64th
     assert zoom_window(first_pass(Tier.NOISE, 1, length=200), 30).positions == (0, 125)
+    # red-team round 6, t06: a final point's breach (the final norm at a decode row) needs the last
+    # layer, whose resid_post is the final norm's input: the window moves there
+    final = first_pass(Tier.NOISE, 1)
+    final.comparison.points["v"].tier[1] = Tier.BITWISE         # no layer breaches: the final norm does
+    final.first_divergence = Location(None, 30, "final_norm", None, Tier.DIVERGENT.label, 0.0, 0.0, None)
+    assert zoom_window(final, 30).layers == (28, 29)
     assert zoom_window(first_pass(Tier.DIFFERENT, 20), 30).layers == (19, 21)
     assert zoom_window(first_pass(Tier.DIFFERENT, 1), 30).layers == (0, 1)
 

@@ -10,7 +10,10 @@ another arrangement, exactly, the cache's heads are arranged otherwise (`head_ma
 reference's v and v its k, they were stored in each other's place; where one of k and v differs
 while the other matches (other hidden states move both), or each differing one is the reference's
 in a narrower format, another element order or scaled per head, the cache stored it otherwise.
-`explains` tells diagnose_cached_context which rows are claimed here.
+`explains` tells diagnose_cached_context which rows are claimed here. At rows the candidate
+computed past the first layer, where attention's inputs there match the reference's (attn_norm,
+q, k_pre_rope) and k as attention read it does not, the same accounts are claimed when one of them
+holds exactly (not one of k and v differing alone: a projection differing moves one too).
 """
 
 from __future__ import annotations
@@ -51,13 +54,35 @@ def _first_bad_layer(inputs: DiagnosisInputs, points: list[str], cached: np.ndar
 def diagnose_cache_layers(inputs: DiagnosisInputs) -> list[Diagnosis]:
     al = inputs.comparison.alignment
     points = _kv_points(inputs)
+    if not points or len(inputs.comparison.layers) < 2:
+        return []
     cached = al.kv_only & al.comparable
-    if not points or not cached.any() or len(inputs.comparison.layers) < 2:
+    found = _first_bad_layer(inputs, points, cached) if cached.any() else None
+    return (_claims(inputs, points, *found) if found is not None else []) + _computed_otherwise(inputs, points)
+
+
+_CACHED = "whose K/V came from the cache"
+_COMPUTED = "whose K/V the candidate computed from inputs that match the reference's (attn_norm, q, k_pre_rope)"
+
+
+def _computed_otherwise(inputs: DiagnosisInputs, points: list[str]) -> list[Diagnosis]:
+    """At the first layer past the first where k, as attention read it, diverges at computed rows whose
+    inputs there match (attn_norm, q, k_pre_rope: RoPE's rules own q and k departing together), the
+    accounts that hold exactly (another layer's rows, heads arranged otherwise, K and V swapped, rows
+    of other positions, a narrower storage); nothing where none does."""
+    al = inputs.comparison.alignment
+    if "k" not in points:
         return []
-    found = _first_bad_layer(inputs, points, cached)
-    if found is None:
-        return []
-    return _claims(inputs, points, *found)
+    for row in range(1, len(inputs.comparison.layers)):
+        cols = al.computed & al.comparable
+        for point in ("attn_norm", "q", "k_pre_rope"):
+            ok = inputs.ok(point, row)
+            cols &= True if ok is None else ok
+        bad = inputs.divergent("k", row)
+        cols = np.flatnonzero(cols & (False if bad is None else bad))
+        if cols.size:
+            return _claims(inputs, points, row, cols, _COMPUTED)
+    return []
 
 
 def explains(inputs: DiagnosisInputs, row: int, cols: np.ndarray) -> bool:
@@ -66,11 +91,14 @@ def explains(inputs: DiagnosisInputs, row: int, cols: np.ndarray) -> bool:
     return bool(points) and bool(_claims(inputs, points, row, cols))
 
 
-def _claims(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarray) -> list[Diagnosis]:
+def _claims(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarray,
+            whose: str = _CACHED) -> list[Diagnosis]:
+    """The accounts of the K/V rows at `cols` of layer row `row` (`whose`: read from the cache, or computed)."""
     layer, before = inputs.comparison.layers[row], inputs.comparison.layers[row - 1]
     source = source_layer(inputs, points, row, cols)
     if source is None:
-        return _other_heads(inputs, points, row, cols, before) or _stored_otherwise(inputs, points, row, cols)
+        return _other_heads(inputs, points, row, cols, before, whose) or \
+            _stored_otherwise(inputs, points, row, cols, whose)
     al = inputs.comparison.alignment
     out = []
     for chunk, group in group_by_chunk(inputs, al.positions[cols]):
@@ -80,8 +108,8 @@ def _claims(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarr
         for point in points:
             max_abs, rel = inputs.worst(point, row, gcols)
             parts.append(f"{point} differs (max_abs {fmt(max_abs)}, rel {fmt(rel)})")
-        evidence = (f"layer {layer}, positions {span_text(lo, hi)} whose K/V came from the cache: {' and '.join(parts)} "
-                    f"while at layer {before} they match; the candidate's {' and '.join(points)} rows there equal the "
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)} {whose}: {' and '.join(parts)}"
+                    f"{_before(whose, before)}; the candidate's {' and '.join(points)} rows there equal the "
                     f"reference's of layer {source} at the same positions exactly: the cache's layer {layer} holds "
                     f"layer {source}'s K/V (a layer index off where the cache was written or read)")
         proof = (f"{' and '.join(points)} at layer {layer} equal the reference's at layer {source} at all {gcols.size} "
@@ -93,8 +121,12 @@ def _claims(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarr
     return out
 
 
+def _before(whose: str, before: int) -> str:
+    return f" while at layer {before} they match" if whose == _CACHED else ""
+
+
 def _other_heads(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarray,
-                 before: int) -> list[Diagnosis]:
+                 before: int, whose: str) -> list[Diagnosis]:
     """Cached K/V whose KV heads are the reference's heads of the same layer in another arrangement
     (`head_map`: one head's rows in another's place, or duplicated), exactly, at every differing
     row; nothing where they are not."""
@@ -116,8 +148,8 @@ def _other_heads(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.
         gcols = cols[np.isin(al.positions[cols], group)]
         lo, hi = int(group[0]), int(group[-1])
         held = ", ".join(f"head {i} holds head {mapped[i]}'s" for i in moved)
-        evidence = (f"layer {layer}, positions {span_text(lo, hi)} whose K/V came from the cache: "
-                    f"{' and '.join(maps)} differ while at layer {before} they match; each of their KV heads equals one of "
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)} {whose}: "
+                    f"{' and '.join(maps)} differ{_before(whose, before)}; each of their KV heads equals one of "
                     f"the reference's heads of this layer exactly, but not its own ({held} rows): the cache's KV heads "
                     f"at layer {layer} are arranged otherwise (a head index off where the cache was written or read)")
         proof = (f"{' and '.join(maps)} at layer {layer}: each candidate head i equals the reference's head "
@@ -129,7 +161,8 @@ def _other_heads(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.
     return out
 
 
-def _stored_otherwise(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarray) -> list[Diagnosis]:
+def _stored_otherwise(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarray,
+                      whose: str) -> list[Diagnosis]:
     """Cached rows whose K/V at this layer differ in a way other hidden states do not give: K and V in
     each other's place, one of k and v differing while the other matches (a hidden state moves both),
     or every differing one the reference's in a narrower format, another element order or scaled per
@@ -165,18 +198,20 @@ def _stored_otherwise(inputs: DiagnosisInputs, points: list[str], row: int, cols
                              f"(encoded at {turn['encoded_positions'][0]}..{turn['encoded_positions'][1]}, exact "
                              f"rotations){times}")
         both = moved is not None or "swapped_kv" in details        # one account of k and v together
-        if len(found) < len(differ) and len(differ) > 1 and not both:
+        if len(found) < len(differ) and len(differ) > 1 and not both or not found and whose != _CACHED:
             continue
-        if len(differ) == 1 and not found:
+        if len(differ) == 1 and not found and whose == _CACHED:
             other = next(p for p in points if p != differ[0])
             found.append(f"its {differ[0]} rows differ while its {other} rows match: other hidden states would move "
                          f"both, so the {differ[0]} rows were stored or transformed otherwise")
         lo, hi = int(group[0]), int(group[-1])
-        evidence = (f"layer {layer}, positions {span_text(lo, hi)} whose K/V came from the cache: they match the "
-                    f"reference at the layer before, and at layer {layer} {' and '.join(differ)} differ: " + "; ".join(found))
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)} {whose}: "
+                    + ("they match the reference at the layer before, and " if whose == _CACHED else "")
+                    + f"at layer {layer} {' and '.join(differ)} differ: " + "; ".join(found))
         out.append(Diagnosis("cache_content_mismatch", chunk, (lo, hi), evidence, details, confidence=1.0,
-                             proof=f"{' and '.join(differ)} divergent at layer {layer} at {gcols.size} rows read from "
-                                   f"the cache; " + "; ".join(found)))
+                             proof=f"{' and '.join(differ)} divergent at layer {layer} at {gcols.size} rows "
+                                   + ("read from the cache; " if whose == _CACHED else "the candidate computed; ")
+                                   + "; ".join(found)))
     return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvdiff.analysis.diagnose_cache import source_layer
+from kvdiff.analysis.diagnose_cache import head_map, source_layer
 from kvdiff.analysis.diagnose_tokens import other_tokens_fed
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, runs, span_text
 from kvdiff.analysis.keys import ROTATION
@@ -151,6 +151,12 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
         details.update(stored.details)
         evidence += f"; {stored.evidence}"
         proof += f"; {stored.proof}"
+    elif unaccounted and (heads := head_map(ref_rows, cand_rows)) is not None:
+        details["head_map"] = heads
+        held = ", ".join(f"head {i} holds head {j}'s" for i, j in enumerate(heads) if i != j)
+        evidence += (f"; each of its heads is, exactly, one of the reference's heads of this layer, but not every one "
+                     f"its own ({held} rows): heads written to or read from another head's place (a head index off)")
+        proof += f"; every broken row's head i = the reference's head head_map[i] (head_map {heads}), exactly"
     elif unaccounted and (offset := output_offset(ref_rows, cand_rows)) is not None:
         details["output_offset"] = offset
         evidence += (f"; every row is the reference's plus one and the same vector (norm {fmt(offset['norm'])}, leaving "
@@ -166,7 +172,7 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
     # be amplified past it); an exact account of every broken position is a proof of its own
     proved = (rotated is not None or passed is not None or weighted is not None or details["output_factor"] is not None
               or "row_factors" in details or "output_offset" in details or "source_positions" in details
-              or stored is not None or other_layer is not None)
+              or stored is not None or other_layer is not None or "head_map" in details)
     confidence = 1.0 if proved else n / m
     return [Diagnosis("operation_mismatch", inputs.chunks.chunk_of(lo), (lo, hi), evidence, details,
                       confidence=confidence if recorded is None else min(confidence, RECORDED_CONFIDENCE), proof=proof)]

@@ -99,7 +99,8 @@ def zoom_window(first_pass: Divergence, num_layers: int, layers: int = ZOOM_LAYE
     window = _around(first_pass, bits, bits_differ, num_layers, layers, positions)
     if breach is None or bits.tier == Tier.DIVERGENT.label:
         return window
-    if not window.holds(breach):
+    # a final point's breach needs the last layer too: the final norm's input is its resid_post
+    if not window.holds(breach) or breach.layer is None and window.layers[1] < num_layers - 1:
         return _around(first_pass, breach, breaches_tolerance, num_layers, layers, positions)
     end = min(breach.position + positions - 1, int(first_pass.comparison.alignment.positions.max()))
     return replace(window, positions=(window.positions[0], max(window.positions[1], end)))
