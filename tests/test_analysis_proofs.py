@@ -97,6 +97,8 @@ class AttentionModel(SyntheticModel):
                 moved = torch.einsum("thd,shd->hts", q, kk[read]) * scale
                 p = moved.masked_fill(~allowed[None], float("-inf")).softmax(-1)
                 z[first:] = torch.einsum("hts,shd->thd", p, vv[read])[first:]
+            if how == "z bfloat16":          # attention's output kept in bfloat16 before o_proj
+                z = c["z"] = torch.cat([z[:u], z[u:].bfloat16().float()])
             a = c["attn_out"] = z.reshape(T, H * d) @ L["wo"].T
             x = c["resid_mid"] = x + a
             h2 = c["mlp_norm"] = rms_norm(x, L["n2"], self.eps)
@@ -130,6 +132,7 @@ def traces(tmp_path_factory, model):
         "stored swapped": (model, AttentionFaults(stored={1: "kv swapped"}), CHUNKS),
         "stored head": (model, AttentionFaults(stored={2: "k head 1 holds 0"}), CHUNKS),
         "stored v head": (model, AttentionFaults(stored={2: "v head 1 holds 0"}), CHUNKS),
+        "z bfloat16": (model, AttentionFaults(stored={1: "z bfloat16"}), CHUNKS),
         "offset": (model, Faults(encoded={p: p + 5 for p in USER}), CHUNKS),
         "local": (model, Faults(encoded={p: p - 16 for p in USER}, context_start={p: 16 for p in USER}), CHUNKS),
         "scaling": (model, Faults(encoded={p: p / 2 for p in range(64)}), CHUNKS),
@@ -224,6 +227,8 @@ def test_rows_whose_keys_were_not_all_recorded_do_not_stop_the_attention_test(tr
     ("stored head", 2, "cache_content_mismatch", {"head_map": [0, 0], "points": ["k"]}, "computed from inputs that match the reference's"),
     ("stored v head", 2, "operation_mismatch", {"head_map": [0, 0], "operation": "v projection"},
      "head 1 holds head 0's rows"),
+    ("z bfloat16", 1, "attention_mismatch", {"explanation": "output rounded", "rounding": "bfloat16"},
+     "its z rows are the reference's rounded to bfloat16"),           # t10: "a size, not a cause" before
 ])
 def test_kv_rows_a_computed_row_stored_otherwise_past_the_first_layer_are_named(traces, name, layer, kind, account,
                                                                                 words):

@@ -36,9 +36,9 @@ from kvdiff.analysis.attention_verdict import Verdict, explain, explain_referenc
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.latent import attention_points, attention_rows, rope_columns, value_point
 from kvdiff.analysis.operation import attention_point
-from kvdiff.analysis.output_accounts import FACTOR_ROWS, moved_rows
+from kvdiff.analysis.output_accounts import FACTOR_ROWS, moved_rows, tested_rows
 from kvdiff.analysis.rope import frame_shift, rotate
-from kvdiff.analysis.storage import UNIT_ROUNDOFF
+from kvdiff.analysis.storage import UNIT_ROUNDOFF, round_to, rounding
 from kvdiff.analysis.diagnose_cached_context import diagnose_missing_context_in_cache  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -194,6 +194,11 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
         found = (f"; its rows are, exactly, the reference's {point} rows of other positions ({moved['text']}): "
                  f"attention's results written to other rows (an output index off{moved['shift']}), not computed "
                  f"otherwise")
+    elif point == "z" and (stored := rounding(*(zs := tested_rows(inputs, layer, point, cols))))[0] is not None:
+        left = np.linalg.norm(zs[1] - round_to(zs[0], stored[0])) / max(float(np.linalg.norm(zs[1] - zs[0])), 1e-300)
+        details.update(explanation="output rounded", rounding=stored[0], fit_residual=float(left))
+        found = (f": its z rows are the reference's rounded to {stored[0]} ({100 * stored[1]:.1f}% of the elements "
+                 f"exactly, the rest within one {stored[0]} step), attention's output kept in {stored[0]} before o_proj")
     else:
         found = ("; no tested explanation (hidden keys, another scale, a sliding window, the next key or every later key "
                  "of the forward visible, its own key hidden, the KV heads tiled, a soft-cap, keys never written to the "
@@ -202,6 +207,8 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
     itself = "(mask, scale or softmax)" if point == "z" else "(mask, scale, softmax or o_proj)"
     if heads is not None and h is None:
         itself = "of those heads (the K/V their KV head read from the cache, or their mask or softmax)"
+    if "rounding" in details:
+        itself = "(its output's storage)"
     evidence = f"{where}: {same}, but {point} differs (rel {fmt(attn_rel)}): the attention itself {itself} differs{found}"
     if h is not None:
         return Diagnosis("attention_mismatch", chunk, (lo, hi), evidence, details, confidence=verdict.confidence,
