@@ -3,6 +3,7 @@
     python benchmarks/bench_digest.py [--model smollm2-135m] [--prompt-tokens 2000] [--pairs 3]
     python benchmarks/bench_digest.py --scale 8000      # kvdiff compare end to end on an 8,000-token prompt
     python benchmarks/bench_digest.py --host-bound [--pairs 5]    # the host's cost per capture (tiny model)
+    python benchmarks/bench_digest.py --sizes           # the trace sizes alone
 
 Two requests of the reference path (transformers, greedy): prompt-heavy (`--prompt-tokens`
 prompt tokens, 4 generated) and decode-heavy (200 prompt tokens, `--decode-tokens` generated).
@@ -10,7 +11,10 @@ Each is run unprobed and with digest capture (`kvdiff.record(trace_mode="digest"
 of every point, layer and position hashed, the trace written and closed), in alternated pairs;
 the figure is the median of the pairs' ratios. The size row compares the full trace of the
 prompt-heavy request with its zoom trace (digests plus a window of 3 layers x 64 positions in
-full, as `compare` writes by default where the first difference is past layer 0). `--scale N` instead runs `kvdiff.compare` (digest
+full, as `compare` writes by default where the first difference is past layer 0), and the same
+window keeping k and v at every earlier position of its layers too (its keys, as `compare`'s
+window does where the first difference is attention's output past where the window starts).
+`--sizes` measures the sizes alone. `--scale N` instead runs `kvdiff.compare` (digest
 capture, isolated-local, so that there is a divergence to find) on an N-token prompt and prints
 the time to the first difference (the digest diff's end), the whole run's and its peak memory.
 `--host-bound` instead times a 30-layer tiny model (kvdiff/engine/tiny.py, width 64), whose
@@ -171,6 +175,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--scale", type=int, default=None, help="run compare end to end on this many tokens")
     parser.add_argument("--host-bound", action="store_true", help="time a tiny model's digest capture instead")
+    parser.add_argument("--sizes", action="store_true", help="measure the trace sizes alone")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.scale is not None:
@@ -185,21 +190,30 @@ def main() -> None:
     log.info("model %s, torch %s, %d threads", args.model, torch.__version__, torch.get_num_threads())
     with tempfile.TemporaryDirectory() as name:
         folder = Path(name)
+        if args.sizes:
+            return sizes(model, tokenizer, heavy, folder, fingerprint)
         for label, messages, new in (("prompt-heavy", heavy, 4), ("decode-heavy", light, args.decode_tokens)):
             median, runs = ratio(model, tokenizer, messages, new, args.pairs, folder, fingerprint, label)
             n = len(render_prompt_ids(tokenizer, messages))
             log.info("%s (%d + %d tokens): digest capture %.3fx unprobed (median of %d pairs; plain %s s, digest %s s)",
                      label, n, new, median, len(runs), ", ".join(f"{p:.2f}" for p, _ in runs),
                      ", ".join(f"{d:.2f}" for _, d in runs))
-        full = kvdiff.record(model, tokenizer, heavy, folder / "full.h5", max_new_tokens=4, fingerprint=fingerprint)
-        n = len(render_prompt_ids(tokenizer, heavy))
-        zoom = kvdiff.record(model, tokenizer, heavy, folder / "zoom.h5", max_new_tokens=4, trace_mode="digest",
-                             layers="9-11", positions=f"{n - 64}-{n - 1}", fingerprint=fingerprint)
-        full_bytes, zoom_bytes = Path(full).stat().st_size, Path(zoom).stat().st_size
-        digest_bytes = (folder / "prompt-heavy-0.h5").stat().st_size
-        log.info("trace size, prompt-heavy: full %.1f MB, digests only %.2f MB, zoom trace (digests + 3 layers x 64 "
-                 "positions) %.2f MB: %.0fx smaller than full", full_bytes / 1e6, digest_bytes / 1e6,
-                 zoom_bytes / 1e6, full_bytes / zoom_bytes)
+        sizes(model, tokenizer, heavy, folder, fingerprint)
+
+
+def sizes(model, tokenizer, messages: list[dict], folder: Path, fingerprint: str) -> None:
+    """The prompt-heavy request's trace sizes: full, digests only, the default zoom window (3 layers
+    x 64 positions past layer 0) and that window with its keys (k and v at every earlier position)."""
+    n = len(render_prompt_ids(tokenizer, messages))
+    window = dict(layers="9-11", positions=f"{n - 64}-{n - 1}")
+    runs = {"full": {}, "digests": dict(trace_mode="digest"), "zoom": dict(trace_mode="digest", **window),
+            "zoom with keys": dict(trace_mode="digest", key_positions=f"0-{n - 65}", **window)}
+    size = {name: Path(kvdiff.record(model, tokenizer, messages, folder / f"{name}.h5", max_new_tokens=4,
+                                     fingerprint=fingerprint, **args)).stat().st_size for name, args in runs.items()}
+    log.info("trace size, prompt-heavy (%d + 4 tokens): full %.1f MB, digests only %.2f MB, zoom trace (digests + 3 "
+             "layers x 64 positions) %.2f MB: %.0fx smaller than full; with the window's keys (k and v of its layers "
+             "at positions 0-%d) %.2f MB: %.0fx", n, size["full"] / 1e6, size["digests"] / 1e6, size["zoom"] / 1e6,
+             size["full"] / size["zoom"], n - 65, size["zoom with keys"] / 1e6, size["full"] / size["zoom with keys"])
 
 
 if __name__ == "__main__":

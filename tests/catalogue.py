@@ -933,8 +933,8 @@ def evaluate(case: Case, report: dict, names: dict) -> Verdict:
         if problem:
             verdict.diagnosis_errors.append(problem)
     for d in diagnoses:         # every case is the engine's bug: none is a recording that attention contradicts
-        if d.get("read_by_attention") is False:
-            verdict.diagnosis_errors.append(f"kvdiff says attention did not read the rows of {summary(d)}")
+        if d.get("read_downstream") is False:
+            verdict.diagnosis_errors.append(f"kvdiff says {d.get('read_by')} did not read the rows of {summary(d)}")
     return verdict
 
 

@@ -371,8 +371,9 @@ def test_step_top_k_is_taken_a_batch_of_steps_at_a_time_from_copies_of_the_rows(
     for point in ("resid_pre", "resid_post"):
         recorder.capture(point, 0, torch.randn(n_prompt, hidden), list(range(n_prompt)))
     recorder.end_forward()
-    rows = torch.randn(steps, 50, generator=torch.Generator().manual_seed(4))
-    buffer = torch.empty(50)
+    vocab = tiny_llama[0].config.vocab_size
+    rows = torch.randn(steps, vocab, generator=torch.Generator().manual_seed(4))
+    buffer = torch.empty(vocab)
     for i in range(steps):
         buffer.copy_(rows[i])                       # one buffer, rewritten every step
         recorder.capture_step(i, n_prompt - 1 + i, buffer, int(rows[i].argmax()))
@@ -479,3 +480,20 @@ def test_a_forward_past_the_request_is_refused_as_the_engines_count(tiny_llama, 
         recorder.begin_forward([prompt + 2])
     recorder.abort()
     assert not (tmp_path / "t.h5").exists()
+
+
+def test_rows_of_another_count_or_a_logits_row_of_another_size_name_the_engine_not_the_model(tiny_llama, tmp_path):
+    """Red-team round 6, t51d and t51e: an adapter handed one row more than its forward's positions
+    (the error blamed the checkpoint), and a step's logits row one value short (accepted silently);
+    rows of another shape still name the model's shapes."""
+    model, tokenizer = tiny_llama
+    recorder = TraceRecorder.for_model(model, tokenizer, MESSAGES, tmp_path / "t.h5", max_new_tokens=2)
+    hidden, dims = model.config.hidden_size, model_dims(model)
+    recorder.begin_forward([0, 1, 2])
+    with pytest.raises(ProbeIntegrityError, match="4 rows captured for the forward's 3 positions: the engine"):
+        recorder.capture("resid_pre", 0, torch.zeros(4, hidden), [0, 1, 2])
+    with pytest.raises(ProbeIntegrityError, match=r"rows of shape \(3, 4, 16\) do not hold 3 positions .* KV heads"):
+        recorder.capture("k", 0, torch.zeros(3, 2 * dims.num_kv_heads, dims.head_dim), [0, 1, 2])
+    with pytest.raises(ProbeIntegrityError, match=f"a logits row of {dims.vocab_size - 1} values, not the model's"):
+        recorder.capture_step(0, 2, torch.zeros(dims.vocab_size - 1), 5)
+    recorder.abort()

@@ -388,6 +388,24 @@ def test_vllm_failure_is_a_kvdiff_error_and_the_engine_survives(target, ids):
     target.reset_cache()
 
 
+def test_an_engine_that_changes_the_prompt_it_was_given_is_refused_with_what_it_ran(target, ids, monkeypatch):
+    """Red-team round 6, t26: vLLM handed a second BOS before the prompt ran one token more than it
+    was sent, and the trace's own check then blamed kvdiff's writer."""
+    generate = type(target.llm).generate
+
+    def with_bos(self, prompts, *args, **kwargs):
+        prompts = [dict(p, prompt_token_ids=[1] + list(p["prompt_token_ids"])) for p in prompts]
+        return generate(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(type(target.llm), "generate", with_bos)
+    n = len(ids[0])
+    with pytest.raises(KvdiffError, match=rf"vLLM ran {n + 1} prompt tokens for the {n} kvdiff sent .*position 1: "
+                                          rf"1 where {ids[0][1]} was sent\): the engine changed the prompt"):
+        target.generate(ids[0], 2)
+    monkeypatch.undo()
+    target.reset_cache()
+
+
 def test_unsupported_head_dim_is_refused_before_vllm_starts(tmp_path):
     from kvdiff.targets.vllm import VllmTarget
 

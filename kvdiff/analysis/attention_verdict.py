@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kvdiff.analysis.attention_fit import UNRECORDED, AttentionTest, RecordedOutput, Score
-from kvdiff.analysis.attention_hypotheses import (SOFTCAP_HI, finalists, fit_scale, fit_softcap, fit_window, hypotheses,
-                                                  moved_blocks)
+from kvdiff.analysis.attention_hypotheses import (SOFTCAP_HI, finalists, fit_scale, fit_softcap, fit_window, grown_span,
+                                                  hypotheses, moved_blocks)
 from kvdiff.analysis.contradictions import EXPLAINS
 from kvdiff.analysis.diagnosis import DiagnosisInputs, fmt
 
@@ -161,6 +161,14 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
     if best.residual > NEAR_EXACT:          # nothing explains the rows exactly: is a cache block read in another's place?
         score_each_test(lambda test, note: _finalist_scores(test, moved_blocks(first), note))
         best, ties, others = _ranked(scores)
+    spans = [s for s in scores if s.hypothesis.name == "hidden" and np.isfinite(s.residual)]
+    if best.residual > NEAR_EXACT and spans:     # or a span of keys in the middle, grown from the best one tried
+        start = min(spans, key=lambda s: s.residual)
+        grown = grown_span(owner[id(start)], start.hypothesis.hidden, first - 1)
+        if grown.hypothesis.hidden not in {s.hypothesis.hidden for s in spans}:
+            owner[id(grown)] = owner[id(start)]
+            scores.append(grown)
+            best, ties, others = _ranked(scores)
     aligned = any(s.hypothesis.name == "chunk alone" for s in ties) and best.hypothesis.name == "hidden"
     tied = [s for s in ties if s.hypothesis.name not in (best.hypothesis.name, "chunk alone")]
     split = _past_flip(inputs, owner[id(best)], [best] + tied) if tied else None
@@ -219,14 +227,15 @@ def explain_reference(test: AttentionTest, first: int) -> Verdict | None:
 
 def _reference_shares(test: AttentionTest, best: Score, standard: Score) -> bool:
     """With z recorded: whether the reference's own rows depart from the standard attention the way
-    `best` says the candidate's do (it misses at most MARGIN of what the standard misses of their z,
-    which misses more than rounding does, SHARED_MISS): then both runs compute attention so, and it
-    is not what differs between them."""
+    `best` says the candidate's do (the standard misses more than rounding of their z, SHARED_MISS,
+    and `best` fits them as well as it fits the candidate's: at most SHARED_MISS, or OWN_MARGIN times
+    what it misses of the candidate's): then both runs compute attention so, and it is not what
+    differs between them. A reference that departs otherwise (a window one key wider) does not share it."""
     if test.point != "z" or best.hypothesis.name == "standard":
         return False
     own = AttentionTest(test.ref, test.ref, test.rows, RecordedOutput(), heads=test.heads, window=test.window)
-    standard_miss = own.own_miss(standard.hypothesis)
-    return bool(standard_miss > SHARED_MISS and own.own_miss(best.hypothesis) <= MARGIN * standard_miss)
+    standard_miss, miss = own.own_miss(standard.hypothesis), own.own_miss(best.hypothesis)
+    return bool(standard_miss > SHARED_MISS and miss <= max(SHARED_MISS, OWN_MARGIN * test.own_miss(best.hypothesis)))
 
 
 PAST_FLIP_ROWS = 8      # the candidate's rows past the first token flip a tie is tested on

@@ -32,6 +32,14 @@ def _rounded_inputs(check: NormCheck, differ: np.ndarray) -> np.ndarray:
     return differ & (check.input_tier == Tier.NOISE) & check.ref_consistent & check.cand_consistent
 
 
+def _rows_match(check: NormCheck, differ: np.ndarray) -> np.ndarray:
+    """Of the positions where `check`'s statistics differ, unexplained by its inputs (`_rounded_inputs`:
+    float rounding of a narrower format is), those where its recorded input and output rows both
+    match the reference's: the statistics are not of those rows."""
+    ok = lambda tier: (tier == Tier.BITWISE) | (tier == Tier.NOISE)
+    return differ & ~_rounded_inputs(check, differ) & ok(check.input_tier) & ok(check.output_tier)
+
+
 def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
     cmp = inputs.comparison
     checks, positions = cmp.norms, cmp.alignment.positions
@@ -43,6 +51,7 @@ def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
     n_differ = sum(int(d.sum()) for _, d in differ)
     from_inputs = sum(int((d & (c.input_tier == Tier.DIVERGENT)).sum()) for c, d in differ)
     from_rounding = sum(int(_rounded_inputs(c, d).sum()) for c, d in differ)
+    rows_match = sum(int(_rows_match(c, d).sum()) for c, d in differ)
     bad_ref = _inconsistent(checks, "ref", comparable)
     bad_cand = _inconsistent(checks, "cand", comparable)
     if n_differ == 0 and bad_cand is None and bad_ref is None:
@@ -81,17 +90,23 @@ def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
             parts.append(f"{from_rounding} more have inputs within tolerance but not equal, and both traces declare "
                          f"the same weight and eps and recompute their norms exactly: the same norm turns those "
                          f"small input differences into these")
-        if from_inputs + from_rounding < n_differ:
-            parts.append(f"{n_differ - from_inputs - from_rounding} differ with matching inputs: the norm itself "
-                         f"differs there")
+        if rows_match:
+            parts.append(f"{rows_match} differ where the norm's recorded input and output rows both match the "
+                         f"reference's: those statistics were not taken of those rows (a recording mistake, such as an "
+                         f"adapter's), not a norm that differs")
+        if from_inputs + from_rounding + rows_match < n_differ:
+            parts.append(f"{n_differ - from_inputs - from_rounding - rows_match} differ with matching inputs: the norm "
+                         f"itself differs there")
     explained = from_inputs + from_rounding
-    source = "norm" if bad_cand is not None or bad_ref is not None or explained < n_differ else "inputs"
+    source = "norm" if bad_cand is not None or bad_ref is not None or explained + rows_match < n_differ else \
+        "recording" if rows_match else "inputs"
     spots = np.flatnonzero(np.logical_or.reduce([d for _, d in differ]))
     if bad_cand is not None:
         spots = np.union1d(spots, [bad_cand[1]])
     span = (int(positions[spots[0]]), int(positions[spots[-1]])) if spots.size else None
     chunk = inputs.chunks.chunk_of(span[0]) if span else None
-    evidence = "; ".join(parts) + f". Verdict: differences come from the {'norm itself' if source == 'norm' else 'inputs'}."
+    evidence = "; ".join(parts) + ". Verdict: differences come from the " + \
+        {"norm": "norm itself", "inputs": "inputs", "recording": "recording of the statistics"}[source] + "."
     if span:
         evidence = f"positions {span_text(*span)}: " + evidence
     if bad_cand is not None or bad_ref is not None:
@@ -99,12 +114,14 @@ def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
         proof = f"the {who}'s {_where(c)} at position {int(positions[col])} does not match w * x / sqrt(mean(x^2) + eps)"
     elif source == "norm":
         proof = f"{n_differ - explained} of {n_differ} differing norm statistics have inputs within tolerance"
+    elif source == "recording":
+        proof = f"{rows_match} of {n_differ} differing norm statistics have input and output rows within tolerance"
     else:
         proof = (f"{from_inputs} of {n_differ} differing norm statistics have a divergent input"
                  + (f", {from_rounding} an input within tolerance with the same weight and eps" if from_rounding else ""))
     return [Diagnosis("norm_consistency", chunk, span, evidence, confidence=1.0, proof=proof, details={
         "source": source, "stat_differences": n_differ, "explained_by_inputs": from_inputs,
-        "explained_by_input_rounding": from_rounding,
+        "explained_by_input_rounding": from_rounding, "rows_match": rows_match,
         "candidate_inconsistent": None if bad_cand is None else {"layer": bad_cand[0].layer, "norm": bad_cand[0].norm,
                                                                  "position": int(positions[bad_cand[1]])},
         "candidate_form": None if form is None else {"form": form.form, "value": form.value},

@@ -1,12 +1,15 @@
-"""Whether the K/V a trace records are what attention read: a claim about them checked downstream.
+"""Whether the rows a claim is about are what the next operation read: a claim checked downstream.
 
 A claim that a layer's keys or values differ from the reference's (cache_content_mismatch,
-position_mismatch, rope_mismatch) is a claim about what attention read there. Attention at every
-later position reads them (its mask is causal), so where its output at that layer matches the
-reference's at every position computed from the claimed rows on, while those rows differ by far more
-than rounding, attention did not read them as recorded: the trace holds other rows than attention
-read (an adapter that recorded another layer's, position's or tensor's rows), and the claim says so,
-with a confidence that no longer carries an engine bug.
+position_mismatch, rope_mismatch, an operation_mismatch of k or v) is a claim about what attention
+read there. Attention at every later position reads them (its mask is causal), so where its output
+at that layer matches the reference's at every position computed from the claimed rows on, while
+those rows differ by far more than rounding, attention did not read them as recorded: the trace
+holds other rows than attention read (an adapter that recorded another layer's, position's or
+tensor's rows), and the claim says so, with a confidence that no longer carries an engine bug. The
+same holds for the rows one operation reads at the same position: q (attention's output there, at
+a row that sees more than one key), k_pre_rope (k, its rotation) and z (attn_out, o_proj's output:
+an attention_mismatch or operation_mismatch of z whose attn_out matches).
 """
 
 from __future__ import annotations
@@ -18,35 +21,69 @@ import numpy as np
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, span_text
 from kvdiff.analysis.operation import attention_point
 
-CLAIMS = ("cache_content_mismatch", "position_mismatch", "rope_mismatch")
-LARGE = 1e-4             # a K/V difference this large (rel: about 1.4% of the rows' norm) moves attention's output
-UNREAD_CONFIDENCE = 0.3  # at most, for a claim the attention output contradicts
+KV_CLAIMS = ("cache_content_mismatch", "position_mismatch", "rope_mismatch")
+READ_LATER = ("k", "v", "kv_latent")        # read by attention at every later position too
+LARGE = 1e-4             # a difference this large (rel: about 1.4% of the rows' norm) moves what reads it
+UNREAD_CONFIDENCE = 0.3  # at most, for a claim the reading operation's output contradicts
 
 
 def checked_reads(inputs: DiagnosisInputs, diagnoses: list[Diagnosis]) -> list[Diagnosis]:
-    """`diagnoses`, each K/V claim that attention's own output contradicts marked so (`read_by_attention`
-    false, the evidence saying why, confidence at most UNREAD_CONFIDENCE)."""
-    return [_checked(inputs, d) if d.kind in CLAIMS else d for d in diagnoses]
+    """`diagnoses`, each claim that the reading operation's own output contradicts marked so
+    (`read_by_attention` false for what attention reads, `read_downstream` false with `read_by`
+    for any, the evidence saying why, confidence at most UNREAD_CONFIDENCE)."""
+    out = []
+    for d in diagnoses:
+        read = _reader(inputs, d)
+        out.append(d if read is None else _checked(inputs, d, *read))
+    return out
 
 
-def _checked(inputs: DiagnosisInputs, d: Diagnosis) -> Diagnosis:
+def _reader(inputs: DiagnosisInputs, d: Diagnosis) -> tuple[tuple[str, ...], str, bool] | None:
+    """(the claimed points, the point that reads them, whether later positions read them too), or
+    None where the claim is not one this checks."""
     cmp = inputs.comparison
-    layer, point = d.details.get("layer", inputs.first_layer), attention_point(cmp)
-    if d.positions is None or layer not in cmp.layers or point not in cmp.points:
+    attention = attention_point(cmp)
+    tensor = d.details.get("tensor")
+    if d.kind in KV_CLAIMS:
+        return tuple(p for p in ("k", "v") if p in cmp.points), attention, True
+    if d.kind == "operation_mismatch" and tensor in READ_LATER:
+        return (tensor,), attention, True
+    if d.kind == "operation_mismatch" and tensor == "q":
+        return ("q",), attention, False
+    if d.kind == "operation_mismatch" and tensor == "k_pre_rope":
+        return ("k_pre_rope",), "k", False
+    if attention == "z" and (d.kind == "attention_mismatch" and d.details.get("side") != "reference"
+                             or d.kind == "operation_mismatch" and tensor == "z"):
+        return ("z",), "attn_out", False
+    return None
+
+
+def _checked(inputs: DiagnosisInputs, d: Diagnosis, points: tuple[str, ...], reader: str, later: bool) -> Diagnosis:
+    cmp = inputs.comparison
+    layer = d.details.get("layer", inputs.first_layer)
+    if d.positions is None or layer not in cmp.layers or reader not in cmp.points or not points:
         return d
     row, al = cmp.layers.index(layer), cmp.alignment
     claimed = np.flatnonzero((al.positions >= d.positions[0]) & (al.positions <= d.positions[1]))
-    differing = [inputs.worst(p, row, claimed)[1] for p in ("k", "v") if p in cmp.points]
-    readers = np.flatnonzero(al.computed & al.comparable & (al.positions >= d.positions[0]))
-    matches = inputs.ok(point, row)
+    differing = [inputs.worst(p, row, claimed)[1] for p in points if p in cmp.points]
+    readers = al.computed & al.comparable & (al.positions >= d.positions[0])
+    if not later:           # the same rows; attention at a row that sees one key does not depend on its q
+        readers &= (al.positions <= d.positions[1]) & (al.positions > (0 if points == ("q",) else -1))
+    readers = np.flatnonzero(readers)
+    matches = inputs.ok(reader, row)
     if not readers.size or not differing or not np.nanmax(differing) >= LARGE or not matches[readers].all():
         return d
     first, last = int(al.positions[readers[0]]), int(al.positions[readers[-1]])
-    evidence = (f"{d.evidence}; but attention's output ({point}) at layer {layer} matches the reference at every "
-                f"position computed from them on ({readers.size}, {span_text(first, last)}), although these rows "
-                f"differ by up to rel {np.nanmax(differing):.3g}: attention did not read them as recorded, so the "
-                f"trace holds other K/V than attention read (a recording mistake, such as an adapter's), and no "
-                f"engine bug is shown here")
-    proof = f"{d.proof}; {point} at layer {layer} within tolerance at all {readers.size} positions reading these rows"
-    return replace(d, evidence=evidence, proof=proof, details={**d.details, "read_by_attention": False},
+    what = "K/V" if later else " and ".join(points)
+    where = "from them on" if later else "there"
+    evidence = (f"{d.evidence}; but {reader}, which reads them, at layer {layer} matches the reference at every "
+                f"position computed {where} ({readers.size}, {span_text(first, last)}), although these rows differ "
+                f"by up to rel {np.nanmax(differing):.3g}: they were not read as recorded, so the trace holds other "
+                f"{what} than the engine used (a recording mistake, such as an adapter's), and no engine bug is shown "
+                f"here")
+    proof = f"{d.proof}; {reader} at layer {layer} within tolerance at all {readers.size} positions reading these rows"
+    details = {**d.details, "read_downstream": False, "read_by": reader}
+    if reader == attention_point(cmp):
+        details["read_by_attention"] = False
+    return replace(d, evidence=evidence, proof=proof, details=details,
                    confidence=min(d.confidence if d.confidence is not None else 1.0, UNREAD_CONFIDENCE))

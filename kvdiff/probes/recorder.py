@@ -58,6 +58,21 @@ class _Repeat:
     digest_sizes: list[int]                     # and their sizes
 
 
+def _wrong_rows(point: str, layer: int | None, rows: torch.Tensor, positions: int,
+                shape: tuple[int, ...]) -> ProbeIntegrityError:
+    """The error for captured rows that do not hold the forward's positions: whole rows of another
+    count (the engine or its adapter handed rows of other positions), or rows of another shape."""
+    where, size = f"probe {point!r} of layer {layer}", math.prod(shape)
+    if rows.numel() % size == 0 and (rows.dim() < 2 or tuple(rows.shape[-len(shape):]) == shape
+                                     or rows.shape[-1] == size):
+        return ProbeIntegrityError(f"{where}: {rows.numel() // size} rows captured for the forward's {positions} "
+                                   "positions: the engine (or its adapter) handed rows of other positions than it "
+                                   "bracketed (begin_forward's)")
+    return ProbeIntegrityError(f"{where}: rows of shape {tuple(rows.shape)} do not hold {positions} positions of shape "
+                               f"{shape} (the model's, from its config): what runs is not the model the trace "
+                               "describes (another checkpoint, or settings that change its shapes, such as its KV heads)")
+
+
 def _owners(fired: list[tuple[str, int | None]]) -> list[tuple[str, int | None]]:
     """Each logged tensor's (point, layer), for captures logged in `fired` order: a norm logs two."""
     return [key for key in fired for _ in range(2 if key[0].startswith("stats:") else 1)]
@@ -348,10 +363,7 @@ class TraceRecorder:
             raise self._outside_forward("probe", point, layer)
         self._fired.append(target.key)
         if rows.numel() != len(positions) * target.size:
-            raise ProbeIntegrityError(f"probe {point!r} of layer {layer}: rows of shape {tuple(rows.shape)} "
-                                      f"do not hold {len(positions)} positions of shape {target.shape} (the model's, "
-                                      "from its config): what runs is not the model the trace describes (another "
-                                      "checkpoint, or settings that change its shapes, such as its KV heads)")
+            raise _wrong_rows(point, layer, rows, len(positions), target.shape)
         if target.digest:
             self._digests.take(point, layer, rows, self._all_positions(positions))
             if target.name is None:
@@ -404,6 +416,10 @@ class TraceRecorder:
                                      encoded if mask is None else encoded[mask], source.reused)
 
     def capture_step(self, step: int, position: int, logits_row: torch.Tensor, token_id: int) -> None:
+        if logits_row.numel() != self.dims.vocab_size:
+            raise ProbeIntegrityError(f"step {step}: a logits row of {logits_row.numel()} values, not the model's "
+                                      f"vocabulary of {self.dims.vocab_size}: the engine (or its adapter) handed "
+                                      "another row than the one that chose the token")
         # copied: the row may be a CUDA graph's output or an engine's logits buffer, rewritten next step
         self._steps.append((step, position, token_id, logits_row.detach().reshape(1, -1).clone()))
         if len(self._steps) >= STEPS_HELD:

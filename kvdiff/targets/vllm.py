@@ -317,6 +317,13 @@ class VllmTarget:
         finally:
             if rec is not None:
                 rec.detach()
+        ran = [int(i) for i in (out.prompt_token_ids or ids)]
+        if ran != ids:
+            at = next((i for i, (a, b) in enumerate(zip(ran, ids)) if a != b), min(len(ran), len(ids)))
+            raise KvdiffError(f"vLLM ran {len(ran)} prompt tokens for the {len(ids)} kvdiff sent (the first that "
+                              f"differs at position {at}: {ran[at] if at < len(ran) else 'none'} where "
+                              f"{ids[at] if at < len(ids) else 'none'} was sent): the engine changed the prompt it "
+                              "was given (a token added, such as a second BOS, or dropped)")
         completion = out.outputs[0]
         tokens = list(completion.token_ids)
         margins = []
