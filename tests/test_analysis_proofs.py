@@ -48,6 +48,7 @@ class AttentionFaults(Faults):
     moved_block: tuple[int, int, int, int] | None = None   # (first query, B, dst, src): block dst read as block src
     stored: dict[int, str] = field(default_factory=dict)   # layer -> K/V stored otherwise from USER on (as read)
     late: tuple[str, int] | None = None           # (k or v, first): layer 0's rows from first on written a slot late
+    zeroed: tuple[int, int, int] | None = None    # (first query, lo, hi): keys lo..hi read as zero rows from it on
 
 
 class AttentionModel(SyntheticModel):
@@ -93,8 +94,13 @@ class AttentionModel(SyntheticModel):
             c.update(q=q, k_pre_rope=k0, k=k, v=v)
             kk, vv = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
             scores = torch.einsum("thd,shd->hts", q, kk) * scale
+            zeroed = torch.zeros(T, T, dtype=torch.bool)
+            if isinstance(faults, AttentionFaults) and faults.zeroed is not None:
+                first, lo, hi = faults.zeroed
+                zeroed[first:, lo:hi + 1] = True
+                scores = scores.masked_fill(zeroed[None], 0.0)      # a zero key's score, and no value added
             p = scores.masked_fill(~allowed[None], float("-inf")).softmax(-1)
-            z = c["z"] = torch.einsum("hts,shd->thd", p, vv)
+            z = c["z"] = torch.einsum("hts,shd->thd", p.masked_fill(zeroed[None], 0.0), vv)
             if isinstance(faults, AttentionFaults) and faults.moved_block is not None and \
                     T >= (faults.moved_block[3] + 1) * faults.moved_block[1]:     # the rows it reads exist
                 first, size, slots, held = faults.moved_block
@@ -205,6 +211,33 @@ def test_a_hole_in_the_middle_of_the_context_is_named_by_its_span(traces):
     grown from the best one tried. Before: "no tested explanation accounts for it"."""
     (mc,) = diagnoses(traces, "hole", "missing_context")
     assert mc["unattended"] == [5, 9] and mc["positions"][0] == 16 and mc["fit_residual"] < 1e-3, mc
+
+
+LONG = [3 + (7 * i) % 60 for i in range(200)]
+
+
+@pytest.fixture(scope="module")
+def long_traces(tmp_path_factory, model):
+    """A 200-token prompt: one key deep in the context hidden from row 150 on, and a block of keys
+    read as zero rows from row 150 on."""
+    root = tmp_path_factory.mktemp("long")
+    runs = {"reference": Faults(), "key": AttentionFaults(hidden={150: (133, 133)}),
+            "zeros": AttentionFaults(zeroed=(150, 64, 79))}
+    return {name: write_trace(model, root / f"{name}.h5", LONG, 3, strategy="reference" if name == "reference"
+                              else "prefix", faults=faults) for name, faults in runs.items()}
+
+
+@pytest.mark.parametrize("name, kind, fields", [
+    ("key", "missing_context", {"unattended": [133, 133]}),          # t13: not among the keys the family samples
+    ("zeros", "attention_mismatch", {"explanation": "zeroed", "since": 64}),    # t21: "not attended" before
+])
+def test_keys_deep_in_a_long_context_hidden_or_read_as_zeros_are_found(long_traces, name, kind, fields):
+    """Red-team round 7, t13 and t21: one key hidden (position 650 of 700 rows there) and a block of
+    keys read as zero rows in a long context. The family samples keys past the first 96; a scan of
+    every key at once finds the one, and the span found is also tried as zero rows."""
+    found = [d for d in kvdiff.diff(long_traces["reference"], long_traces[name]).to_json()["diagnoses"]
+             if d["kind"] == kind]
+    assert found and {k: found[0].get(k) for k in fields} == fields and found[0]["fit_residual"] < 1e-3, found
 
 
 def test_another_softmax_scale_is_an_attention_mismatch_with_the_fitted_factor(traces):
@@ -716,6 +749,26 @@ def test_norm_statistics_not_taken_of_the_rows_recorded_are_the_recordings(trace
     (nc,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "norm_consistency"]
     assert nc["source"] == "recording" and nc["rows_match"] == nc["stat_differences"] > 0, nc
     assert "not taken of those rows" in nc["evidence"]
+
+
+@pytest.mark.parametrize("z_moved", [False, True])
+def test_an_operation_whose_inputs_already_differ_in_their_bits_is_not_claimed_for_certain(traces, tmp_path,
+                                                                                         z_moved):
+    """Red-team round 7, t04b: o_proj's output broke tolerance where its input z differed from the
+    reference's within tolerance (an earlier layer's change carried on), and o_proj was claimed to
+    differ with confidence 1. With bitwise inputs the claim stands; with inputs that differ in their
+    bits it is hedged and says why."""
+    with edited(traces, tmp_path / "o_proj.h5") as (cand, f):
+        if z_moved:
+            f["layers/1/z"][...] = f["layers/1/z"][...] * (1 + 2e-6)
+        rows = f["layers/1/attn_out"][...]          # another change in every element, no account of it
+        f["layers/1/attn_out"][...] = rows + np.random.default_rng(0).normal(size=rows.shape).astype(rows.dtype)
+    (op,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
+    assert (op["operation"], op["layer"], op["positions"][0]) == ("o_proj", 1, 0), op
+    if z_moved:
+        assert op["confidence"] <= 0.5 and "may be theirs amplified" in op["evidence"], op
+    else:
+        assert op["confidence"] == 1.0 and "amplified" not in op["evidence"]
 
 
 def test_computed_values_stored_in_bfloat16_are_named_so(traces, tmp_path):

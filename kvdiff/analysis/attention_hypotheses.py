@@ -31,23 +31,6 @@ def hidden_span(lo: int, hi: int) -> Hypothesis:
     return Hypothesis("hidden", f"positions {span_text(lo, hi)} not attended", hidden_keys(lo, hi), hidden=(lo, hi))
 
 
-def grown_span(test: AttentionTest, start: tuple[int, int], last: int) -> Score:
-    """The span of hidden keys within 0..`last` that explains the rows best, grown from `start` (the best
-    the family tried: one key of a hole in the middle, say) by steps of 16 to 1 at either end."""
-    quick, seen = test.on(test.rows, QUICK_ROWS), {}
-
-    def left(span: tuple[int, int]) -> float:
-        if span not in seen:
-            seen[span] = quick.score(hidden_span(*span)).residual
-        return seen[span]
-
-    lo, hi = start
-    for step in (16, 8, 4, 2, 1):
-        while (better := next(((a, b) for a, b in ((lo - step, hi), (lo + step, hi), (lo, hi - step), (lo, hi + step))
-                               if 0 <= a <= b <= last and left((a, b)) < left((lo, hi))), None)) is not None:
-            lo, hi = better
-    return test.score(hidden_span(lo, hi))
-
 
 def key_candidates(first: int, extra: list[int]) -> list[int]:
     """Keys before the first tested row that may be hidden: all of them for short prompts; else the

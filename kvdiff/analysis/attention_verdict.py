@@ -16,8 +16,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kvdiff.analysis.attention_fit import UNRECORDED, AttentionTest, RecordedOutput, Score
-from kvdiff.analysis.attention_hypotheses import (SOFTCAP_HI, finalists, fit_scale, fit_softcap, fit_window, grown_span,
+from kvdiff.analysis.attention_hypotheses import (SOFTCAP_HI, finalists, fit_scale, fit_softcap, fit_window, hidden_span,
                                                   hypotheses, moved_blocks)
+from kvdiff.analysis.attention_search import grown_span, scanned_key, zeroed_span
 from kvdiff.analysis.contradictions import EXPLAINS
 from kvdiff.analysis.diagnosis import DiagnosisInputs, fmt
 
@@ -161,14 +162,9 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
     if best.residual > NEAR_EXACT:          # nothing explains the rows exactly: is a cache block read in another's place?
         score_each_test(lambda test, note: _finalist_scores(test, moved_blocks(first), note))
         best, ties, others = _ranked(scores)
-    spans = [s for s in scores if s.hypothesis.name == "hidden" and np.isfinite(s.residual)]
-    if best.residual > NEAR_EXACT and spans:     # or a span of keys in the middle, grown from the best one tried
-        start = min(spans, key=lambda s: s.residual)
-        grown = grown_span(owner[id(start)], start.hypothesis.hidden, first - 1)
-        if grown.hypothesis.hidden not in {s.hypothesis.hidden for s in spans}:
-            owner[id(grown)] = owner[id(start)]
-            scores.append(grown)
-            best, ties, others = _ranked(scores)
+    if best.residual > NEAR_EXACT:          # or keys in the middle of the context hidden, or read as zeros
+        scores.extend(_searched(tests[0][0], scores, first - 1, owner))
+        best, ties, others = _ranked(scores)
     aligned = any(s.hypothesis.name == "chunk alone" for s in ties) and best.hypothesis.name == "hidden"
     tied = [s for s in ties if s.hypothesis.name not in (best.hypothesis.name, "chunk alone")]
     split = _past_flip(inputs, owner[id(best)], [best] + tied) if tied else None
@@ -177,6 +173,20 @@ def explain(tests: list[tuple[AttentionTest, str]], inputs: DiagnosisInputs) -> 
         return Verdict(best, scores[0], owner[id(best)], others, False, [], text)
     return Verdict(best, scores[0], owner[id(best)], others, aligned, tied[:3],
                    shared=_reference_shares(owner[id(best)], best, scores[0]))
+
+
+def _searched(test: AttentionTest, scores: list[Score], last: int, owner: dict) -> list[Score]:
+    """attention_search's answers on `test`: the span grown from the scanned key and from the best
+    span tried, each also read as zero rows, where not already scored (`owner` told their test)."""
+    tried = {s.hypothesis.hidden for s in scores if s.hypothesis.name == "hidden"}
+    spans = [s for s in scores if s.hypothesis.name == "hidden" and np.isfinite(s.residual)]
+    starts = [(key, key) for key in [scanned_key(test, last)] if key is not None]
+    starts += [min(spans, key=lambda s: s.residual).hypothesis.hidden] if spans else []
+    found = []
+    for grown in {grown_span(test, start, last).hypothesis.hidden for start in starts} - tried:
+        found += [test.score(hidden_span(*grown)), test.score(zeroed_span(*grown))]
+    owner.update({id(s): test for s in found})
+    return found
 
 
 def _scores(test: AttentionTest, family: list, note: str = "") -> list[Score]:

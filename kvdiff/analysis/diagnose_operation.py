@@ -49,6 +49,7 @@ def _finite(inputs: DiagnosisInputs, point: str, layer: int | None) -> np.ndarra
 
 ROPE_ON_BOTH = "RoPE (on q and k)"
 RECORDED_CONFIDENCE = 0.3     # at most, where the output is another point's rows: likely the recording, not the engine
+AMPLIFIED_CONFIDENCE = 0.5    # at most, where every broken position's inputs differ in their bits, within tolerance
 
 
 def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_claimed: bool = True) -> list[Diagnosis]:
@@ -62,13 +63,14 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
     out_tier = _tiers(inputs, op.tensor, op.layer)
     if out_tier is None:
         return []
-    matching = al.comparable & al.computed
+    matching, carried = al.comparable & al.computed, np.zeros(al.positions.size, bool)
     checks = [c for c in op.inputs if not (op.name == ROPE_ON_BOTH and c.point == "k")]    # k: RoPE's output too
     for check in checks:
         tier = _tiers(inputs, check.point, check.layer)
         if tier is None:
             return []
         matching &= (tier == Tier.BITWISE) | (tier == Tier.NOISE)
+        carried |= tier == Tier.NOISE
     broken = matching & (out_tier == Tier.DIVERGENT) & _finite(inputs, op.tensor, op.layer)
     if not broken.any():
         return []
@@ -174,6 +176,11 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
               or "row_factors" in details or "output_offset" in details or "source_positions" in details
               or stored is not None or other_layer is not None or "head_map" in details)
     confidence = 1.0 if proved else n / m
+    if not proved and carried[broken].all():      # no position with bitwise inputs proves the operation itself
+        confidence = min(confidence, AMPLIFIED_CONFIDENCE)
+        evidence += (f"; but at every one of them its inputs already differ from the reference's in their bits "
+                     f"(within tolerance), which it carries on: the breach may be theirs amplified past {op.tensor}'s "
+                     f"tolerance, not the operation differing")
     return [Diagnosis("operation_mismatch", inputs.chunks.chunk_of(lo), (lo, hi), evidence, details,
                       confidence=confidence if recorded is None else min(confidence, RECORDED_CONFIDENCE), proof=proof)]
 
