@@ -428,6 +428,7 @@ def test_a_bias_left_out_is_one_constant_vector_on_every_row(traces, tmp_path):
         out = f["layers/1/mlp_out"][:]
         bias = np.random.default_rng(0).normal(size=out.shape[1:]).astype(np.float32)
         f["layers/1/mlp_out"][12:] = out[12:] - bias
+        f["layers/1/resid_post"][12:] = f["layers/1/resid_post"][12:] - bias       # the residual add took it
     (op,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
     assert (op["operation"], op["layer"], op["positions"][0], op["confidence"]) == ("MLP", 1, 12, 1.0), op
     assert op["output_offset"]["norm"] == pytest.approx(float(np.linalg.norm(bias)), rel=1e-4)
@@ -480,6 +481,7 @@ def test_an_output_scaled_by_a_factor_per_row_is_named(traces, tmp_path):
     with edited(traces, tmp_path / "rows.h5") as (cand, f):
         out = f["layers/1/mlp_out"][:]
         f["layers/1/mlp_out"][:] = out * np.linspace(0.5, 0.9, out.shape[0], dtype=np.float32)[:, None]
+        f["layers/1/resid_post"][:] = f["layers/1/resid_mid"][:] + f["layers/1/mlp_out"][:]     # and added it
     (op,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
     assert (op["operation"], op["layer"], op["output_factor"], op["confidence"]) == ("MLP", 1, None, 1.0), op
     assert 0.5 <= op["row_factors"]["min"] < op["row_factors"]["max"] <= 0.9 and op["row_factors"]["left"] < 1e-5
@@ -724,13 +726,14 @@ def test_kv_rows_attention_did_not_read_are_a_recording_not_an_engine_bug(traces
     ("q", lambda f: f["layers/1/q"][16:] * -1.0, "operation_mismatch", "z"),            # t40: q recorded otherwise
     ("v", lambda f: f["layers/1/v"][16:][:, ::-1], "operation_mismatch", "z"),          # t44: heads reversed
     ("z", lambda f: f["layers/1/z"][16:][:, ::-1], "attention_mismatch", "attn_out"),   # t46: another tensor's rows
+    ("mlp_out", lambda f: f["layers/2/mlp_out"][16:], "operation_mismatch", "resid_post"),   # round 7 t30: layer 2's
 ])
 def test_rows_the_next_operation_did_not_read_are_a_recording_not_an_engine_bug(traces, tmp_path, point, edit, kind,
                                                                                reader):
-    """Red-team round 6, t40, t44, t46: an adapter recorded q (or v, or z) otherwise at the rows a
-    forward computed, while what reads them (attention's z, o_proj's attn_out) matches the reference
-    there: the claim says the rows were not read as recorded, with no engine confidence. Before, a q
-    projection, a v projection and attention itself "differed" with confidence 1."""
+    """Red-team round 6, t40, t44, t46, round 7 t30: an adapter recorded q (or v, z, mlp_out)
+    otherwise at the rows a forward computed, while what reads them (attention's z, o_proj's attn_out,
+    the residual add's resid_post) matches the reference there: the claim says the rows were not read
+    as recorded, with no engine confidence. Before, each operation "differed" with confidence 1."""
     with edited(traces, tmp_path / f"{point}.h5") as (cand, f):
         f[f"layers/1/{point}"][16:] = edit(f)
     found = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == kind]
@@ -762,7 +765,9 @@ def test_an_operation_whose_inputs_already_differ_in_their_bits_is_not_claimed_f
         if z_moved:
             f["layers/1/z"][...] = f["layers/1/z"][...] * (1 + 2e-6)
         rows = f["layers/1/attn_out"][...]          # another change in every element, no account of it
-        f["layers/1/attn_out"][...] = rows + np.random.default_rng(0).normal(size=rows.shape).astype(rows.dtype)
+        change = np.random.default_rng(0).normal(size=rows.shape).astype(rows.dtype)
+        f["layers/1/attn_out"][...] = rows + change
+        f["layers/1/resid_mid"][...] = f["layers/1/resid_mid"][...] + change        # the residual add took it
     (op,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
     assert (op["operation"], op["layer"], op["positions"][0]) == ("o_proj", 1, 0), op
     if z_moved:
@@ -838,8 +843,10 @@ def test_step_logits_made_otherwise_from_a_matching_row_are_named(tiny_llama, tm
 
 def test_rows_of_another_layer_under_this_layers_index_are_named(traces, tmp_path):
     """Layer 1's MLP output holds the reference's layer-2 rows (an adapter labelling layers one off, as
-    red-team round 5's t15 did): another layer's rows, not the MLP computing otherwise."""
+    red-team round 5's t15 did): another layer's rows, not the MLP computing otherwise; and the
+    residual add took the right ones (resid_post matches), so the recording's (round 7, t30)."""
     with edited(traces, tmp_path / "layer-off.h5") as (cand, f):
         f["layers/1/mlp_out"][:] = f["layers/2/mlp_out"][:]
     (op,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "operation_mismatch"]
-    assert (op["operation"], op["layer"], op["source_layer"], op["confidence"]) == ("MLP", 1, 2, 1.0), op
+    assert (op["operation"], op["layer"], op["source_layer"], op["read_by"]) == ("MLP", 1, 2, "resid_post"), op
+    assert op["confidence"] <= 0.3

@@ -162,3 +162,29 @@ def test_a_model_mixing_dense_layers_in_records_no_router_at_them(tmp_path):
         rows = np.searchsorted(tr.positions, np.arange(output.chunks[1].positions[0], len(output.prompt_ids)))
         assert (tr.point(0, "experts", rows) == DENSE_EXPERT).all() and not tr.point(0, "router_logits", rows).any()
         assert (tr.point(1, "experts", rows) >= 0).all() and tr.point(1, "router_logits", rows).any()
+
+
+def test_one_experts_mixing_weight_changed_is_named_by_the_rows_that_chose_it(moe, tmp_path, monkeypatch):
+    """Red-team round 7, t10b: at layer 1 the engine weighs expert 3 by 1.5 wherever a row chose it
+    (router logits and choices right): the rows that broke are exactly those, which the recorded
+    choices show. Before: "the operation itself differs, not at every position"."""
+    from types import SimpleNamespace
+
+    import kvdiff.engine.runner as runner
+
+    experts = runner.ModelRunner._experts
+
+    def heavier(i, layer, h, probes):
+        if i != 1:
+            return experts(i, layer, h, probes)
+        mix = layer.experts
+        weighed = lambda x, chosen, weights: mix(x, chosen, torch.where(chosen == 3, weights * 1.5, weights))
+        return experts(i, SimpleNamespace(router=layer.router, experts=weighed, shared_experts=layer.shared_experts),
+                       h, probes)
+
+    monkeypatch.setattr(runner.ModelRunner, "_experts", staticmethod(heavier))
+    report = kvdiff.compare(MESSAGES, model="tiny-qwen3-moe", strategy="none", max_new_tokens=4,
+                            out=tmp_path / "run").report.to_json()
+    (op,) = [d for d in report["diagnoses"] if d["kind"] == "operation_mismatch"]
+    assert (op["operation"], op["layer"], op["routed_expert"]) == ("MLP", 1, {"expert": 3, "first_choice": False}), op
+    assert op["confidence"] == 1.0 and "every broken row chose expert 3" in op["evidence"]

@@ -24,7 +24,7 @@ from kvdiff.analysis.operation import first_operation
 from kvdiff.analysis.rope import estimate_positions
 from kvdiff.analysis.search import Location
 from kvdiff.analysis.output_accounts import (FACTOR_ROWS, moved_rows, one_factor, output_factor, output_offset,
-                                             recorded_as, row_factors, stored_output, tested_rows)
+                                             recorded_as, routed_to, row_factors, stored_output, tested_rows)
 from kvdiff.analysis.tolerance import Tier
 
 _OWN_RULE = ("attention (", "RoPE", "K read from", "V read from", "attention norm", "MLP norm", "final norm", "between ",
@@ -118,6 +118,14 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
                "positions_inputs_match": m, "output_factor": None, "recorded_as": recorded,
                **({} if other_layer is None else {"source_layer": other_layer}),
                **({} if moved is None else {"source_positions": moved["sources"]})}
+    expert = routed_to(inputs, op.layer, broken, matching, out_tier != Tier.BITWISE) \
+        if op.tensor == "mlp_out" and n < m else None
+    details["routed_expert"] = None if expert is None else {"expert": expert[0], "first_choice": expert[1]}
+    if expert is not None:
+        how = f"expert {expert[0]}" + (" as its first choice" if expert[1] else "")
+        evidence += (f"; every broken row chose {how}, and every row that did differs (no other beyond tolerance): "
+                     f"that expert's weights or its mixing weight differ")
+        proof += f"; every broken row chose {how}, and every row that did differs"
     accounted = moved is not None or other_layer is not None        # rows of other positions or layers
     ref_rows, cand_rows = tested_rows(inputs, op.layer, op.tensor, cols)
     factor = None if accounted else output_factor(ref_rows, cand_rows)
@@ -174,7 +182,7 @@ def diagnose_operation(inputs: DiagnosisInputs, where: Location | None, rope_cla
     # be amplified past it); an exact account of every broken position is a proof of its own
     proved = (rotated is not None or passed is not None or weighted is not None or details["output_factor"] is not None
               or "row_factors" in details or "output_offset" in details or "source_positions" in details
-              or stored is not None or other_layer is not None or "head_map" in details)
+              or stored is not None or other_layer is not None or "head_map" in details or expert is not None)
     confidence = 1.0 if proved else n / m
     if not proved and carried[broken].all():      # no position with bitwise inputs proves the operation itself
         confidence = min(confidence, AMPLIFIED_CONFIDENCE)

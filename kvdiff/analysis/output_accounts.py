@@ -55,6 +55,28 @@ def moved_rows(inputs: DiagnosisInputs, layer: int | None, tensor: str, cols: np
             "shift": f" by {int(shifts[0]):+d}" if shifts.size == 1 else ""}
 
 
+def routed_to(inputs: DiagnosisInputs, layer: int | None, broken: np.ndarray, matching: np.ndarray,
+              moved: np.ndarray) -> tuple[int, bool] | None:
+    """(the expert, whether as the first choice) that every `broken` row chose, of the `matching` ones
+    where both runs chose the same experts, and whose every such row from the first broken one to the
+    last differs (`moved`: in its bits at least, a row it weighs little may stay within tolerance),
+    where one is; None without experts."""
+    if layer is None or "experts" not in inputs.comparison.points or layer not in inputs.comparison.layers:
+        return None
+    ref, cand = inputs.rows(layer, "experts")
+    rows = matching & (ref == cand).all(axis=1)
+    if not broken.any() or (broken & ~rows).any():
+        return None
+    span = np.flatnonzero(broken)
+    rows[:span[0]] = rows[span[-1] + 1:] = False
+    chosen = ref[rows].astype(np.int64)
+    for expert in np.unique(chosen[broken[rows]]):
+        for first, routed in ((False, (chosen == expert).any(axis=1)), (True, chosen[:, 0] == expert)):
+            if not (broken[rows] & ~routed).any() and moved[rows][routed].all():
+                return int(expert), first
+    return None
+
+
 def tested_rows(inputs: DiagnosisInputs, layer: int | None, tensor: str,
                 cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The reference's and the candidate's `tensor` rows at `cols` (up to FACTOR_ROWS), as recorded:

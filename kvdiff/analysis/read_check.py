@@ -8,8 +8,9 @@ those rows differ by far more than rounding, attention did not read them as reco
 holds other rows than attention read (an adapter that recorded another layer's, position's or
 tensor's rows), and the claim says so, with a confidence that no longer carries an engine bug. The
 same holds for the rows one operation reads at the same position: q (attention's output there, at
-a row that sees more than one key), k_pre_rope (k, its rotation) and z (attn_out, o_proj's output:
-an attention_mismatch or operation_mismatch of z whose attn_out matches).
+a row that sees more than one key), k_pre_rope (k, its rotation), z (attn_out, o_proj's output:
+an attention_mismatch or operation_mismatch of z whose attn_out matches), and attn_out and mlp_out
+(the residual add, or the post-norm, that takes them: resid_mid, resid_post).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvdiff.analysis.operation import attention_point
 
 KV_CLAIMS = ("cache_content_mismatch", "position_mismatch", "rope_mismatch")
 READ_LATER = ("k", "v", "kv_latent")        # read by attention at every later position too
+RESIDUAL_READERS = {"attn_out": ("attn_post_norm", "resid_mid"), "mlp_out": ("mlp_post_norm", "resid_post")}
 LARGE = 1e-4             # a difference this large (rel: about 1.4% of the rows' norm) moves what reads it
 UNREAD_CONFIDENCE = 0.3  # at most, for a claim the reading operation's output contradicts
 
@@ -52,6 +54,9 @@ def _reader(inputs: DiagnosisInputs, d: Diagnosis) -> tuple[tuple[str, ...], str
         return ("q",), attention, False
     if d.kind == "operation_mismatch" and tensor == "k_pre_rope":
         return ("k_pre_rope",), "k", False
+    if d.kind == "operation_mismatch" and tensor in RESIDUAL_READERS:
+        post, add = RESIDUAL_READERS[tensor]
+        return (tensor,), post if post in cmp.points else add, False
     if attention == "z" and (d.kind == "attention_mismatch" and d.details.get("side") != "reference"
                              or d.kind == "operation_mismatch" and tensor == "z"):
         return ("z",), "attn_out", False
