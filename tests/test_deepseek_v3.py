@@ -203,3 +203,22 @@ def test_an_expert_flips_router_margin_is_deepseeks_choice_sigmoid_plus_bias_in_
     assert d["router_margin"] == pytest.approx(float(choice[k - 1] - choice[k]), rel=1e-5)
     assert d["router_margin"] != pytest.approx(float(raw[k - 1] - raw[k]), rel=1e-2)
     assert "sigmoid of the logits plus the router's bias" in d["evidence"]
+
+
+def test_latents_kept_in_bfloat16_are_the_latent_projection_stored_so(deepseek, tmp_path, monkeypatch):
+    """Red-team round 7, t06: the engine rounds every layer's latent (what the cache holds) to
+    bfloat16; kv_latent had no operation, so nothing was claimed past a norm verdict."""
+    import kvdiff.engine.adapters as adapters
+
+    qkv = adapters.DeepseekV3Adapter.qkv
+
+    def rounded(self, layer, h):
+        q, k, latent = qkv(self, layer, h)
+        return q, k, latent.to(torch.bfloat16).to(latent.dtype)
+
+    monkeypatch.setattr(adapters.DeepseekV3Adapter, "qkv", rounded)
+    report = kvdiff.compare(MESSAGES, model="tiny-deepseek-v3", strategy="none", max_new_tokens=4,
+                            out=tmp_path / "run").report.to_json()
+    assert report["first_operation"]["operation"].startswith("latent projection")
+    (op,) = [d for d in report["diagnoses"] if d["kind"] == "operation_mismatch"]
+    assert (op["tensor"], op["layer"], op["rounding"], op["confidence"]) == ("kv_latent", 0, "bfloat16", 1.0), op

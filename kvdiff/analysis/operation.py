@@ -28,6 +28,7 @@ OPERATIONS: dict[str, tuple[str, tuple[tuple[str, int], ...]]] = {
     "k_pre_rope": ("k projection (k-norm)", (("attn_norm", 0),)),
     "k": ("RoPE on k", (("k_pre_rope", 0),)),
     "v": ("v projection", (("attn_norm", 0),)),
+    "kv_latent": ("latent projection (kv_a_proj, kv_a_layernorm)", (("attn_norm", 0),)),
     "attn_sinks": ("attention sinks (the layer's learned per-head logits)", ()),
     "z": ("attention (softmax(q k^T) v)", (("q", 0), ("k", 0), ("v", 0))),
     "attn_out": ("attention (softmax(q k^T) v, o_proj)", (("q", 0), ("k", 0), ("v", 0))),
@@ -167,6 +168,8 @@ def first_operation(comparison: Comparison, where: Location | None) -> Operation
         name, sources = O_PROJ
     if where.tensor == attention and "attn_sinks" in comparison.points:
         sources = sources + (("attn_sinks", 0),)
+    if "kv_latent" in comparison.points:      # latent attention: attention reads the latent, not v
+        sources = tuple(("kv_latent", offset) if point == "v" else (point, offset) for point, offset in sources)
     layers = comparison.layers
     checks = []
     for point, offset in sources:
@@ -181,7 +184,7 @@ def first_operation(comparison: Comparison, where: Location | None) -> Operation
                 continue
             layer = layers[index]
         checks.append(_input_check(comparison, point, layer, where.position,
-                                   every_earlier=where.tensor == attention and point in ("k", "v")))
+                                   every_earlier=where.tensor == attention and point in ("k", "v", "kv_latent")))
     if where.tensor == "resid_pre" and where.layer == 0:
         name, checks = "embedding", []
     proved = all(c.tier in MATCHING for c in checks)
