@@ -776,6 +776,20 @@ def test_an_operation_whose_inputs_already_differ_in_their_bits_is_not_claimed_f
         assert op["confidence"] == 1.0 and "amplified" not in op["evidence"]
 
 
+def test_norm_statistics_of_another_position_are_the_recordings_not_rounding(traces, tmp_path):
+    """Red-team round 7, t31: an adapter took mlp_norm's input statistics from the previous position's
+    row; the statistics are not those of the trace's own recorded input rows, which the trace shows by
+    itself. Before: "inputs within tolerance but not equal ... the same norm turns those small input
+    differences into these", confidence 1."""
+    with edited(traces, tmp_path / "stats-late.h5") as (cand, f):
+        f["layers/1/resid_mid"][...] = f["layers/1/resid_mid"][...] * np.float32(1 + 3e-7)     # inputs: noise apart
+        for stat in ("input_rms", "max_abs", "mean", "variance"):
+            rows = f[f"layers/1/norm_stats/mlp_norm/{stat}"][...]
+            f[f"layers/1/norm_stats/mlp_norm/{stat}"][1:] = rows[:-1]
+    (nc,) = [d for d in kvdiff.diff(traces["reference"], cand).to_json()["diagnoses"] if d["kind"] == "norm_consistency"]
+    assert (nc["source"], nc["explained_by_input_rounding"]) == ("recording", 0) and nc["rows_match"] > 0, nc
+
+
 def test_computed_values_stored_in_bfloat16_are_named_so(traces, tmp_path):
     """Red-team round 5, t71: the rows a forward computed, V stored through bfloat16 (K right)."""
     with edited(traces, tmp_path / "v-bf16.h5") as (cand, f):

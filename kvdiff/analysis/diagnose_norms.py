@@ -33,11 +33,14 @@ def _rounded_inputs(check: NormCheck, differ: np.ndarray) -> np.ndarray:
 
 
 def _rows_match(check: NormCheck, differ: np.ndarray) -> np.ndarray:
-    """Of the positions where `check`'s statistics differ, unexplained by its inputs (`_rounded_inputs`:
-    float rounding of a narrower format is), those where its recorded input and output rows both
-    match the reference's: the statistics are not of those rows."""
+    """Of the positions where `check`'s statistics differ, those whose statistics are not of the rows
+    recorded: a trace's statistics that are not its own rows' (another position's or tensor's), or,
+    unexplained by rounding (`_rounded_inputs`), where the norm's input and output rows both match
+    the reference's."""
     ok = lambda tier: (tier == Tier.BITWISE) | (tier == Tier.NOISE)
-    return differ & ~_rounded_inputs(check, differ) & ok(check.input_tier) & ok(check.output_tier)
+    own = [~of for of in (check.ref_stats_of_rows, check.cand_stats_of_rows) if of is not None]
+    not_of_rows = np.logical_or.reduce(own) if own else np.zeros_like(differ)
+    return differ & (not_of_rows | ~_rounded_inputs(check, differ) & ok(check.input_tier) & ok(check.output_tier))
 
 
 def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
@@ -49,8 +52,8 @@ def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
     differ = [(c, (c.stats_differ if c.stats_differ is not None else c.output_tier == Tier.DIVERGENT) & comparable)
               for c in checks]
     n_differ = sum(int(d.sum()) for _, d in differ)
-    from_inputs = sum(int((d & (c.input_tier == Tier.DIVERGENT)).sum()) for c, d in differ)
-    from_rounding = sum(int(_rounded_inputs(c, d).sum()) for c, d in differ)
+    from_inputs = sum(int((d & (c.input_tier == Tier.DIVERGENT) & ~_rows_match(c, d)).sum()) for c, d in differ)
+    from_rounding = sum(int((_rounded_inputs(c, d) & ~_rows_match(c, d)).sum()) for c, d in differ)
     rows_match = sum(int(_rows_match(c, d).sum()) for c, d in differ)
     bad_ref = _inconsistent(checks, "ref", comparable)
     bad_cand = _inconsistent(checks, "cand", comparable)
@@ -91,9 +94,10 @@ def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
                          f"the same weight and eps and recompute their norms exactly: the same norm turns those "
                          f"small input differences into these")
         if rows_match:
-            parts.append(f"{rows_match} differ where the norm's recorded input and output rows both match the "
-                         f"reference's: those statistics were not taken of those rows (a recording mistake, such as an "
-                         f"adapter's), not a norm that differs")
+            parts.append(f"{rows_match} differ where they are not the statistics of the rows the trace recorded "
+                         f"(of its own norm input and output there, or where those match the reference's): those "
+                         f"statistics were not taken of those rows (a recording mistake, such as an adapter's), not a "
+                         f"norm that differs")
         if from_inputs + from_rounding + rows_match < n_differ:
             parts.append(f"{n_differ - from_inputs - from_rounding - rows_match} differ with matching inputs: the norm "
                          f"itself differs there")

@@ -45,6 +45,10 @@ class NormCheck:
     stats_differ: np.ndarray | None         # bool (P,): a recorded statistic differs beyond tolerance
     differing_stats: list[str]              # names of the statistics that differ somewhere
     same_norm: bool | None                  # both traces declare the same weight and eps (None: unknown)
+    # bool (P,): each trace's recorded statistics are those of its own recorded rows (input_rms,
+    # max_abs, output_rms; None where a trace holds no statistics)
+    ref_stats_of_rows: np.ndarray | None = None
+    cand_stats_of_rows: np.ndarray | None = None
 
 
 def recompute_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, dtype: str) -> np.ndarray:
@@ -120,10 +124,33 @@ class NormChecker:
         cand_rel, cand_ok = self._recompute(self._weights[1], cand_io)
         input_tier = row_metrics(ref_io[0], cand_io[0]).tiers(self.tolerances.for_point(self._input_point))
         output_tier = row_metrics(ref_io[1], cand_io[1]).tiers(self.tolerances.for_point(self.norm))
-        self._blocks.append((ref_rel, cand_rel, ref_ok, cand_ok, input_tier, output_tier))
+        self._blocks.append((ref_rel, cand_rel, ref_ok, cand_ok, input_tier, output_tier, _row_stats(ref_io),
+                             _row_stats(cand_io)))
 
     def finish(self, ref_stats: dict | None, cand_stats: dict | None, alignment: Alignment) -> NormCheck:
         """The NormCheck over every block added, in order, with the recorded statistics compared."""
         joined = [None if parts[0] is None else np.concatenate(parts) for parts in zip(*self._blocks)]
         differ, names = _stats_differ(ref_stats, cand_stats, alignment, self.tolerances, self.norm)
-        return NormCheck(self.layer, self.norm, *joined, differ, names, same_norm(*self._weights))
+        of_rows = (_stats_of_rows(stats, rows, index) for stats, rows, index in
+                   ((ref_stats, joined[6], alignment.ref_index), (cand_stats, joined[7], alignment.cand_index)))
+        return NormCheck(self.layer, self.norm, *joined[:6], differ, names, same_norm(*self._weights), *of_rows)
+
+
+ROW_STATS = ("input_rms", "max_abs", "output_rms")      # the statistics checked against the rows recorded
+STATS_OF_ROWS = 1e-5                                    # relative: float32 rows hold a statistic to ~1e-7 of itself
+
+
+def _row_stats(io: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """ROW_STATS of a block's recorded (input, output) rows, float64: (rows, 3)."""
+    x, y = (np.asarray(rows, dtype=np.float64).reshape(len(rows), -1) for rows in io)
+    return np.stack([np.sqrt((x * x).mean(1)), np.abs(x).max(1, initial=0.0), np.sqrt((y * y).mean(1))], axis=1)
+
+
+def _stats_of_rows(stats: dict | None, rows: np.ndarray, index: np.ndarray) -> np.ndarray | None:
+    """Per aligned position, whether a trace's recorded statistics are those of its recorded rows."""
+    if not stats or any(name not in stats for name in ROW_STATS):
+        return None
+    recorded = np.stack([np.asarray(stats[name][index], dtype=np.float64) for name in ROW_STATS], axis=1)
+    with np.errstate(invalid="ignore"):
+        close = np.abs(recorded - rows) <= STATS_OF_ROWS * np.maximum(np.abs(rows), 1e-30)
+    return (close | (np.isnan(recorded) & np.isnan(rows))).all(axis=1)
