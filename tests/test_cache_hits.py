@@ -197,3 +197,28 @@ def test_the_reader_refuses_kv_only_positions_that_break_the_format(tmp_path, ch
         change(f)
     with pytest.raises(TraceError, match=words):
         open_trace(path)
+
+
+def test_keys_stored_otherwise_after_their_forward_are_the_engines_when_later_readers_differ(tmp_path, monkeypatch):
+    """Red-team round 7, t89: rerotate's placed keys of layer 1 rotated one position too far. The
+    forward that computed them read them right (its z matches), the later forwards that read the
+    placed keys differ, outside the zoom window (by their digests): the keys are the engine's, not a
+    recording. Before, only the window's readers were asked and the claim was called a recording."""
+    import kvdiff.engine.runner as runner
+
+    place = runner.ModelRunner.place
+
+    def one_too_far(self, src, dst, delta):
+        place(self, src, dst, delta)
+        k, v = self.pool.rows(1, dst)
+        cos, sin = self.adapter.rope(self.pool.k[0][:1], torch.ones_like(delta), self.adapter.layers[1].rope_kind)
+        self.pool.write(1, dst, runner.rerotate_keys(k, cos.to(k.device), sin.to(k.device)), v)
+
+    monkeypatch.setattr(runner.ModelRunner, "place", one_too_far)
+    system = " ".join(f"Rule {i}: answer politely and briefly, in French." for i in range(40))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What is the capital of France?"}]
+    report = kvdiff.compare(messages, model="tiny-llama", strategy="rerotate", max_new_tokens=4,
+                            out=tmp_path / "run").report.to_json()
+    cc = [d for d in report["diagnoses"] if d["kind"] == "cache_content_mismatch" and d["layer"] == 1]
+    assert cc and cc[0]["k_rotation"]["encoded_positions"][0] == cc[0]["positions"][0] + 1, cc
+    assert "read_downstream" not in cc[0] and cc[0]["confidence"] == 1.0, cc

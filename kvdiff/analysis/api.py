@@ -122,7 +122,7 @@ def _diff_open(ref: TraceReader, cand: TraceReader, baseline: TraceReader | None
     rope_claimed = any(d.kind in ("position_mismatch", "rope_mismatch") for d in diagnoses)
     diagnoses = (diagnoses + diagnose_operation(inputs, window_div, rope_claimed) + diagnose_norms(inputs)
                  + ([] if unsized else diagnose_noise(inputs, first_bit, first_div)))
-    diagnoses = consistent(checked_reads(inputs, diagnoses))     # of two contradicting claims, the stronger
+    diagnoses = consistent(checked_reads(inputs, diagnoses, whole))     # of two contradicting claims, the stronger
     diagnoses.sort(key=lambda d: d.positions[0] if d.positions else -1)
     td = whole.alignment.first_token_divergence
     token_loc = None

@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvdiff.analysis.attention_fit import QUICK_ROWS, AttentionTest, Hypothesis, Score, causal
+from kvdiff.analysis.attention_fit import QUICK_ROWS, AttentionTest, Hypothesis, Score, causal, in_window
 
 # Keys (and span ends) tried as hidden ones: every earlier key up to this many, else a chosen set.
 ALL_KEYS_UP_TO = 96
@@ -195,7 +195,7 @@ def moved_blocks(first: int) -> list[Hypothesis]:
 
 
 def sliding_window(w: int) -> Callable[[int, int], np.ndarray]:
-    return lambda row, n: causal(row, n) & (np.arange(n) > row - w)
+    return lambda row, n: causal(row, n) & in_window(row, n, w)
 
 
 def window_candidates(first: int) -> list[int]:

@@ -61,8 +61,9 @@ def diagnose_cache_layers(inputs: DiagnosisInputs) -> list[Diagnosis]:
     return (_claims(inputs, points, *found) if found is not None else []) + _computed_otherwise(inputs, points)
 
 
-_CACHED = "whose K/V came from the cache"
-_COMPUTED = "whose K/V the candidate computed from inputs that match the reference's (attn_norm, q, k_pre_rope)"
+def _whose(cached: bool) -> str:
+    return ("whose K/V came from the cache" if cached else
+            "whose K/V the candidate computed from inputs that match the reference's (attn_norm, q, k_pre_rope)")
 
 
 def _computed_otherwise(inputs: DiagnosisInputs, points: list[str]) -> list[Diagnosis]:
@@ -81,7 +82,7 @@ def _computed_otherwise(inputs: DiagnosisInputs, points: list[str]) -> list[Diag
         bad = inputs.divergent("k", row)
         cols = np.flatnonzero(cols & (False if bad is None else bad))
         if cols.size:
-            return _claims(inputs, points, row, cols, _COMPUTED)
+            return _claims(inputs, points, row, cols, cached=False)
     return []
 
 
@@ -92,13 +93,13 @@ def explains(inputs: DiagnosisInputs, row: int, cols: np.ndarray) -> bool:
 
 
 def _claims(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarray,
-            whose: str = _CACHED) -> list[Diagnosis]:
-    """The accounts of the K/V rows at `cols` of layer row `row` (`whose`: read from the cache, or computed)."""
+            cached: bool = True) -> list[Diagnosis]:
+    """The accounts of the K/V rows at `cols` of layer row `row` (`cached`: read from the cache, else computed)."""
     layer, before = inputs.comparison.layers[row], inputs.comparison.layers[row - 1]
     source = source_layer(inputs, points, row, cols)
     if source is None:
-        return _other_heads(inputs, points, row, cols, before, whose) or \
-            _stored_otherwise(inputs, points, row, cols, whose)
+        return _other_heads(inputs, points, row, cols, before, cached) or \
+            _stored_otherwise(inputs, points, row, cols, cached)
     al = inputs.comparison.alignment
     out = []
     for chunk, group in group_by_chunk(inputs, al.positions[cols]):
@@ -108,8 +109,8 @@ def _claims(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarr
         for point in points:
             max_abs, rel = inputs.worst(point, row, gcols)
             parts.append(f"{point} differs (max_abs {fmt(max_abs)}, rel {fmt(rel)})")
-        evidence = (f"layer {layer}, positions {span_text(lo, hi)} {whose}: {' and '.join(parts)}"
-                    f"{_before(whose, before)}; the candidate's {' and '.join(points)} rows there equal the "
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)} {_whose(cached)}: {' and '.join(parts)}"
+                    f"{_before(cached, before)}; the candidate's {' and '.join(points)} rows there equal the "
                     f"reference's of layer {source} at the same positions exactly: the cache's layer {layer} holds "
                     f"layer {source}'s K/V (a layer index off where the cache was written or read)")
         proof = (f"{' and '.join(points)} at layer {layer} equal the reference's at layer {source} at all {gcols.size} "
@@ -121,12 +122,12 @@ def _claims(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarr
     return out
 
 
-def _before(whose: str, before: int) -> str:
-    return f" while at layer {before} they match" if whose == _CACHED else ""
+def _before(cached: bool, before: int) -> str:
+    return f" while at layer {before} they match" if cached else ""
 
 
 def _other_heads(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarray,
-                 before: int, whose: str) -> list[Diagnosis]:
+                 before: int, cached: bool) -> list[Diagnosis]:
     """Cached K/V whose KV heads are the reference's heads of the same layer in another arrangement
     (`head_map`: one head's rows in another's place, or duplicated), exactly, at every differing
     row; nothing where they are not."""
@@ -148,8 +149,8 @@ def _other_heads(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.
         gcols = cols[np.isin(al.positions[cols], group)]
         lo, hi = int(group[0]), int(group[-1])
         held = ", ".join(f"head {i} holds head {mapped[i]}'s" for i in moved)
-        evidence = (f"layer {layer}, positions {span_text(lo, hi)} {whose}: "
-                    f"{' and '.join(maps)} differ{_before(whose, before)}; each of their KV heads equals one of "
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)} {_whose(cached)}: "
+                    f"{' and '.join(maps)} differ{_before(cached, before)}; each of their KV heads equals one of "
                     f"the reference's heads of this layer exactly, but not its own ({held} rows): the cache's KV heads "
                     f"at layer {layer} are arranged otherwise (a head index off where the cache was written or read)")
         proof = (f"{' and '.join(maps)} at layer {layer}: each candidate head i equals the reference's head "
@@ -162,7 +163,7 @@ def _other_heads(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.
 
 
 def _stored_otherwise(inputs: DiagnosisInputs, points: list[str], row: int, cols: np.ndarray,
-                      whose: str) -> list[Diagnosis]:
+                      cached: bool) -> list[Diagnosis]:
     """Cached rows whose K/V at this layer differ in a way other hidden states do not give: K and V in
     each other's place, one of k and v differing while the other matches (a hidden state moves both),
     or every differing one the reference's in a narrower format, another element order or scaled per
@@ -198,19 +199,19 @@ def _stored_otherwise(inputs: DiagnosisInputs, points: list[str], row: int, cols
                              f"(encoded at {turn['encoded_positions'][0]}..{turn['encoded_positions'][1]}, exact "
                              f"rotations){times}")
         both = moved is not None or "swapped_kv" in details        # one account of k and v together
-        if len(found) < len(differ) and len(differ) > 1 and not both or not found and whose != _CACHED:
+        if len(found) < len(differ) and len(differ) > 1 and not both or not found and not cached:
             continue
-        if len(differ) == 1 and not found and whose == _CACHED:
+        if len(differ) == 1 and not found and cached:
             other = next(p for p in points if p != differ[0])
             found.append(f"its {differ[0]} rows differ while its {other} rows match: other hidden states would move "
                          f"both, so the {differ[0]} rows were stored or transformed otherwise")
         lo, hi = int(group[0]), int(group[-1])
-        evidence = (f"layer {layer}, positions {span_text(lo, hi)} {whose}: "
-                    + ("they match the reference at the layer before, and " if whose == _CACHED else "")
+        evidence = (f"layer {layer}, positions {span_text(lo, hi)} {_whose(cached)}: "
+                    + ("they match the reference at the layer before, and " if cached else "")
                     + f"at layer {layer} {' and '.join(differ)} differ: " + "; ".join(found))
         out.append(Diagnosis("cache_content_mismatch", chunk, (lo, hi), evidence, details, confidence=1.0,
                              proof=f"{' and '.join(differ)} divergent at layer {layer} at {gcols.size} rows "
-                                   + ("read from the cache; " if whose == _CACHED else "the candidate computed; ")
+                                   + ("read from the cache; " if cached else "the candidate computed; ")
                                    + "; ".join(found)))
     return out
 

@@ -25,6 +25,8 @@ def recorded_as(inputs: DiagnosisInputs, op, cols: np.ndarray) -> str | None:
     al, cols = inputs.comparison.alignment, cols[:FACTOR_ROWS]
     cand = inputs.candidate.point(layer, tensor, al.cand_index[cols])
     ref = inputs.reference.point(layer, tensor, al.ref_index[cols])
+    if not cand.any():          # zero rows equal any other zero rows: RoPE of a zeroed key is its input
+        return None
     for other, pmap in inputs.comparison.points.items():
         if other in skip or layer not in pmap.layers:
             continue
