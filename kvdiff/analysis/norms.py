@@ -142,6 +142,8 @@ STATS_OF_ROWS = 1e-5                                    # relative: float32 rows
 
 def _row_stats(io: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """ROW_STATS of a block's recorded (input, output) rows, float64: (rows, 3)."""
+    if not len(io[0]):
+        return np.zeros((0, len(ROW_STATS)))
     x, y = (np.asarray(rows, dtype=np.float64).reshape(len(rows), -1) for rows in io)
     return np.stack([np.sqrt((x * x).mean(1)), np.abs(x).max(1, initial=0.0), np.sqrt((y * y).mean(1))], axis=1)
 
