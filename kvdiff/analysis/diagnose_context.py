@@ -32,13 +32,13 @@ import numpy as np
 
 from kvdiff.analysis.attention import differing_heads, span_attention
 from kvdiff.analysis.attention_fit import AttentionRows, AttentionTest
+from kvdiff.analysis.attention_rounding import output_rounded, rounding_note
 from kvdiff.analysis.attention_verdict import Verdict, explain, explain_reference
 from kvdiff.analysis.diagnosis import Diagnosis, DiagnosisInputs, fmt, group_by_chunk, runs, span_text
 from kvdiff.analysis.latent import attention_points, attention_rows, rope_columns, value_point
 from kvdiff.analysis.operation import attention_point
-from kvdiff.analysis.output_accounts import FACTOR_ROWS, moved_rows, tested_rows
+from kvdiff.analysis.output_accounts import FACTOR_ROWS, moved_rows
 from kvdiff.analysis.rope import frame_shift, rotate
-from kvdiff.analysis.storage import UNIT_ROUNDOFF, round_to, rounding
 from kvdiff.analysis.diagnose_cached_context import diagnose_missing_context_in_cache  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -194,16 +194,14 @@ def _emit(inputs: DiagnosisInputs, row: int, cols: np.ndarray, verdict: Verdict 
         found = (f"; its rows are, exactly, the reference's {point} rows of other positions ({moved['text']}): "
                  f"attention's results written to other rows (an output index off{moved['shift']}), not computed "
                  f"otherwise")
-    elif point == "z" and (stored := rounding(*(zs := tested_rows(inputs, layer, point, cols))))[0] is not None:
-        left = np.linalg.norm(zs[1] - round_to(zs[0], stored[0])) / max(float(np.linalg.norm(zs[1] - zs[0])), 1e-300)
-        details.update(explanation="output rounded", rounding=stored[0], fit_residual=float(left))
-        found = (f": its z rows are the reference's rounded to {stored[0]} ({100 * stored[1]:.1f}% of the elements "
-                 f"exactly, the rest within one {stored[0]} step), attention's output kept in {stored[0]} before o_proj")
+    elif point == "z" and (rounded := output_rounded(inputs, layer, cols)) is not None:
+        details.update(rounded[0])
+        found = rounded[1]
     else:
         found = ("; no tested explanation (hidden keys, another scale, a sliding window, the next key or every later key "
                  "of the forward visible, its own key hidden, the KV heads tiled, a soft-cap, keys never written to the "
                  "cache, K and V swapped, the mask offset, the sinks left out) accounts for it"
-                 if verdict is not None else "") + _rounding_note(inputs, attn_rel, details)
+                 if verdict is not None else "") + rounding_note(inputs, attn_rel, details)
     itself = "(mask, scale or softmax)" if point == "z" else "(mask, scale, softmax or o_proj)"
     if heads is not None and h is None:
         itself = "of those heads (the K/V their KV head read from the cache, or their mask or softmax)"
@@ -234,7 +232,7 @@ def _emit_reference(inputs: DiagnosisInputs, row: int, cols: np.ndarray, own: Ve
         found = (f"; {h.text} explains the reference's (leaves {fmt(verdict.best.residual)} of the change unexplained"
                  f"{_same_note(verdict)})")
     else:
-        found = "; no tested explanation accounts for the reference's" + _rounding_note(inputs, attn_rel, details)
+        found = "; no tested explanation accounts for the reference's" + rounding_note(inputs, attn_rel, details)
     evidence = (f"{where}: q, k and v match the reference "
                 f"where attention read them, but {point} differs (rel {fmt(attn_rel)}), and it is the reference's attention "
                 f"that departs from the model's: the candidate's {point} is its own q, k and v attended as the model does "
@@ -242,25 +240,6 @@ def _emit_reference(inputs: DiagnosisInputs, row: int, cols: np.ndarray, own: Ve
     proof = (f"{own.proof()}; {verdict.proof()}")
     return Diagnosis("attention_mismatch", chunk, (int(positions[cols[0]]), int(positions[cols[-1]])), evidence,
                      details, confidence=verdict.confidence if h is not None else 1.0, proof=proof)
-
-
-def _rounding_note(inputs: DiagnosisInputs, attn_rel: float, details: dict) -> str:
-    """Where float32 traces' attention outputs differ by about what rounding to a narrower format
-    moves a row: say so (a kernel computing in it, such as a flash-attention kernel, would). `rel` is the squared
-    norm of the difference over the rows' (twice the relative norm difference squared)."""
-    if {inputs.reference.meta.dtype, inputs.candidate.meta.dtype} != {"float32"} or not np.isfinite(attn_rel):
-        return ""
-    size = float(np.sqrt(2 * attn_rel))
-    fits = [(name, roundoff) for name, roundoff in UNIT_ROUNDOFF if roundoff / 16 <= size <= 4 * roundoff]
-    if not fits:
-        return ""
-    details["rounding_size"] = fits[0][0]
-    names = " or ".join(name for name, _ in fits)
-    units = ", ".join(f"{name}'s unit roundoff {fmt(roundoff)}" for name, roundoff in fits)
-    return (f"; the difference is as large as rounding to {names} makes it (relative {fmt(size)}; {units}): attention "
-            f"computed in {names}, or K/V stored in it (a flash-attention kernel, a narrower cache), would differ by as "
-            f"much, a size the data show, not a cause they prove (a small bias on the scores may be as large)"
-            + ("; the data do not tell which format" if len(fits) > 1 else ""))
 
 
 def diagnose_missing_context(inputs: DiagnosisInputs) -> list[Diagnosis]:
