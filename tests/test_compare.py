@@ -280,3 +280,12 @@ def test_a_zoom_window_past_its_start_keeps_the_keys_attention_read_where_attent
     assert zoom_window(first_pass("z", 100, 700), 4).keys is None          # the window starts at 0
     far = MAX_KEY_POSITIONS + 10
     assert zoom_window(first_pass("z", far, far + 20), 4).keys is None
+    # red-team round 7, t04b: the window placed by a later breach (a router at layer 3) whose first
+    # differing layer parts first at attention's output keeps the keys too
+    later = first_pass("z", 600, 700)
+    tiers = np.full((4, 700), Tier.BITWISE, dtype=np.int8)
+    tiers[3, 600:] = Tier.DIVERGENT
+    later.comparison.points["router_logits"] = SimpleNamespace(layers=list(range(4)), tier=tiers)
+    later.first_divergence = Location(3, 600, "router_logits", None, Tier.DIVERGENT.label, 1.0, 1.0, None)
+    later.first_bit_difference = Location(1, 600, "z", None, Tier.NOISE.label, 1e-7, 1e-9, None)
+    assert zoom_window(later, 4).keys == (0, 599)

@@ -153,3 +153,24 @@ def test_a_router_boosting_one_expert_at_one_token_is_named_expert_flip(gpt_oss,
     assert d["candidate_experts"] == [int(ranked[2]), int(ranked[0])]
     assert d["router_margin"] == pytest.approx(float(logits[ranked[1]] - logits[ranked[2]]), rel=1e-6)
     assert report["first_divergence"]["tensor"] == "router_logits" and report["first_divergence"]["layer"] == layer
+
+
+def test_sink_logits_scaled_in_decode_steps_are_named_with_their_factor(tmp_path, monkeypatch):
+    """Red-team round 7, t04b: decode steps scaled every layer's sink logits by 20 (the recorded
+    attn_sinks right). The fitted factor on the sinks explains attention's rows; before, nothing did,
+    and o_proj of the next layer was blamed for the carried difference."""
+    import kvdiff.engine.attention_plan as plan
+
+    attend = plan.ForwardAttention.attend
+
+    def scaled(self, pool, layer, window, q, scale, sinks=None):
+        if sinks is not None and q.shape[0] == 1:
+            sinks = sinks * 20
+        return attend(self, pool, layer, window, q, scale, sinks)
+
+    monkeypatch.setattr(plan.ForwardAttention, "attend", scaled)
+    report = kvdiff.compare(SEED_MESSAGES, model="tiny-gpt-oss", strategy="none", max_new_tokens=4,
+                            out=tmp_path / "run").report.to_json()
+    found = [d for d in report["diagnoses"] if d["kind"] == "attention_mismatch" and d.get("explanation")]
+    assert found and found[0]["explanation"] == "sinks scaled", report["diagnoses"]
+    assert found[0]["sink_scale"] == pytest.approx(20, rel=1e-3) and found[0]["layer"] == 0

@@ -55,7 +55,7 @@ class Hypothesis:
     moved: Callable[[int], np.ndarray] | None = None
     shift: int | None = None                   # "shifted writes": row r's K/V written at slot r + shift
     block: tuple | None = None                 # "moved block": (block size, slots (first, last), rows held (first, last))
-    sinks: bool = True                         # the rows' sink logits in the softmax, where they have them
+    sinks: float | None = 1.0                  # the rows' sink logits in the softmax times this (None: left out)
     own_window: bool = False                   # `visible` replaces the layer's sliding window (its own, or none)
 
     def fields(self) -> dict:
@@ -63,7 +63,8 @@ class Hypothesis:
         by_name = {"scale": {"scale_factor": self.scale}, "window": {"window": self.window},
                    "kv heads": {"kv_head_of_query_head": list(self.kv_heads or ())}, "softcap": {"softcap": self.softcap},
                    "zeroed": {"since": self.since, "own_key_zeroed": self.own_zeroed},
-                   "not cached": {"since": self.since}, "lagged mask": {"mask_lag": self.lag},
+                   "not cached": {"since": self.since}, "lagged mask": {"mask_lag": self.lag}, "sinks scaled":
+                   {"sink_scale": self.sinks},
                    "shifted writes": {"since": self.since, "write_shift": self.shift},
                    "moved block": {} if self.block is None else
                    {"block_size": self.block[0], "slots": list(self.block[1]), "holds": list(self.block[2])}}
@@ -108,20 +109,19 @@ class AttentionRows:
             out[heads] = q @ self.k[:n_keys, g, :].T.astype(np.float64, copy=False)
         return out
 
-    def attend(self, row: int, raw: np.ndarray, visible: np.ndarray, scale: float,
-               kv_heads: tuple[int, ...] | None = None, softcap: float | None = None,
-               zeroed: np.ndarray | None = None, values: np.ndarray | None = None, sinks: bool = True) -> np.ndarray:
-        """Softmax over the visible keys, times v: the attention output before o_proj, (heads * dv,).
-        `zeroed` keys are read as zero rows: score 0 in the softmax, nothing added by their value;
-        `values`: the v row each key reads (default the key's own: rows 0..n-1); `sinks`: each head's
-        sink logit (where the rows have them) one more term of the softmax's denominator, with no value."""
+    def attend(self, row: int, raw: np.ndarray, visible: np.ndarray, scale: float, softcap: float | None = None,
+               kv_heads: tuple[int, ...] | None = None, zeroed: np.ndarray | None = None,
+               values: np.ndarray | None = None, sinks: float | None = 1.0) -> np.ndarray:
+        """Softmax over the visible keys, times v: the attention output before o_proj, (heads * dv,). `zeroed`
+        keys read as zero rows (score 0, no value added); `values`: the v row each key reads (default its own);
+        `sinks`: times each head's sink logit (None: none), one more term of the softmax's denominator."""
         heads, d, n = self.q.shape[1], self.v.shape[2], raw.shape[1]
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             s = raw * (self.scale * scale)
             if zeroed is not None:
                 s[:, zeroed] = 0.0
             s = np.where(visible[None, :], s if softcap is None else softcap * np.tanh(s / softcap), -np.inf)
-            sink = self.sinks[row].astype(np.float64) if sinks and self.sinks is not None else None
+            sink = self.sinks[row].astype(np.float64) * sinks if sinks is not None and self.sinks is not None else None
             top = s.max(axis=1, keepdims=True) if sink is None else np.maximum(s.max(axis=1), sink)[:, None]
             s -= top
             w = np.exp(s)
@@ -241,7 +241,7 @@ class AttentionTest:
         rows, window = self.keys_and_values(h.swapped), None if h.own_window else self.window
         return np.stack([rows.attend(r, self.scores(r, n, h.kv_heads, h.swapped),
                                      h.visible(r, n) & in_window(r, n, window), h.scale,
-                                     h.kv_heads, h.softcap, None if h.zeroed is None else h.zeroed(r, n), sinks=h.sinks)
+                                     h.softcap, h.kv_heads, None if h.zeroed is None else h.zeroed(r, n), sinks=h.sinks)
                           for r, n in zip(self.rows, keys)])
 
     def _untestable(self) -> np.ndarray:

@@ -95,7 +95,7 @@ def hypotheses(first: int, boundaries: list[int], chunk_start: Callable[[int], i
                           "values from k)", causal, swapped=True))
     if sinks:
         out.append(Hypothesis("no sinks", "every earlier position attended without the heads' sink logits in the "
-                              "softmax (the attention sinks left out)", causal, sinks=False))
+                              "softmax (the attention sinks left out)", causal, sinks=None))
     query, kv = heads
     if 1 < kv < query:
         out.append(Hypothesis("kv heads", f"query head h reading KV head h mod {kv} (the KV heads tiled) where the "
@@ -208,6 +208,12 @@ def window_candidates(first: int) -> list[int]:
 def fit_scale(test: AttentionTest, lo: float = 0.25, hi: float = 4.0) -> Score:
     """The softmax scale factor that explains the rows best (`_fitted`)."""
     return _fitted(test, lambda s: Hypothesis("scale", f"softmax scale x{s:.4g}", causal, scale=float(s)), lo, hi)
+
+
+def fit_sinks(test: AttentionTest, lo: float = 1 / 64, hi: float = 64.0) -> Score:
+    """The factor on the heads' sink logits that explains the rows best (`_fitted`), where they have sinks."""
+    return _fitted(test, lambda f: Hypothesis("sinks scaled", f"the heads' sink logits scaled by {f:.4g}", causal,
+                                               sinks=float(f)), lo, hi)
 
 
 def fit_softcap(test: AttentionTest, lo: float = 0.5, hi: float = SOFTCAP_HI) -> Score:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kvdiff.analysis.attention_fit import UNRECORDED, AttentionTest, RecordedOutput, Score
-from kvdiff.analysis.attention_hypotheses import (SOFTCAP_HI, finalists, fit_scale, fit_softcap, fit_window, hidden_span,
-                                                  hypotheses, moved_blocks)
+from kvdiff.analysis.attention_hypotheses import (SOFTCAP_HI, finalists, fit_scale, fit_sinks, fit_softcap, fit_window,
+                                                  hidden_span, hypotheses, moved_blocks)
 from kvdiff.analysis.attention_search import grown_span, scanned_key, zeroed_span
 from kvdiff.analysis.contradictions import EXPLAINS
 from kvdiff.analysis.diagnosis import DiagnosisInputs, fmt
@@ -27,7 +27,7 @@ MARGIN = 0.5        # and at most this share of what the next-best explanation l
 NEAR_EXACT = 1e-2   # what an explanation that fits the rows leaves (float32 recomputation: ~1e-6 to 1e-3)
 NESTED_MARGIN = 0.8  # or, where that one hides an overlapping span (one key more or less at an end), this
 _PREFER = ("standard", "hidden", "scale", "next key", "chunk alone", "not causal", "no window", "window",
-           "own key hidden", "kv heads", "softcap", "no sinks", "not cached", "zeroed", "kv swapped", "lagged mask",
+           "own key hidden", "kv heads", "softcap", "no sinks", "sinks scaled", "not cached", "zeroed", "kv swapped", "lagged mask",
            "shifted writes", "moved block")
 
 
@@ -194,10 +194,12 @@ def _scores(test: AttentionTest, family: list, note: str = "") -> list[Score]:
     the model's, and the window is not one of the family's) scored on `test`, the standard first."""
     found = _finalist_scores(test, family, note)
     scale, cap, window = fit_scale(test), fit_softcap(test), fit_window(test)
+    sinks = fit_sinks(test) if test.cand.sinks is not None else None
     tried = {h.window for h in family if h.name == "window"}
     fitted = [f for f, kept in ((scale, abs(np.log(scale.hypothesis.scale)) >= 0.01),
                                 (cap, cap.hypothesis.softcap < 0.9 * SOFTCAP_HI),
-                                (window, window.hypothesis.window not in tried)) if kept]
+                                (window, window.hypothesis.window not in tried),
+                                (sinks, sinks is not None and abs(np.log(sinks.hypothesis.sinks)) >= 0.01)) if kept]
     return found + [Score(replace(f.hypothesis, text=f.hypothesis.text + note), f.residual, f.median) for f in fitted]
 
 

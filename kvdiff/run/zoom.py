@@ -7,9 +7,10 @@ differ at or after the first differing position, and the one before it (where th
 one; when that position is early (below ZOOM_FROM_START) the window starts at position 0
 instead, so that attention at its positions can be recomputed from keys that are all recorded
 (the missing_context proofs); where every position of it was read from a cache, it reaches the
-first position both sides computed. Where it starts later and the first difference is attention's
-output (z or attn_out), the window keeps k and v of its layers at every earlier position too (its
-`keys`, up to MAX_KEY_POSITIONS): attention read them, and its hypotheses are recomputed from them.
+first position both sides computed. Where it starts later and attention's output (z or attn_out) is
+the first point to differ at its first differing layer, the window keeps k and v of its layers at
+every earlier position too (its `keys`, up to MAX_KEY_POSITIONS): attention read them, and its
+hypotheses are recomputed from them.
 The zoom run records digests too: where they are not the first pass's, the engine did not repeat
 itself, a finding reported as `nondeterministic`.
 """
@@ -123,9 +124,17 @@ def _around(first_pass: Divergence, first: Location, cells, num_layers: int, lay
     differing = [layer for pmap in cmp.points.values() for row, layer in enumerate(pmap.layers)
                  if (cells(pmap)[row] & in_window).any()]
     low = min(differing, default=num_layers - 1)
-    keys = (0, start - 1) if 0 < start <= MAX_KEY_POSITIONS and first.tensor in ATTENTION_OUTPUTS else None
+    keys = (0, start - 1) if 0 < start <= MAX_KEY_POSITIONS and _attention_first(cmp, cells, low, in_window) else None
     # and the layer before, where the rows still agree: the cached-context proofs read K/V there
     return ZoomWindow((max(low - 1, 0), min(low + layers - 1, num_layers - 1)), (start, end), keys)
+
+
+def _attention_first(cmp, cells, layer: int, in_window: np.ndarray) -> bool:
+    """Whether, at `layer`'s first position in the window where any point's cells differ, the first
+    of them in dataflow order is attention's output (z, or attn_out): what attention read there agrees."""
+    found = [(int(np.argmax(hit)), order, point) for order, (point, pmap) in enumerate(cmp.points.items())
+             if layer in pmap.layers and (hit := cells(pmap)[pmap.layers.index(layer)] & in_window).any()]
+    return bool(found) and min(found)[2] in ATTENTION_OUTPUTS
 
 
 def repeat_findings(first_pass: tuple[Path, ...], zoom: tuple[Path, ...],
