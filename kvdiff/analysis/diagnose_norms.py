@@ -52,9 +52,10 @@ def diagnose_norms(inputs: DiagnosisInputs) -> list[Diagnosis]:
     differ = [(c, (c.stats_differ if c.stats_differ is not None else c.output_tier == Tier.DIVERGENT) & comparable)
               for c in checks]
     n_differ = sum(int(d.sum()) for _, d in differ)
-    from_inputs = sum(int((d & (c.input_tier == Tier.DIVERGENT) & ~_rows_match(c, d)).sum()) for c, d in differ)
-    from_rounding = sum(int((_rounded_inputs(c, d) & ~_rows_match(c, d)).sum()) for c, d in differ)
-    rows_match = sum(int(_rows_match(c, d).sum()) for c, d in differ)
+    recorded = [_rows_match(c, d) for c, d in differ]
+    from_inputs = sum(int((d & (c.input_tier == Tier.DIVERGENT) & ~r).sum()) for (c, d), r in zip(differ, recorded))
+    from_rounding = sum(int((_rounded_inputs(c, d) & ~r).sum()) for (c, d), r in zip(differ, recorded))
+    rows_match = sum(int(r.sum()) for r in recorded)
     bad_ref = _inconsistent(checks, "ref", comparable)
     bad_cand = _inconsistent(checks, "cand", comparable)
     if n_differ == 0 and bad_cand is None and bad_ref is None:

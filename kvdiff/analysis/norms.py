@@ -17,6 +17,8 @@ from kvdiff.analysis.metrics import row_metrics
 from kvdiff.analysis.tolerance import Tolerance, Tolerances
 from kvdiff.errors import TraceError
 from kvdiff.trace import TraceReader
+from kvdiff.trace.norm_stats import norm_statistics
+from kvdiff.trace.points import NORM_STATS
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A float32 norm recomputed from its own recorded input differs from the recorded output by a few
@@ -141,11 +143,11 @@ STATS_OF_ROWS = 1e-5                                    # relative: float32 rows
 
 
 def _row_stats(io: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """ROW_STATS of a block's recorded (input, output) rows, float64: (rows, 3)."""
+    """ROW_STATS of a block's recorded (input, output) rows, as the recorder computes them: (rows, 3)."""
     if not len(io[0]):
         return np.zeros((0, len(ROW_STATS)))
-    x, y = (np.asarray(rows, dtype=np.float64).reshape(len(rows), -1) for rows in io)
-    return np.stack([np.sqrt((x * x).mean(1)), np.abs(x).max(1, initial=0.0), np.sqrt((y * y).mean(1))], axis=1)
+    stats = norm_statistics(*(torch.from_numpy(np.ascontiguousarray(rows)) for rows in io)).numpy()
+    return stats[[NORM_STATS.index(name) for name in ROW_STATS]].T
 
 
 def _stats_of_rows(stats: dict | None, rows: np.ndarray, index: np.ndarray) -> np.ndarray | None:

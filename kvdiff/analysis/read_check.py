@@ -45,36 +45,35 @@ def checked_reads(inputs: DiagnosisInputs, diagnoses: list[Diagnosis], whole: Co
     return out
 
 
-def _reader(inputs: DiagnosisInputs, d: Diagnosis) -> tuple[tuple[str, ...], str, bool] | None:
-    """(the claimed points, the point that reads them, whether later positions read them too), or
-    None where the claim is not one this checks."""
+def _reader(inputs: DiagnosisInputs, d: Diagnosis) -> tuple[tuple[str, ...], str, bool, int | None] | None:
+    """(the claimed points, the point that reads them, whether later positions read them too, the
+    claim's layer), or None where the claim is not one this checks."""
     cmp = inputs.comparison
     attention = attention_point(cmp)
-    tensor = d.details.get("tensor")
+    tensor, layer = d.details.get("tensor"), d.details.get("layer", inputs.first_layer)
     if d.kind in KV_CLAIMS:
-        return tuple(p for p in ("k", "v") if p in cmp.points), attention, True
+        return tuple(p for p in ("k", "v") if p in cmp.points), attention, True, layer
     if d.kind == "operation_mismatch" and tensor in READ_LATER:
-        return (tensor,), attention, True
+        return (tensor,), attention, True, layer
     if d.kind == "operation_mismatch" and tensor == "q":
-        return ("q",), attention, False
+        return ("q",), attention, False, layer
     if d.kind == "operation_mismatch" and tensor == "k_pre_rope":
-        return ("k_pre_rope",), "k", False
+        return ("k_pre_rope",), "k", False, layer
     if d.kind == "operation_mismatch" and tensor in RESIDUAL_READERS:
         post, add = RESIDUAL_READERS[tensor]
-        return (tensor,), post if post in cmp.points else add, False
+        return (tensor,), post if post in cmp.points else add, False, layer
     if attention == "z" and (d.kind == "attention_mismatch" and d.details.get("side") != "reference"
                              or d.kind == "operation_mismatch" and tensor == "z"):
-        return ("z",), "attn_out", False
+        return ("z",), "attn_out", False, layer
     norm = d.details.get("candidate_inconsistent") or {}
     if d.kind == "norm_consistency" and norm.get("norm") in NORM_READERS and norm.get("layer") is not None:
-        return (norm["norm"],), NORM_READERS[norm["norm"]], False
+        return (norm["norm"],), NORM_READERS[norm["norm"]], False, norm["layer"]
     return None
 
 
 def _checked(inputs: DiagnosisInputs, d: Diagnosis, points: tuple[str, ...], reader: str, later: bool,
-             whole: Comparison) -> Diagnosis:
+             layer: int | None, whole: Comparison) -> Diagnosis:
     cmp = inputs.comparison
-    layer = d.details.get("layer", (d.details.get("candidate_inconsistent") or {}).get("layer", inputs.first_layer))
     pmap = whole.points.get(reader)
     if d.positions is None or layer not in cmp.layers or pmap is None or layer not in pmap.layers or not points:
         return d

@@ -299,8 +299,11 @@ class TraceRecorder:
         return self._kept_cache
 
     def _at_keys(self, positions: Sequence[int]) -> np.ndarray:
-        """The positions of `positions` that are the window's key positions (none outside a window)."""
-        return np.intersect1d(np.asarray(positions, dtype=np.int64), self._keys) if self._keys.size else self._keys
+        """The positions of `positions` that are the window's key positions (none outside a window, nor
+        in a forward past the last of them, as a decode step's: asked up to four times a forward)."""
+        if not self._keys.size or min(positions) > self._keys[-1]:
+            return self._keys[:0]
+        return np.intersect1d(np.asarray(positions, dtype=np.int64), self._keys)
 
     def _kept_with_keys(self, positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
         """`_kept` for k and v where the window keeps its keys: its positions and the key positions."""
